@@ -1,0 +1,35 @@
+"""Static-shape KV cache as a plain pytree.
+
+R request slots, a preallocated length S, and per-slot `lengths` (the number of committed
+tokens). A forward writes K/V for its valid tokens at their positions; committing or
+rolling back after rejected drafts only moves `lengths`, the arrays stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+
+class KVCache(NamedTuple):
+    k: jnp.ndarray  # [num_layers, R, S, num_kv_heads, head_dim]
+    v: jnp.ndarray  # same
+    lengths: jnp.ndarray  # [R] int32, committed tokens per slot
+
+    @classmethod
+    def create(cls, cfg, num_slots: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None) -> "KVCache":
+        shape = (num_layers or cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_slots,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def with_lengths(self, lengths) -> "KVCache":
+        """Commit (or roll back to) `lengths` tokens per slot: a pointer move, no copy."""
+        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def reset_slots(self, mask) -> "KVCache":
+        """Free the slots where `mask` is True (a new request starts there at length 0)."""
+        return self._replace(lengths=jnp.where(mask, 0, self.lengths))

@@ -1,0 +1,112 @@
+"""Meshes and the one table mapping logical axis names to mesh axes.
+
+Model code annotates parameters with logical names ("embed", "heads", ...). Only this
+module knows which mesh axes they land on, so model code never asks which devices exist.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("rank", None),
+    ("layers", None),
+    ("norm", None),
+    ("head_dim", None),
+    ("seq", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (jax.make_mesh defaults to Explicit)."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = data * fsdp * tensor
+    if n != len(devices):
+        if data == -1:
+            data = len(devices) // (fsdp * tensor)
+            n = data * fsdp * tensor
+        if n != len(devices):
+            raise ValueError(
+                f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {n} devices, but {len(devices)} are present; "
+                "set mesh.data/fsdp/tensor so their product equals the device count (data=-1 fills the rest)"
+            )
+    arr = np.asarray(devices).reshape(data, fsdp, tensor)
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def logical_to_pspec(names: Sequence[str | None] | None, shape: Sequence[int] | None = None,
+                     mesh: Mesh | None = None, rules=LOGICAL_AXIS_RULES, strict: bool = False) -> P:
+    """PartitionSpec for logical `names`. A mesh axis that does not divide its dimension is
+    dropped (replicated) unless `strict`, then it is an error naming the dimension."""
+    if not names:
+        return P()
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        axes = table.get(name) if name is not None else None
+        if axes is None:
+            spec.append(None)
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
+        if mesh is not None and shape is not None and axes:
+            size = int(np.prod([mesh.shape[a] for a in axes]))
+            if shape[dim] % size:
+                if strict:
+                    raise ValueError(f"dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes {axes} (size {size})")
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def state_shardings(state, mesh: Mesh, rules=LOGICAL_AXIS_RULES, strict: bool = False):
+    """NamedSharding per leaf of an NNX state, from each variable's `out_sharding` names."""
+
+    def one(v):
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        shape = getattr(v, "shape", None)
+        return NamedSharding(mesh, logical_to_pspec(names, shape, mesh, rules, strict))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_model(factory: Callable[[], nnx.Module], mesh: Mesh | None = None, rules=LOGICAL_AXIS_RULES):
+    """Build an NNX model on a plain CPU (mesh=None) or directly sharded over `mesh`.
+
+    Eager sharding is turned off during construction; with a mesh, initialisation is a
+    jitted function whose outputs land on the shardings given by the rules table.
+    """
+    with nnx.use_eager_sharding(False):
+        if mesh is None:
+            return factory()
+        abstract = nnx.eval_shape(factory)
+        graphdef, abs_state = nnx.split(abstract)
+        shardings = state_shardings(abs_state, mesh, rules)
+
+        init = jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)
+        state = init()
+        return nnx.merge(graphdef, state)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx.Module:
+    """Place an existing model's parameters on `mesh` following the rules table."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh, rules)
+    state = jax.device_put(state, shardings)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,85 @@
+"""Session-wide fixtures: build shared artefacts once per run so the suite stays fast."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_multidevice(code: str, n: int = 8, timeout: int = 600) -> str:
+    """Run `code` in a fresh interpreter with `n` fake CPU devices; return its stdout."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    if res.returncode:
+        raise AssertionError(f"subprocess failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+    return res.stdout
+
+
+@pytest.fixture(scope="session")
+def micro_cfg():
+    from dspark_jax.config import from_cli
+
+    return from_cli(["micro"])
+
+
+@pytest.fixture(scope="session")
+def micro_target(micro_cfg):
+    from flax import nnx
+
+    from dspark_jax.model import TargetModel
+    from dspark_jax.sharding import create_model
+
+    return create_model(lambda: TargetModel(micro_cfg.target.model, rngs=nnx.Rngs(0)))
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch not installed (pip install -e .[test])")
+
+
+def _save_hf(kind: str, path: Path, dtype: str):
+    torch = _torch()
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e .[test])")
+    torch.manual_seed(0)
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    # Random init has tiny norms everywhere; make the norms non-trivial so they are tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """name -> (directory, torch model) for tiny random Qwen3 and Llama checkpoints."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, kind, dtype in [("qwen3_f32", "qwen3", "float32"), ("qwen3_bf16", "qwen3", "bfloat16"), ("llama_f32", "llama", "float32")]:
+        d = root / name
+        out[name] = (d, _save_hf(kind, d, dtype))
+    return out
