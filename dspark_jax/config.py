@@ -56,9 +56,65 @@ class MeshSection:
 
 
 @dataclass(frozen=True)
+class DataSection:
+    path: str | None = None  # token dataset (data/dataset.py format); None = regenerate with the target
+    heldout_path: str | None = None  # held-out token dataset; None = regenerate held-out prompts
+    prompts: str | None = None  # prompts jsonl to regenerate from; None = the embedded corpora
+    num_prompts: int = 2000
+    num_heldout_prompts: int = 64
+    regen_max_new_tokens: int = 192
+    regen_batch_size: int = 32
+    regen_temperature: float = 0.7
+    regen_top_p: float = 0.8
+    regen_top_k: int = 20
+    seq_len: int = 512
+    num_anchors: int = 64
+
+    def __post_init__(self):
+        if self.seq_len < 2 or self.num_anchors < 1:
+            raise ValueError("seq_len must be >= 2 and num_anchors >= 1")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    output_dir: str = "runs/dspark"
+    batch_size: int = 8
+    steps: int | None = None  # None = epochs over the dataset
+    epochs: float = 1.0
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    clip_norm: float = 1.0
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights stay float32
+    loss_ce: float = 0.1
+    loss_l1: float = 0.9
+    loss_conf: float = 1.0
+    loss_decay: float = 4.0
+    anchor_chunk: int = 64  # anchors per loss chunk (vocabulary-sized tensors exist per chunk only)
+    eagle3_steps: int = 7
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    eval_every: int = 200
+    eval_batches: int = 8
+    log_every: int = 10
+    resume: bool = True
+    stop_after_steps: int | None = None  # stop (with a checkpoint) after this many steps of this run
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+
+
+@dataclass(frozen=True)
 class Config:
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     seed: int = 0
 
@@ -69,4 +125,4 @@ def from_cli(argv: list[str], cls=Config):
     return load_config(cls, path, overrides)
 
 
-__all__ = ["Config", "TargetSection", "DrafterSection", "MeshSection", "ConfigError", "from_cli"]
+__all__ = ["Config", "TargetSection", "DrafterSection", "DataSection", "TrainSection", "MeshSection", "ConfigError", "from_cli"]

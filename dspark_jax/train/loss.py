@@ -1,0 +1,83 @@
+"""DSpark training losses as pure functions (method note section 4).
+
+Per block slot j (weight w_j = exp(-j / decay) times the valid prefix mask, one shared
+denominator sum(w)):  coef_ce * CE(q_j, label) + coef_l1 * ||q_j - p_j||_1
++ coef_conf * BCE(z_j, c*_j), with c*_j = clip(1 - 0.5 ||q_j - p_j||_1, 0, 1) detached.
+All softmaxes in float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class LossCoefs(NamedTuple):
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0
+    decay: float = 4.0
+
+
+def slot_weights(gamma: int, decay: float = 4.0):
+    return jnp.exp(-jnp.arange(gamma, dtype=jnp.float32) / decay)
+
+
+def soft_label(q, p):
+    """Analytic acceptance rate of rejection sampling: clip(1 - 0.5 * ||q - p||_1, 0, 1), detached."""
+    return jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * jnp.sum(jnp.abs(q - p), axis=-1), 0.0, 1.0))
+
+
+def bce_with_logits(z, target):
+    """Numerically stable binary cross-entropy on logits against soft targets."""
+    return jnp.maximum(z, 0.0) - z * target + jnp.log1p(jnp.exp(-jnp.abs(z)))
+
+
+class LossSums(NamedTuple):
+    """Weighted sums (not yet divided by the shared denominator) and acceptance statistics."""
+
+    ce: jnp.ndarray
+    l1: jnp.ndarray
+    conf: jnp.ndarray
+    weight: jnp.ndarray
+    accept: jnp.ndarray  # sum over valid slots of c*_j, per slot [G]
+    count: jnp.ndarray  # valid slots per position [G]
+    correct: jnp.ndarray  # argmax q == label, per slot [G]
+    tau: jnp.ndarray  # sum over fully valid blocks of 1 + sum_j prod_{i<=j} c*_i
+    blocks: jnp.ndarray  # number of fully valid blocks
+
+
+def dspark_loss_sums(logits, target_logits, labels, valid, conf_logits=None, decay: float = 4.0) -> LossSums:
+    """Sums over a chunk of blocks.
+
+    logits: corrected draft logits U + B [..., G, V]; target_logits [..., G, V] (row p+j);
+    labels [..., G] (x_{p+j+1}); valid [..., G] bool; conf_logits [..., G] or None.
+    """
+    g = logits.shape[-2]
+    w = slot_weights(g, decay) * valid.astype(jnp.float32)
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    q = jnp.exp(logq)
+    p = jax.lax.stop_gradient(jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1))
+    ce = -jnp.take_along_axis(logq, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    l1 = jnp.sum(jnp.abs(q - p), axis=-1)
+    c_star = soft_label(q, p)
+    conf = bce_with_logits(conf_logits.astype(jnp.float32), c_star) if conf_logits is not None else jnp.zeros_like(ce)
+    vf = valid.astype(jnp.float32)
+    red = tuple(range(vf.ndim - 1))
+    full = vf[..., -1]  # valid is a prefix: the last slot valid <=> the whole block
+    tau = 1.0 + jnp.sum(jnp.cumprod(c_star, axis=-1), axis=-1)
+    return LossSums(
+        ce=jnp.sum(w * ce), l1=jnp.sum(w * l1), conf=jnp.sum(w * conf), weight=jnp.sum(w),
+        accept=jnp.sum(vf * c_star, axis=red), count=jnp.sum(vf, axis=red),
+        correct=jnp.sum(vf * (jnp.argmax(logits, -1) == labels), axis=red),
+        tau=jnp.sum(full * tau), blocks=jnp.sum(full),
+    )
+
+
+def combine(sums: LossSums, coefs: LossCoefs) -> tuple[jnp.ndarray, dict]:
+    den = jnp.maximum(sums.weight, 1e-6)
+    ce, l1, conf = sums.ce / den, sums.l1 / den, sums.conf / den
+    total = coefs.ce * ce + coefs.l1 * l1 + coefs.conf * conf
+    return total, {"loss": total, "ce": ce, "l1": l1, "conf_bce": conf}
