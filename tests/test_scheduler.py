@@ -161,9 +161,11 @@ def test_appendix_a_retroactive_distribution():
     np.testing.assert_allclose(early, target_law2(inst), atol=1e-9)
 
 
-@pytest.mark.parametrize("R,G,V,n_inst", [(3, 2, 3, 10), (2, 3, 2, 25), (1, 3, 3, 25)])
-def test_lossless_by_exact_enumeration(R, G, V, n_inst):
-    rng = np.random.default_rng(100 + R * 10 + G)
+# seeds fixed; with them the retroactive variant is lossy on 1/10, 2/25, 4/25 instances and
+# early stop admits request 0 with positive probability on 8/10, 12/25, 19/25
+@pytest.mark.parametrize("R,G,V,n_inst,seed", [(3, 2, 3, 10, 3), (2, 3, 2, 25, 123), (1, 3, 3, 25, 113)])
+def test_lossless_by_exact_enumeration(R, G, V, n_inst, seed):
+    rng = np.random.default_rng(seed)
     n_admit, retro_bad = 0, 0
     for _ in range(n_inst):
         inst = make_instance(rng, R, G, V)
@@ -274,7 +276,7 @@ def test_greedy_maximises_expected_tokens_for_fixed_count():
 
 
 def test_threshold_fixed_skip_and_table_io(tmp_path):
-    a = jnp.asarray([[1.0, 0.9, 0.95], [0.5, 0.4, 0.1], [0.9, 0.9, 0.9]], jnp.float32)
+    a = jnp.asarray([[1.0, 0.9, 0.85], [0.5, 0.4, 0.1], [0.9, 0.9, 0.9]], jnp.float32)
     act = jnp.asarray([True, True, False])
     assert S.schedule_threshold(a, act, 0.9).tolist() == [2, 0, 0]
     assert S.schedule_threshold(a, act, 0.0).tolist() == [3, 3, 0]
