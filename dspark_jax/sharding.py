@@ -24,6 +24,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("rank", None),
+    ("fused", None),
+    ("head_in", None),
     ("layers", None),
     ("norm", None),
     ("head_dim", None),

@@ -1,0 +1,253 @@
+"""The training loop: mesh, sharded state, checkpoints, evaluation, logs, summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dspark_jax.config import Config
+from dspark_jax.configlib import to_dict
+from dspark_jax.drafter.frozen import Frozen, attach_target
+from dspark_jax.drafter.model import Drafter, config_to_json, resolve_config, save_drafter
+from dspark_jax.sharding import create_model, make_mesh, state_shardings
+from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
+from dspark_jax.train.data import RecordSpec, check_dataset, make_pipeline
+from dspark_jax.train.loss import LossCoefs
+from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class Phases:
+    """Wall time per phase, for the final summary table."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def table(self) -> str:
+        total = sum(self.times.values()) or 1.0
+        rows = [f"  {k:<22} {v:8.1f} s  {100 * v / total:5.1f} %" for k, v in self.times.items()]
+        return "\n".join(["  phase                      time   share", *rows])
+
+
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TrainingError(f"output directory '{path}' cannot be written ({e.strerror}); set train.output_dir to a writable path") from None
+
+
+def model_signature(drafter: Drafter) -> dict:
+    """What must match to resume: the drafter's shape and the target it belongs to."""
+    sig = config_to_json(drafter)
+    sig.pop("param_dtype", None)
+    sig["target"] = dataclasses.asdict(drafter.target_cfg)
+    return json.loads(json.dumps(sig, default=str))
+
+
+class Trainer:
+    """Holds the sharded target, drafter and optimiser; `fit` runs the loop."""
+
+    def __init__(self, cfg: Config, target, train_ds, heldout_ds=None, *, log=print, progress: bool = True,
+                 phases: Phases | None = None):
+        self.cfg = cfg
+        self.log = log if jax.process_index() == 0 else (lambda *a, **k: None)
+        self.progress = progress and jax.process_index() == 0
+        self.phases = phases or Phases()
+        self.target = target  # TargetModel
+        self.out = Path(cfg.train.output_dir)
+        check_output_dir(self.out)
+        tc = cfg.train
+        self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        dcfg = resolve_config(target.cfg, cfg.drafter)
+        if dcfg.kind not in ("dspark", "dflash"):
+            raise TrainingError(f"drafter.kind '{dcfg.kind}' is not trained by this trainer yet (dspark, dflash)")
+        self.dcfg = dcfg
+        drafter = create_model(lambda: Drafter(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed)), self.mesh)
+        attach_target(drafter, target)
+        self.drafter = drafter
+        self.signature = model_signature(drafter)
+        self.d_graphdef, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
+        self.t_graphdef, t_state = nnx.split(target)
+        self.param_sh = state_shardings(params, self.mesh)
+        self.frozen = jax.device_put(frozen, state_shardings(frozen, self.mesh))
+        self.t_state = jax.device_put(t_state, state_shardings(t_state, self.mesh))
+        params = jax.device_put(params, self.param_sh)
+
+        self.train_ds, self.heldout_ds = train_ds, heldout_ds
+        check_dataset(train_ds, "training dataset")
+        global_batch = tc.batch_size
+        if global_batch % jax.process_count():
+            raise TrainingError(f"train.batch_size {global_batch} must be divisible by the {jax.process_count()} hosts")
+        self.local_batch = global_batch // jax.process_count()
+        steps_per_epoch = max(1, len(train_ds) // global_batch)
+        self.total_steps = tc.steps if tc.steps is not None else max(1, int(math.ceil(tc.epochs * steps_per_epoch)))
+        self.spec = RecordSpec(cfg.data.seq_len, cfg.data.num_anchors, dcfg.gamma, pad_id=0, seed=cfg.seed)
+        self.tx, self.schedule = make_optimizer(tc.lr, self.total_steps, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
+        opt_state = jax.jit(self.tx.init, out_shardings=None)(params)
+        self.state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
+        compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
+        coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
+        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute)
+        self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
+        state_sh = jax.tree.map(lambda x: x.sharding, self.state)
+        self.train_step = jax.jit(make_train_step(loss_fn, self.tx), donate_argnums=(0,),
+                                  out_shardings=(state_sh, None, None))
+        self.eval_step = jax.jit(make_eval_step(loss_fn))
+        self.ckpt = Checkpointer(self.out / "checkpoints", tc.checkpoint_every, tc.keep_checkpoints)
+        self.data_iter = None
+        self._saved: set[int] = set()
+
+    # ------------------------------------------------------------------ data
+    def _device_batch(self, batch: dict) -> dict:
+        return {k: jax.make_array_from_process_local_data(self.batch_sh, np.asarray(v)) for k, v in batch.items()}
+
+    def _new_iter(self):
+        return iter(make_pipeline(self.train_ds, self.spec, self.local_batch, shuffle=True))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _abstract_state(self):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+
+    def maybe_resume(self) -> int:
+        step = self.ckpt.latest_step() if self.cfg.train.resume else None
+        if step is None:
+            return 0
+        meta = self.ckpt.read_meta(step)
+        saved = meta.get("signature")
+        if saved != self.signature:
+            diff = sorted(k for k in set(saved or {}) | set(self.signature) if (saved or {}).get(k) != self.signature.get(k))
+            raise TrainingError(
+                f"cannot resume from {self.ckpt.directory}/{step}: the model shape changed ({', '.join(diff)} differ); "
+                "use a new train.output_dir or set train.resume=false to start over (existing checkpoints are kept)"
+            )
+        with self.phases("restore checkpoint"):
+            self.state, _ = self.ckpt.restore(step, self._abstract_state(), self.data_iter)
+        self.log(f"resumed from step {step} ({self.ckpt.directory / str(step)})")
+        return step
+
+    def save(self, step: int, wait: bool = False):
+        if step in self._saved:
+            if wait:
+                self.ckpt.wait()
+            return
+        self._saved.add(step)
+        meta = {"signature": self.signature, "config": to_dict(self.cfg), "step": step,
+                "drafter_config": config_to_json(self.drafter)}
+        self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        if self.heldout_ds is None or len(self.heldout_ds) == 0:
+            return {}
+        it = make_pipeline(self.heldout_ds, dataclasses.replace(self.spec, seed=self.cfg.seed + 1), self.local_batch,
+                           shuffle=False, num_epochs=1)
+        tot = None
+        for i, batch in enumerate(it):
+            if i >= self.cfg.train.eval_batches:
+                break
+            _, sums = self.eval_step(self.state.params, self.frozen, self.t_state, self._device_batch(batch))
+            sums = jax.tree.map(np.asarray, sums)
+            tot = sums if tot is None else jax.tree.map(np.add, tot, sums)
+        if tot is None:
+            return {}
+        den = max(float(tot.weight), 1e-9)
+        acc = tot.accept / np.maximum(tot.count, 1)
+        return {
+            "eval/ce": float(tot.ce) / den, "eval/l1": float(tot.l1) / den,
+            "eval/expected_accepted_length": float(tot.tau) / max(float(tot.blocks), 1.0),
+            "eval/acceptance_per_position": [round(float(a), 4) for a in acc],
+            "eval/top1_per_position": [round(float(a), 4) for a in tot.correct / np.maximum(tot.count, 1)],
+            "eval/blocks": int(tot.blocks),
+        }
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        from dspark_jax.train.runlog import RunLogger
+
+        tc = self.cfg.train
+        self.data_iter = self._new_iter()
+        start = self.maybe_resume()
+        self._saved.add(start)
+        logger = RunLogger(self.out, enabled=jax.process_index() == 0)
+        flag = PreemptionFlag()
+        tokens_per_step = tc.batch_size * self.cfg.data.seq_len
+        last_good = start
+        step = start
+        stop_at = self.total_steps if tc.stop_after_steps is None else min(self.total_steps, start + tc.stop_after_steps)
+        preempted = False
+        bar = logger.progress(total=self.total_steps, initial=start, disable=not self.progress)
+        t_last, n_last = time.perf_counter(), step
+        try:
+            with self.phases("training"):
+                while step < stop_at:
+                    batch = next(self.data_iter)
+                    self.state, metrics, _ = self.train_step(self.state, self.frozen, self.t_state, self._device_batch(batch))
+                    step += 1
+                    if step % tc.log_every == 0 or step == stop_at:
+                        m = {k: float(v) for k, v in metrics.items()}
+                        if not all(math.isfinite(v) for v in m.values()):
+                            raise TrainingError(
+                                f"non-finite loss at step {step} ({m}); training stopped. The last good checkpoint "
+                                f"(step {last_good}) in {self.ckpt.directory} is kept; lower train.lr or check the data"
+                            )
+                        now = time.perf_counter()
+                        m["tokens_per_s"] = tokens_per_step * (step - n_last) / max(now - t_last, 1e-9)
+                        m["lr"] = float(self.schedule(step))
+                        t_last, n_last = now, step
+                        logger.scalars(step, m)
+                        bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s")})
+                    bar.update(1)
+                    if tc.eval_every and step % tc.eval_every == 0 and step < stop_at:
+                        with self.phases("evaluation"):
+                            logger.scalars(step, self.evaluate())
+                    if self.ckpt.should_save(step):
+                        self.save(step)
+                        last_good = step
+                    if self.ckpt.agreed_preemption(step, bool(flag)):
+                        self.log(f"preemption signal: saving step {step} and exiting")
+                        self.save(step, wait=True)
+                        preempted = True
+                        break
+        finally:
+            bar.close()
+            flag.restore()
+        if not preempted:
+            self.save(step, wait=True)
+        self.ckpt.wait()
+        with self.phases("evaluation"):
+            final_eval = self.evaluate()
+        logger.scalars(step, final_eval)
+        logger.close()
+        export = self.out / "drafter"
+        if jax.process_index() == 0:
+            save_drafter(nnx.merge(self.d_graphdef, self.state.params, self.frozen), export)
+        return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
+                "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export), "eval": final_eval}
+
+    def close(self):
+        self.ckpt.close()
