@@ -61,6 +61,18 @@ def check_output_dir(path: Path) -> None:
         raise TrainingError(f"output directory '{path}' cannot be written ({e.strerror}); set train.output_dir to a writable path") from None
 
 
+def check_vocabulary(ds, vocab_size: int, name: str) -> None:
+    """The data's token ids must index the target's (and so the drafter's) vocabulary."""
+    meta_v = (getattr(ds, "meta", None) or {}).get("vocab_size")
+    n = len(ds)
+    top = max(int(np.max(ds[int(i)]["tokens"], initial=0)) for i in np.linspace(0, n - 1, min(n, 64)).astype(int))
+    if (meta_v is not None and meta_v > vocab_size) or top >= vocab_size:
+        raise TrainingError(
+            f"{name} was tokenized with a vocabulary of {meta_v if meta_v is not None else top + 1} tokens but the target "
+            f"(and drafter) vocabulary has {vocab_size}: regenerate the data with the target's tokenizer"
+        )
+
+
 def model_signature(drafter: Drafter) -> dict:
     """What must match to resume: the drafter's shape and the target it belongs to."""
     sig = config_to_json(drafter)
@@ -100,6 +112,9 @@ class Trainer:
 
         self.train_ds, self.heldout_ds = train_ds, heldout_ds
         check_dataset(train_ds, "training dataset")
+        check_vocabulary(train_ds, target.cfg.vocab_size, "training dataset")
+        if heldout_ds is not None:
+            check_vocabulary(heldout_ds, target.cfg.vocab_size, "held-out dataset")
         global_batch = tc.batch_size
         if global_batch % jax.process_count():
             raise TrainingError(f"train.batch_size {global_batch} must be divisible by the {jax.process_count()} hosts")
