@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -123,8 +124,14 @@ class Trainer:
         self.total_steps = tc.steps if tc.steps is not None else max(1, int(math.ceil(tc.epochs * steps_per_epoch)))
         self.spec = RecordSpec(cfg.data.seq_len, cfg.data.num_anchors, dcfg.gamma, pad_id=0, seed=cfg.seed)
         self.tx, self.schedule = make_optimizer(tc.lr, self.total_steps, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
-        opt_state = jax.jit(self.tx.init, out_shardings=None)(params)
-        self.state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
+        # Adam moments are laid out like their parameters; counters are replicated.
+        abstract_opt = jax.eval_shape(self.tx.init, params)
+        rep = NamedSharding(self.mesh, P())
+        leaf_sh = jax.tree.map(lambda x: x.sharding, params)  # same pytree type as params
+        opt_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, abstract_opt, leaf_sh,
+                                       transform_non_params=lambda _: rep)
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
+        self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
         coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
         loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute)
@@ -136,6 +143,18 @@ class Trainer:
         self.ckpt = Checkpointer(self.out / "checkpoints", tc.checkpoint_every, tc.keep_checkpoints)
         self.data_iter = None
         self._saved: set[int] = set()
+
+    def _on_mesh(self, tree):
+        """Leaves not already laid out on this mesh (step counters, Adam counts) are replicated on it."""
+        rep = NamedSharding(self.mesh, P())
+
+        def place(x):
+            sh = getattr(x, "sharding", None)
+            if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
+                return x
+            return jax.device_put(x, rep)
+
+        return jax.tree.map(place, tree)
 
     # ------------------------------------------------------------------ data
     def _device_batch(self, batch: dict) -> dict:

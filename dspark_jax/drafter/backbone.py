@@ -1,0 +1,205 @@
+"""The drafter's parallel backbone as pure functions over a params dict (spec 2.1).
+
+`params` is `Drafter.arrays(dtype)`: {"embed" [V,H], "fc" [m*H,H], "hidden_norm" [H],
+"layers" {name: [L,...]} (DecoderStack names), "final_norm" [H], ...}; `cfg` is the
+drafter's layer ModelConfig (the target's width, Qwen3 layer math, drafter depth).
+
+Context injection follows the DeepSpec reference: `ctx = RMSNorm(fc([f_l1;...;f_lm]))`
+is computed once; every drafter layer projects ctx with its *own* k_proj / v_proj, then
+k_norm and RoPE at the context positions. ctx does **not** go through the layer's
+input_layernorm (the reference applies it to the block tokens only). Context keys sit in
+front of the block's keys; queries come from block tokens only.
+
+Attention is computed per block as one softmax over [context keys; the block's own G
+keys]: blocks never see each other, so the (A*G)^2 block-to-block score matrix of a
+dense mask is never built. `training_mask` gives the equivalent dense mask for tests.
+A block whose row sees nothing (a dummy anchor) gets a uniform softmax: finite output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.model.config import ModelConfig
+from dspark_jax.model.kv_cache import KVCache
+from dspark_jax.model.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.model.transformer import finish_layer, project_qkv
+
+__all__ = [
+    "fuse_context", "context_kv", "block_embed", "context_mask", "training_mask", "block_attention",
+    "backbone_train", "update_context", "draft_hidden",
+]
+
+
+def fuse_context(params: dict, features, cfg: ModelConfig):
+    """features [..., m, H] (raw target layer outputs, in layer-id order) -> ctx [..., H].
+
+    Feature block i multiplies rows i*H:(i+1)*H of `fc` (columns of torch's fc.weight).
+    """
+    fc = params["fc"]
+    flat = features.reshape(*features.shape[:-2], features.shape[-2] * features.shape[-1]).astype(fc.dtype)
+    return rms_norm(flat @ fc, params["hidden_norm"], cfg.rms_norm_eps)
+
+
+def context_kv(p: dict, ctx, cos, sin, cfg: ModelConfig):
+    """One layer's context keys/values: own k_proj/v_proj, k_norm, RoPE. ctx [B,T,H] -> [B,T,Nkv,D] x2."""
+    b, t, _ = ctx.shape
+    k = (ctx @ p["k_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (ctx @ p["v_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(k, cos, sin), v
+
+
+def block_embed(embed, anchor_tok, mask_id: int, gamma: int, dtype=None):
+    """Block inputs `[x_p, MASK, ..., MASK]`: anchor_tok [...] -> [..., gamma, H]."""
+    slots = jnp.arange(gamma)
+    ids = jnp.where(slots == 0, anchor_tok[..., None], jnp.int32(mask_id))
+    x = jnp.take(embed, ids, axis=0)
+    return x if dtype is None else x.astype(dtype)
+
+
+def context_mask(anchors, keep, num_ctx: int, window: int | None = None):
+    """[..., A] anchors -> [..., A, num_ctx] bool: context position s visible to the block at p
+    iff s < p (and s >= p - window with a sliding window) and the block is kept."""
+    s = jnp.arange(num_ctx, dtype=jnp.int32)
+    p = anchors[..., None].astype(jnp.int32)
+    m = s < p
+    if window is not None:
+        m = m & (s >= p - window)
+    return m & keep[..., None]
+
+
+def training_mask(anchors, keep, S: int, G: int, window: int | None = None):
+    """Dense equivalent of the training attention pattern, for tests and inspection.
+
+    Query i = block i // G, slot i % G; keys = S context positions, then the A*G block
+    tokens in the same order. Returns [B, A*G, S + A*G] bool (True = may attend).
+    """
+    b, a = anchors.shape
+    ctx = jnp.repeat(context_mask(anchors, keep, S, window), G, axis=1)  # [B, A*G, S]
+    blk = jnp.arange(a * G) // G
+    same = blk[:, None] == blk[None, :]
+    own = same[None] & jnp.repeat(keep, G, axis=1)[:, :, None]  # [B, A*G, A*G]
+    return jnp.concatenate([ctx, own], axis=-1)
+
+
+def block_attention(q, ck, cv, bk, bv, ctx_mask, block_valid):
+    """Per-block attention over [context keys; the block's own keys] with one softmax.
+
+    q [B,A,G,Nq,D]; ck, cv [B,S,Nkv,D] shared by all blocks of a row; bk, bv [B,A,G,Nkv,D];
+    ctx_mask [B,A,S]; block_valid [B,A] (whether the block sees itself). Scores and the
+    softmax in float32; fully masked rows give a uniform (finite) distribution.
+    Returns [B,A,G,Nq,D].
+    """
+    b, a, g, nq, d = q.shape
+    nkv = ck.shape[2]
+    qg = q.reshape(b, a, g, nkv, nq // nkv, d)
+    scale = 1.0 / math.sqrt(d)
+    sc = jnp.einsum("bagkrd,bskd->bakrgs", qg, ck, preferred_element_type=jnp.float32) * scale
+    sb = jnp.einsum("bagkrd,bajkd->bakrgj", qg, bk, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(ctx_mask[:, :, None, None, None, :], sc, MASK_VALUE)
+    sb = jnp.where(block_valid[:, :, None, None, None, None], sb, MASK_VALUE)
+    m = jnp.maximum(sc.max(-1, keepdims=True), sb.max(-1, keepdims=True))
+    ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
+    den = ec.sum(-1, keepdims=True) + eb.sum(-1, keepdims=True)
+    pc, pb = (ec / den).astype(cv.dtype), (eb / den).astype(bv.dtype)
+    out = jnp.einsum("bakrgs,bskd->bagkrd", pc, cv) + jnp.einsum("bakrgj,bajkd->bagkrd", pb, bv)
+    return out.reshape(b, a, g, nq, d)
+
+
+def _inv_freq(cfg: ModelConfig):
+    return rope_inv_freq(cfg.head_dim, cfg.rope)
+
+
+def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *, gamma: int, mask_id: int,
+                   window: int | None = None):
+    """Training forward of all anchor blocks at once.
+
+    tokens [B,S]; ctx [B,S,H] (fused, `fuse_context`); anchors [B,A] (any order, may
+    overlap); keep [B,A] (False = dummy block, sees nothing, finite output).
+    Block a holds `[x_p, MASK...]` at positions p..p+G-1 and sees context positions < p
+    (within `window` if set) and itself. Returns h [B,A,G,H] after the final RMSNorm.
+    """
+    b, s = tokens.shape
+    a = anchors.shape[1]
+    g = gamma
+    dtype = params["fc"].dtype
+    anchors = anchors.astype(jnp.int32)
+    anchor_tok = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, s - 1), axis=1)
+    x = block_embed(params["embed"], anchor_tok, mask_id, g, dtype).reshape(b, a * g, -1)
+    pos = (anchors[..., None] + jnp.arange(g, dtype=jnp.int32)).reshape(b, a * g)
+    inv = _inv_freq(cfg)
+    cos_b, sin_b = rope_cos_sin(pos, inv)
+    cos_c, sin_c = rope_cos_sin(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), inv)
+    cmask = context_mask(anchors, keep, s, window)
+    ctx = ctx.astype(dtype)
+
+    def body(x, p):
+        q, k, v = project_qkv(p, x, cos_b, sin_b, cfg)
+        ck, cv = context_kv(p, ctx, cos_c, sin_c, cfg)
+        split = lambda t: t.reshape(b, a, g, *t.shape[2:])
+        out = block_attention(split(q), ck, cv, split(k), split(v), cmask, keep)
+        return finish_layer(p, x, out.reshape(b, a * g, *out.shape[3:]), cfg), None
+
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return h.reshape(b, a, g, -1)
+
+
+def update_context(params: dict, cfg: ModelConfig, cache: KVCache, features, positions, valid) -> KVCache:
+    """Write the context K/V of new target features into the drafter cache.
+
+    features [R,T,m,H] (raw target layer outputs of committed tokens); positions [R,T]
+    (the tokens' sequence positions); valid [R,T] (padding is not written). Only context
+    K/V ever enter this cache (block K/V are never stored), so it needs no rollback: a
+    block only reads positions < its anchor. `lengths` is set to one past the last
+    position written in this call for rows with any valid token (others unchanged);
+    `draft_hidden` does not read it.
+    """
+    r, t = positions.shape
+    ctx = fuse_context(params, features, cfg)
+    cos, sin = rope_cos_sin(positions, _inv_freq(cfg))
+    write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
+    rows = jnp.arange(r)[:, None]
+
+    def body(_, layer):
+        p, ck, cv = layer
+        k, v = context_kv(p, ctx, cos, sin, cfg)
+        ck = ck.at[rows, write].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, write].set(v.astype(cv.dtype), mode="drop")
+        return None, (ck, cv)
+
+    _, (k, v) = jax.lax.scan(body, None, (params["layers"], cache.k, cache.v))
+    end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1).astype(jnp.int32)
+    lengths = jnp.where(valid.any(axis=1), end, cache.lengths)
+    return KVCache(k, v, lengths)
+
+
+def draft_hidden(params: dict, cfg: ModelConfig, cache: KVCache, anchor_tok, anchor_pos, *, gamma: int,
+                 mask_id: int, window: int | None = None):
+    """Inference forward of one block per row: anchor_tok, anchor_pos [R] -> h [R,G,H].
+
+    The block sees cache positions < anchor_pos (and >= anchor_pos - window) and itself;
+    positions below the anchor must have been written by `update_context`.
+    """
+    r = anchor_tok.shape[0]
+    dtype = params["fc"].dtype
+    anchor_pos = anchor_pos.astype(jnp.int32)
+    x = block_embed(params["embed"], anchor_tok, mask_id, gamma, dtype)
+    pos = anchor_pos[:, None] + jnp.arange(gamma, dtype=jnp.int32)
+    cos, sin = rope_cos_sin(pos, _inv_freq(cfg))
+    keep = jnp.ones((r, 1), bool)
+    cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
+
+    def body(x, layer):
+        p, ck, cv = layer
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        out = block_attention(q[:, None], ck.astype(dtype), cv.astype(dtype), k[:, None], v[:, None], cmask, keep)
+        return finish_layer(p, x, out[:, 0], cfg), None
+
+    x, _ = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,126 @@
+"""Sequential heads on top of the backbone (spec 2.2), pure functions over the params dict.
+
+`q_j = softmax(U_j + B_j)` with `U_j = lm_head(h_j)` and the head's bias B_j:
+- vanilla (Markov): `B_j = W2(W1[x_{p+j}])`;
+- gated: `g = sigmoid([h_j; W1[x]] @ gate_kernel + gate_bias)`, `B_j = W2(g * W1[x])`;
+- rnn: `[g,c,o] = split3([s_{j-1}; W1[x]; h_j] @ joint_kernel + joint_bias)`,
+  `s_j = sigmoid(g) s_{j-1} + (1 - sigmoid(g)) tanh(c)`, `B_j = W2(tanh(o))`, `s_{-1} = 0`;
+- none (DFlash): `B_j = 0`, so slots are sampled independently.
+The head type is read from which keys `params` holds, so these functions need no config.
+Logits and biases are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.drafter.confidence import confidence_logits, prev_embed
+from dspark_jax.sampling import SamplingParams, probs_from_params, sample
+
+__all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]
+
+
+def head_type(params: dict) -> str | None:
+    if "joint_kernel" in params:
+        return "rnn"
+    if "gate_kernel" in params:
+        return "gated"
+    if "markov_w1" in params:
+        return "vanilla"
+    return None
+
+
+def base_logits(params: dict, h):
+    """U = lm_head(h): [..., H] -> [..., V] float32."""
+    return jnp.einsum("...h,hv->...v", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def project_bias(params: dict, z):
+    """W2 projection r -> V, float32."""
+    return jnp.einsum("...r,rv->...v", z, params["markov_w2"].astype(z.dtype), preferred_element_type=jnp.float32)
+
+
+def _gate(params, h, e):
+    x = jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
+    return jax.nn.sigmoid(x @ params["gate_kernel"] + params["gate_bias"])
+
+
+def _rnn_step(params, s, e, h):
+    """One recurrence step -> (s_j, tanh(o_j)) (the W2 input)."""
+    x = jnp.concatenate([s, e.astype(h.dtype), h], axis=-1)
+    g, c, o = jnp.split(x @ params["joint_kernel"] + params["joint_bias"], 3, axis=-1)
+    g = jax.nn.sigmoid(g)
+    return g * s + (1 - g) * jnp.tanh(c), jnp.tanh(o)
+
+
+def init_state(params: dict, lead_shape, dtype):
+    """Recurrent state s_{-1} = 0 (a 1-wide placeholder for memoryless heads)."""
+    width = params["joint_kernel"].shape[1] // 3 if "joint_kernel" in params else 1
+    return jnp.zeros((*lead_shape, width), dtype)
+
+
+def step_bias(params: dict, state, h_j, prev_j):
+    """One slot: (state, h_j [...,H], prev token [...]) -> (state', B_j [...,V] float32)."""
+    kind = head_type(params)
+    if kind is None:
+        return state, jnp.zeros((*h_j.shape[:-1], params["lm_head"].shape[1]), jnp.float32)
+    e = prev_embed(params, prev_j, h_j.dtype)
+    if kind == "vanilla":
+        return state, project_bias(params, e)
+    if kind == "gated":
+        return state, project_bias(params, _gate(params, h_j, e) * e)
+    state, o = _rnn_step(params, state, e, h_j)
+    return state, project_bias(params, o)
+
+
+def head_bias_train(params: dict, h, prev_tokens):
+    """Teacher-forced bias: h [..., G, H], prev_tokens [..., G] (x_{p+j}) -> B [..., G, V] float32.
+
+    The RNN recurrence is unrolled with `lax.scan` over G; W2 is applied once outside it.
+    """
+    kind = head_type(params)
+    if kind is None:
+        return jnp.zeros((*h.shape[:-1], params["lm_head"].shape[1]), jnp.float32)
+    e = prev_embed(params, prev_tokens, h.dtype)
+    if kind == "vanilla":
+        return project_bias(params, e)
+    if kind == "gated":
+        return project_bias(params, _gate(params, h, e) * e)
+
+    def body(s, xs):
+        h_j, e_j = xs
+        s, o = _rnn_step(params, s, e_j, h_j)
+        return s, o
+
+    s0 = init_state(params, h.shape[:-2], h.dtype)
+    _, outs = jax.lax.scan(body, s0, (jnp.moveaxis(h, -2, 0), jnp.moveaxis(e, -2, 0)))
+    return project_bias(params, jnp.moveaxis(outs, 0, -2))
+
+
+def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = SamplingParams()):
+    """Sample d_0..d_{G-1} left to right in ONE `lax.scan` over the G slots.
+
+    h [R,G,H] (backbone output); anchor [R] (x_p, the previous token of slot 0).
+    Slot j draws with key `jax.random.fold_in(key, j)` from
+    `q_j = sampling_probs(U_j + B_j, sampling)`, B_j computed from the *sampled* previous
+    token; z_j (confidence logit) likewise. Returns tokens [R,G] int32, q [R,G,V] float32
+    (exactly the distributions sampled from), z [R,G] float32 (zeros without a
+    confidence head). Without a Markov head (DFlash) B = 0.
+    """
+    r, g = h.shape[:2]
+    u = base_logits(params, h)
+
+    def body(carry, xs):
+        prev, s = carry
+        j, u_j, h_j = xs
+        s, b_j = step_bias(params, s, h_j, prev)
+        q_j = probs_from_params(u_j + b_j, sampling)
+        tok = sample(jax.random.fold_in(key, j), q_j)
+        z_j = confidence_logits(params, h_j, prev)
+        return (tok, s), (tok, q_j, z_j)
+
+    s0 = init_state(params, (r,), h.dtype)
+    xs = (jnp.arange(g), jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0))
+    _, (toks, q, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), xs)
+    return toks.T, jnp.moveaxis(q, 0, 1), z.T

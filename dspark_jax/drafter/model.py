@@ -1,0 +1,345 @@
+"""The DSpark drafter as an NNX module, its configuration checks, and its on-disk format.
+
+Parameter names are fixed (the converter and trainer rely on them): `embed`, `lm_head`
+(Frozen, the target's), `fc` [m*H, H], `hidden_norm`, `layers` (DecoderStack),
+`final_norm`, `markov_w1` [V,r], `markov_w2` [r,V], gated `gate_kernel` [H+r,r] /
+`gate_bias`, rnn `joint_kernel` [2r+H,3r] / `joint_bias`, confidence `conf_kernel`
+[H+r,1] (or [H,1] without a Markov head) / `conf_bias`. Kernels are in `x @ W` layout.
+
+The module only holds weights; the math lives in backbone.py / heads.py /
+confidence.py as pure functions over `Drafter.arrays(dtype)`, and the methods here are
+thin wrappers.
+
+On-disk drafter (for now; the trainer adds orbax checkpoints): a directory with
+`drafter.safetensors` (Params only, our paths joined with dots, e.g. `layers.q_proj`)
+and `drafter_config.json` (the resolved DrafterSection + the target fingerprint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dspark_jax import safetensors_io
+from dspark_jax.config import DrafterSection
+from dspark_jax.drafter import backbone, confidence, heads
+from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
+from dspark_jax.keymap import KeyRule, flatten, import_tensors
+from dspark_jax.model.config import ModelConfig
+from dspark_jax.model.kv_cache import KVCache
+from dspark_jax.model.transformer import DecoderStack
+from dspark_jax.sampling import SamplingParams
+
+INIT_STD = 0.02
+FORMAT = "dspark_jax.drafter/1"
+WEIGHTS_FILE = "drafter.safetensors"
+CONFIG_FILE = "drafter_config.json"
+HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+class DrafterConfigError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def default_layer_ids(num_target_layers: int, m: int) -> tuple[int, ...]:
+    """The paper's default feature layers: `round(1 + i*(L-4)/(m-1))`, i = 0..m-1 (Python round).
+
+    L=36, m=5 -> (1, 9, 17, 25, 33). m=1 -> (1,). Not validated here (resolve_layer_ids does).
+    """
+    if m < 1:
+        raise DrafterConfigError(f"num_target_features must be >= 1, got {m}")
+    if m == 1:
+        return (1,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (m - 1))) for i in range(m))
+
+
+def validate_layer_ids(ids, num_target_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in ids)
+    L = num_target_layers
+    if not ids:
+        raise DrafterConfigError("target_layer_ids is empty: the drafter needs at least one target layer")
+    if any(i < 0 for i in ids):
+        raise DrafterConfigError(f"target_layer_ids {list(ids)} has negative ids: ids are decoder layer outputs 0..{L - 2}")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise DrafterConfigError(f"target_layer_ids {list(ids)} must be strictly increasing")
+    if ids[-1] > L - 2:
+        raise DrafterConfigError(
+            f"target_layer_ids {list(ids)} exceed {L - 2}: the target has {L} layers and its final layer "
+            f"({L - 1}) is never a feature layer; pass ids in 0..{L - 2}"
+        )
+    return ids
+
+
+def resolve_layer_ids(target_cfg: ModelConfig, dcfg: DrafterSection) -> tuple[int, ...]:
+    """Explicit `dcfg.target_layer_ids`, or the default formula for `num_target_features` layers."""
+    L = target_cfg.num_layers
+    if dcfg.target_layer_ids is not None:
+        return validate_layer_ids(dcfg.target_layer_ids, L)
+    ids = default_layer_ids(L, dcfg.num_target_features)
+    try:
+        return validate_layer_ids(ids, L)
+    except DrafterConfigError as e:
+        raise DrafterConfigError(
+            f"the default target_layer_ids formula gives {list(ids)} for a {L}-layer target with "
+            f"{dcfg.num_target_features} features, which is invalid ({e}); set drafter.target_layer_ids "
+            f"explicitly (strictly increasing ids in 0..{L - 2})"
+        ) from None
+
+
+def resolve_config(target_cfg: ModelConfig, dcfg: DrafterSection) -> DrafterSection:
+    """Fill in and check everything the drafter needs; the result is what checkpoints record.
+
+    Layer ids resolved (num_target_features = their count); kind="dflash" forces
+    markov_rank 0 and no confidence head; head_type is "vanilla" without a Markov head;
+    the mask id must be a row of the vocabulary.
+    """
+    if dcfg.kind not in ("dspark", "dflash"):
+        raise DrafterConfigError(f"drafter.kind '{dcfg.kind}' is not built by dspark_jax.drafter.Drafter (kinds: dspark, dflash)")
+    if dcfg.head_type not in HEAD_TYPES:
+        raise DrafterConfigError(f"unknown drafter.head_type '{dcfg.head_type}'; choose one of: {', '.join(HEAD_TYPES)}")
+    ids = resolve_layer_ids(target_cfg, dcfg)
+    V = target_cfg.vocab_size
+    if dcfg.mask_token_id is None:
+        raise DrafterConfigError(
+            "drafter.mask_token_id is not set: pass the tokenizer's <|mask|> id (Tokenizer.mask_id) "
+            "or an otherwise unused embedding row (Qwen3: 151669)"
+        )
+    if not 0 <= dcfg.mask_token_id < V:
+        raise DrafterConfigError(
+            f"drafter.mask_token_id {dcfg.mask_token_id} is outside the target vocabulary (0..{V - 1}); "
+            "use an unused row of the target's embedding"
+        )
+    if dcfg.sliding_window is not None and dcfg.sliding_window < 1:
+        raise DrafterConfigError(f"drafter.sliding_window must be >= 1 or null, got {dcfg.sliding_window}")
+    extra = {}
+    if dcfg.kind == "dflash":
+        extra = dict(markov_rank=0, confidence_head=False)
+    if dcfg.kind == "dflash" or dcfg.markov_rank == 0:
+        extra["head_type"] = "vanilla"  # canonical: the head type means nothing without a Markov head
+    return dataclasses.replace(dcfg, target_layer_ids=ids, num_target_features=len(ids), **extra)
+
+
+def layer_config(target_cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    """The drafter's layer config: the target's width, Qwen3 layer math (q/k norm), drafter depth."""
+    return target_cfg.replace(arch="qwen3", num_layers=num_layers, tie_word_embeddings=False)
+
+
+# ---------------------------------------------------------------------------- module
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype):
+    return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Drafter(nnx.Module):
+    """DSpark / DFlash drafter: parallel backbone + optional sequential and confidence heads."""
+
+    def __init__(self, target_cfg: ModelConfig, dcfg: DrafterSection, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, dtype=None):
+        self.dcfg = resolve_config(target_cfg, dcfg)
+        self.target_cfg = target_cfg
+        self.cfg = layer_config(target_cfg, self.dcfg.num_layers)
+        self.dtype = dtype  # compute dtype; None = the parameters' dtype
+        self.target_fingerprint = None  # set by attach_target
+        d = self.dcfg
+        H, V, r, m = target_cfg.hidden_size, target_cfg.vocab_size, d.markov_rank, d.num_target_features
+        pd = param_dtype
+        self.embed = Frozen(_normal(rngs, (V, H), pd), out_sharding=("vocab", "embed"))
+        self.lm_head = Frozen(_normal(rngs, (H, V), pd), out_sharding=("embed", "vocab"))
+        self.fc = nnx.Param(_normal(rngs, (m * H, H), pd), out_sharding=("fused", "embed"))
+        self.hidden_norm = nnx.Param(jnp.ones((H,), pd), out_sharding=("norm",))
+        self.layers = DecoderStack(self.cfg, rngs=rngs, num_layers=d.num_layers, param_dtype=pd)
+        self.final_norm = nnx.Param(jnp.ones((H,), pd), out_sharding=("norm",))
+        rank_p = lambda shape, axes, init=_normal: nnx.Param(init(rngs, shape, pd), out_sharding=axes)
+        zeros = lambda rngs, shape, dtype: jnp.zeros(shape, dtype)
+        gated, rnn = bool(r) and d.head_type == "gated", bool(r) and d.head_type == "rnn"
+        # Absent heads are None (assigned once: NNX fixes an attribute's data/static status).
+        self.markov_w1 = rank_p((V, r), ("vocab", "rank")) if r else None
+        self.markov_w2 = rank_p((r, V), ("rank", "vocab")) if r else None
+        self.gate_kernel = rank_p((H + r, r), ("head_in", "rank")) if gated else None
+        self.gate_bias = rank_p((r,), ("rank",), zeros) if gated else None
+        self.joint_kernel = rank_p((2 * r + H, 3 * r), ("head_in", "rank")) if rnn else None
+        self.joint_bias = rank_p((3 * r,), ("rank",), zeros) if rnn else None
+        self.conf_kernel = rank_p((H + r, 1), ("head_in", None)) if d.confidence_head else None
+        self.conf_bias = rank_p((1,), (None,), zeros) if d.confidence_head else None
+
+    # -- static facts
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.dcfg.target_layer_ids
+
+    @property
+    def gamma(self) -> int:
+        return self.dcfg.gamma
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.dcfg.mask_token_id
+
+    @property
+    def head_type(self) -> str | None:
+        """'vanilla' | 'gated' | 'rnn', or None without a Markov head (DFlash)."""
+        return self.dcfg.head_type if self.dcfg.markov_rank else None
+
+    def _dtype(self):
+        return self.dtype or self.fc[...].dtype
+
+    def arrays(self, dtype=None) -> dict:
+        """All weights as a dict of arrays for the pure functions (cast to `dtype`, default the
+        compute dtype). Frozen weights are wrapped in stop_gradient."""
+        dtype = dtype or self._dtype()
+        out = {"embed": jax.lax.stop_gradient(self.embed[...]), "lm_head": jax.lax.stop_gradient(self.lm_head[...]),
+               "layers": self.layers.arrays()}
+        for name in ("fc", "hidden_norm", "final_norm", "markov_w1", "markov_w2", "gate_kernel", "gate_bias",
+                     "joint_kernel", "joint_bias", "conf_kernel", "conf_bias"):
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = v[...]
+        return jax.tree.map(lambda a: a.astype(dtype), out)
+
+    # -- backbone
+    def fuse_context(self, features):
+        """features [..., m, H] -> ctx [..., H]."""
+        return backbone.fuse_context(self.arrays(), features, self.cfg)
+
+    def train_hidden(self, tokens, features, anchors, keep):
+        """tokens [B,S], features [B,S,m,H], anchors/keep [B,A] -> h [B,A,G,H] (post final norm)."""
+        p = self.arrays()
+        ctx = backbone.fuse_context(p, features, self.cfg)
+        return backbone.backbone_train(p, self.cfg, tokens, ctx, anchors, keep, gamma=self.gamma,
+                                       mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
+
+    def init_cache(self, num_slots: int, max_len: int, dtype=None) -> KVCache:
+        """Empty drafter context cache (context K/V only), one layer per drafter layer."""
+        return KVCache.create(self.cfg, num_slots, max_len, dtype or self._dtype(), num_layers=self.dcfg.num_layers)
+
+    def update_context(self, cache: KVCache, features, positions, valid) -> KVCache:
+        return backbone.update_context(self.arrays(), self.cfg, cache, features, positions, valid)
+
+    def draft_hidden(self, cache: KVCache, anchor_tok, anchor_pos):
+        return backbone.draft_hidden(self.arrays(), self.cfg, cache, anchor_tok, anchor_pos, gamma=self.gamma,
+                                     mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
+
+    # -- heads
+    def base_logits(self, h):
+        return heads.base_logits(self.arrays(), h)
+
+    def head_bias_train(self, h, prev_tokens):
+        return heads.head_bias_train(self.arrays(), h, prev_tokens)
+
+    def confidence_logits(self, h, prev_tokens):
+        return confidence.confidence_logits(self.arrays(), h, prev_tokens)
+
+    def sample_block(self, key, h, anchor, sampling: SamplingParams = SamplingParams()):
+        return heads.sample_block(key, self.arrays(), h, anchor, sampling)
+
+    def draft(self, key, cache: KVCache, anchor_tok, anchor_pos, sampling: SamplingParams = SamplingParams()):
+        """One inference draft: backbone on the cached context + sequential sampling.
+        Returns (tokens [R,G], q [R,G,V], z [R,G])."""
+        p = self.arrays()
+        h = backbone.draft_hidden(p, self.cfg, cache, anchor_tok, anchor_pos, gamma=self.gamma,
+                                  mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
+        return heads.sample_block(key, p, h, anchor_tok, sampling)
+
+
+# ---------------------------------------------------------------------------- build / save / load
+
+
+def param_shapes(target_cfg: ModelConfig, dcfg: DrafterSection) -> dict[str, tuple[int, ...]]:
+    """Dotted Param path -> shape, without building any arrays."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: Drafter(target_cfg, dcfg, rngs=nnx.Rngs(0)))
+    return {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items()}
+
+
+def build_drafter(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.float32, dtype=None, mesh=None,
+                  source: str = "drafter params") -> Drafter:
+    """A Drafter for `target` (TargetModel or LoadedTarget) with Params from a nested or
+    dotted-flat dict of arrays (checked: all missing / unexpected / mis-shaped at once),
+    and the Frozen weights attached from the target. No random initialisation."""
+    from dspark_jax.sharding import state_shardings
+
+    tmodel = target if hasattr(target, "lm_head_weight") else target.model
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: Drafter(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+    graphdef, pstate, fstate = nnx.split(abstract, nnx.Param, Frozen)
+    expected = {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(pstate)).items()}
+    flat = flatten(params)
+    rules = [KeyRule(re.escape(path), path) for path in expected]
+    pure = import_tensors({k: np.asarray(v) for k, v in flat.items()}, rules, expected, 0, source=source)
+    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(param_dtype) == jnp.bfloat16 else np.dtype(param_dtype)
+    nnx.replace_by_pure_dict(pstate, jax.tree.map(lambda a: np.asarray(a).astype(np_dtype), pure))
+    fstate = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fstate)
+    if mesh is not None:
+        pstate = jax.device_put(pstate, state_shardings(pstate, mesh))
+        fstate = jax.device_put(fstate, state_shardings(fstate, mesh))
+    else:
+        pstate = jax.tree.map(jnp.asarray, pstate)
+    drafter = nnx.merge(graphdef, pstate, fstate)
+    attach_target(drafter, tmodel)
+    return drafter
+
+
+def config_to_json(drafter: Drafter) -> dict:
+    d = drafter.dcfg
+    return {
+        "format": FORMAT,
+        "kind": d.kind,
+        "num_layers": d.num_layers,
+        "gamma": d.gamma,
+        "target_layer_ids": list(d.target_layer_ids),
+        "num_target_features": d.num_target_features,
+        "markov_rank": d.markov_rank,
+        "head_type": d.head_type,
+        "confidence_head": d.confidence_head,
+        "mask_token_id": d.mask_token_id,
+        "sliding_window": d.sliding_window,
+        "target_fingerprint": drafter.target_fingerprint,
+        "param_dtype": str(np.dtype(drafter.fc[...].dtype)),
+    }
+
+
+def config_from_json(data: dict, source: str = CONFIG_FILE) -> tuple[DrafterSection, str | None]:
+    if data.get("format") != FORMAT:
+        raise DrafterConfigError(f"{source}: not a dspark_jax drafter config (format {data.get('format')!r}, expected {FORMAT!r})")
+    fields = {f.name for f in dataclasses.fields(DrafterSection)}
+    kw = {k: v for k, v in data.items() if k in fields}
+    kw["target_layer_ids"] = tuple(kw["target_layer_ids"])
+    try:
+        return DrafterSection(**kw), data.get("target_fingerprint")
+    except (TypeError, ValueError) as e:
+        raise DrafterConfigError(f"{source}: invalid drafter config ({e})") from e
+
+
+def save_drafter(drafter: Drafter, path: str | Path) -> None:
+    """Write `drafter.safetensors` (Params only, dotted paths) + `drafter_config.json`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flat = flatten(nnx.to_pure_dict(trainable_state(drafter)))
+    tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
+    safetensors_io.save_file(tensors, path / WEIGHTS_FILE, metadata={"format": FORMAT})
+    (path / CONFIG_FILE).write_text(json.dumps(config_to_json(drafter), indent=2))
+
+
+def load_drafter(path: str | Path, target, param_dtype=jnp.float32, dtype=None, mesh=None) -> Drafter:
+    """Inverse of `save_drafter`; checks the recorded target fingerprint against `target`
+    (a TargetModel or LoadedTarget), whose embedding / LM head are attached."""
+    path = Path(path)
+    cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise FileNotFoundError(f"'{path}' is not a dspark_jax drafter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                                "import a DeepSpec checkpoint with `python -m dspark_jax.convert import`")
+    dcfg, fp = config_from_json(json.loads(cfg_file.read_text()), str(cfg_file))
+    check_target(fp, target, f"drafter {path}")
+    return build_drafter(target, dcfg, safetensors_io.load_file(w_file), param_dtype, dtype, mesh, source=str(w_file))
