@@ -182,3 +182,22 @@ def test_dataset_vocabulary_larger_than_target(tmp_path, datasets):
 def test_bad_drafter_config(datasets, tmp_path, override, err, needle):
     with pytest.raises(err, match=needle):
         run(_cfg(datasets, tmp_path, override), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
+def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
+    from dspark_jax.drafter import registry
+    from dspark_jax.train.run import prepare_target
+
+    cfg = _cfg(datasets, tmp_path, f"drafter.kind={kind}", "train.steps=4", "train.eagle3_steps=2")
+    s = run(cfg, progress=False)
+    losses = _losses(tmp_path)
+    assert s["step"] == 4 and all(np.isfinite(v) for v in losses.values())
+    ev = s["eval"]
+    if kind == "dflash":  # the same acceptance statistics as DSpark
+        assert "eval/expected_accepted_length" in ev
+    else:
+        assert np.isfinite(ev["eval/loss"])
+    target = prepare_target(cfg, None)
+    d = registry.load(tmp_path / "drafter", target.model)
+    assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]

@@ -94,11 +94,13 @@ def format_summary(summary: dict, phases: Phases) -> str:
         f"checkpoint:      {summary['checkpoint']}",
         f"drafter export:  {summary['drafter']}",
     ]
-    if ev:
+    if "eval/expected_accepted_length" in ev:
         lines += [
             f"held-out expected accepted length (1 + sum_j prod c*): {ev['eval/expected_accepted_length']:.3f}",
             f"held-out acceptance per position: {ev['eval/acceptance_per_position']}",
         ]
+    if "eval/loss" in ev:
+        lines.append(f"held-out loss: {ev['eval/loss']:.4f}")
     if "measured_tau" in summary:
         lines.append(f"held-out measured accepted length (speculative decoding): {summary['measured_tau']:.3f}")
     lines += ["time per phase:", phases.table(), "=" * 60]

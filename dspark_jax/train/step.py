@@ -74,25 +74,44 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
     return acc
 
 
-def make_loss_fn(d_graphdef, t_graphdef, kind: str, coefs: LossCoefs, chunk: int, compute_dtype=None):
-    """(params, frozen, target_state, batch) -> (loss, (metrics, sums))."""
+def make_loss_fn(d_graphdef, t_graphdef, kind: str, coefs: LossCoefs, chunk: int, compute_dtype=None,
+                 eagle3_steps: int = 7):
+    """(params, frozen, target_state, batch) -> (loss, (metrics, sums)) for any drafter kind.
+
+    dspark: CE + L1 + BCE (section 4); dflash: CE only; eagle3: the training-time test's
+    soft CE (section 6); mtp1: CE on x_{t+2}. `sums` is a LossSums for dspark/dflash
+    (held-out acceptance statistics) and None for the baselines.
+    """
 
     def loss_fn(params, frozen, target_state, batch):
         drafter = nnx.merge(d_graphdef, params, frozen)
         target = nnx.merge(t_graphdef, target_state)
         tokens = batch["tokens"]
-        out = target(tokens, valid=batch["seq_valid"], feature_layers=drafter.layer_ids, return_logits=False)
-        feats = jax.lax.stop_gradient(out.features)
+        ids = tuple(drafter.dcfg.target_layer_ids)
+        want_logits = kind == "eagle3"
+        out = target(tokens, valid=batch["seq_valid"], feature_layers=ids, return_logits=want_logits)
         hidden = jax.lax.stop_gradient(out.hidden)
+        feats = None if out.features is None else jax.lax.stop_gradient(out.features)
         p = drafter.arrays(compute_dtype)
+        if kind == "eagle3":
+            from dspark_jax.drafter.eagle3 import eagle3_logits, eagle3_loss, eagle3_train_hidden
+
+            h = eagle3_train_hidden(p, tokens, feats, batch["seq_valid"], cfg=drafter.cfg, ttt_steps=eagle3_steps)
+            loss, per_step = eagle3_loss(h, jax.lax.stop_gradient(out.logits), batch["loss_mask"],
+                                         logits_fn=lambda x: eagle3_logits(p, x))
+            metrics = {"loss": loss, **{f"step{i}": per_step[i] for i in range(min(3, per_step.shape[0]))}}
+            return loss, (metrics, None)
+        if kind == "mtp1":
+            from dspark_jax.drafter.mtp import mtp_loss, mtp_train_logits
+
+            logits = mtp_train_logits(p, tokens, hidden, batch["seq_valid"], cfg=drafter.cfg)
+            loss = mtp_loss(logits, tokens, batch["loss_mask"])
+            return loss, ({"loss": loss}, None)
         ctx = backbone.fuse_context(p, feats, drafter.cfg)
         h = backbone.backbone_train(p, drafter.cfg, tokens, ctx, batch["anchors"], batch["keep"], gamma=drafter.gamma,
                                     mask_id=drafter.mask_token_id, window=drafter.dcfg.sliding_window)
         sums = dspark_chunked_sums(p, h, tokens, hidden, p["lm_head"], batch["anchors"], batch["block_valid"], chunk, coefs.decay)
-        if kind == "dflash":  # CE only
-            coefs_k = LossCoefs(ce=1.0, l1=0.0, conf=0.0, decay=coefs.decay)
-        else:
-            coefs_k = coefs
+        coefs_k = LossCoefs(ce=1.0, l1=0.0, conf=0.0, decay=coefs.decay) if kind == "dflash" else coefs
         loss, metrics = combine(sums, coefs_k)
         return loss, (metrics, sums)
 
@@ -104,7 +123,7 @@ def make_train_step(loss_fn: Callable, tx):
         (loss, (metrics, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen, target_state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return TrainState(state.step + 1, params, opt_state), metrics, sums
 
     return train_step

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dspark_jax.config import Config
 from dspark_jax.configlib import to_dict
 from dspark_jax.drafter.frozen import Frozen, attach_target
-from dspark_jax.drafter.model import Drafter, config_to_json, resolve_config, save_drafter
+from dspark_jax.drafter import registry
 from dspark_jax.sharding import create_model, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from dspark_jax.train.data import RecordSpec, check_dataset, make_pipeline
@@ -74,11 +74,11 @@ def check_vocabulary(ds, vocab_size: int, name: str) -> None:
         )
 
 
-def model_signature(drafter: Drafter) -> dict:
+def model_signature(drafter, target_cfg) -> dict:
     """What must match to resume: the drafter's shape and the target it belongs to."""
-    sig = config_to_json(drafter)
+    sig = registry.config_json(drafter)
     sig.pop("param_dtype", None)
-    sig["target"] = dataclasses.asdict(drafter.target_cfg)
+    sig["target"] = dataclasses.asdict(target_cfg)
     return json.loads(json.dumps(sig, default=str))
 
 
@@ -96,14 +96,13 @@ class Trainer:
         check_output_dir(self.out)
         tc = cfg.train
         self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-        dcfg = resolve_config(target.cfg, cfg.drafter)
-        if dcfg.kind not in ("dspark", "dflash"):
-            raise TrainingError(f"drafter.kind '{dcfg.kind}' is not trained by this trainer yet (dspark, dflash)")
+        dcfg = registry.resolve(target.cfg, cfg.drafter)
         self.dcfg = dcfg
-        drafter = create_model(lambda: Drafter(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed)), self.mesh)
+        drafter = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed), ttt_steps=tc.eagle3_steps),
+                               self.mesh)
         attach_target(drafter, target)
         self.drafter = drafter
-        self.signature = model_signature(drafter)
+        self.signature = model_signature(drafter, target.cfg)
         self.d_graphdef, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
         self.t_graphdef, t_state = nnx.split(target)
         self.param_sh = state_shardings(params, self.mesh)
@@ -134,7 +133,7 @@ class Trainer:
         self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
         coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
-        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute)
+        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
         self.train_step = jax.jit(make_train_step(loss_fn, self.tx), donate_argnums=(0,),
@@ -191,7 +190,7 @@ class Trainer:
             return
         self._saved.add(step)
         meta = {"signature": self.signature, "config": to_dict(self.cfg), "step": step,
-                "drafter_config": config_to_json(self.drafter)}
+                "drafter_config": registry.config_json(self.drafter)}
         self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
 
     # ------------------------------------------------------------------ evaluation
@@ -201,14 +200,18 @@ class Trainer:
         it = make_pipeline(self.heldout_ds, dataclasses.replace(self.spec, seed=self.cfg.seed + 1), self.local_batch,
                            shuffle=False, num_epochs=1)
         tot = None
+        losses: list[float] = []
         for i, batch in enumerate(it):
             if i >= self.cfg.train.eval_batches:
                 break
-            _, sums = self.eval_step(self.state.params, self.frozen, self.t_state, self._device_batch(batch))
+            metrics, sums = self.eval_step(self.state.params, self.frozen, self.t_state, self._device_batch(batch))
+            if sums is None:  # baselines: held-out loss only
+                losses.append(float(metrics["loss"]))
+                continue
             sums = jax.tree.map(np.asarray, sums)
             tot = sums if tot is None else jax.tree.map(np.add, tot, sums)
         if tot is None:
-            return {}
+            return {"eval/loss": float(np.mean(losses))} if losses else {}
         den = max(float(tot.weight), 1e-9)
         acc = tot.accept / np.maximum(tot.count, 1)
         return {
@@ -254,7 +257,7 @@ class Trainer:
                         m["lr"] = float(self.schedule(step))
                         t_last, n_last = now, step
                         logger.scalars(step, m)
-                        bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s")})
+                        bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
                     if tc.eval_every and step % tc.eval_every == 0 and step < stop_at:
                         with self.phases("evaluation"):
@@ -279,7 +282,7 @@ class Trainer:
         logger.close()
         export = self.out / "drafter"
         if jax.process_index() == 0:
-            save_drafter(nnx.merge(self.d_graphdef, self.state.params, self.frozen), export)
+            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), export)
         return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
                 "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export), "eval": final_eval}
 
