@@ -78,7 +78,8 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     output_dir: str = "runs/dspark"
-    batch_size: int = 8
+    batch_size: int = 8  # global sequences per optimiser update
+    grad_accum: int = 1  # micro-batches per update (activations live for one at a time)
     steps: int | None = None  # None = epochs over the dataset
     epochs: float = 1.0
     lr: float = 6e-4
@@ -105,6 +106,8 @@ class TrainSection:
     def __post_init__(self):
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum ({self.grad_accum}) must be >= 1 and divide batch_size ({self.batch_size})")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
 

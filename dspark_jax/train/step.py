@@ -118,9 +118,30 @@ def make_loss_fn(d_graphdef, t_graphdef, kind: str, coefs: LossCoefs, chunk: int
     return loss_fn
 
 
-def make_train_step(loss_fn: Callable, tx):
+def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1):
+    """One optimiser update. With `grad_accum` > 1 the batch is split into that many
+    micro-batches whose gradients are summed in a `lax.scan`, so activations exist for one
+    micro-batch at a time (the loss is a per-micro-batch mean, averaged)."""
+
+    def grads_of(params, frozen, target_state, batch):
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, target_state, batch)
+
     def train_step(state: TrainState, frozen, target_state, batch):
-        (loss, (metrics, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen, target_state, batch)
+        if grad_accum == 1:
+            (loss, (metrics, sums)), grads = grads_of(state.params, frozen, target_state, batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+
+            def body(acc, mb):
+                (loss, (metrics, sums)), g = grads_of(state.params, frozen, target_state, mb)
+                return jax.tree.map(jnp.add, acc, (g, metrics, sums)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(lambda b: (lambda r: (r[1], r[0][1][0], r[0][1][1]))(grads_of(state.params, frozen, target_state, b)), first)
+            acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (grads, metrics, sums), _ = jax.lax.scan(body, acc0, micro)
+            grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            metrics = jax.tree.map(lambda m: m / grad_accum, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))

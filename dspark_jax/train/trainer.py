@@ -136,7 +136,7 @@ class Trainer:
         loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
-        self.train_step = jax.jit(make_train_step(loss_fn, self.tx), donate_argnums=(0,),
+        self.train_step = jax.jit(make_train_step(loss_fn, self.tx, tc.grad_accum), donate_argnums=(0,),
                                   out_shardings=(state_sh, None, None))
         self.eval_step = jax.jit(make_eval_step(loss_fn))
         self.ckpt = Checkpointer(self.out / "checkpoints", tc.checkpoint_every, tc.keep_checkpoints)
