@@ -20,7 +20,8 @@ HeadType = Literal["vanilla", "gated", "rnn"]
 class TargetSection:
     path: str | None = None  # local Hugging Face checkpoint directory; None = the embedded default target
     dtype: Literal["float32", "bfloat16"] = "float32"
-    model: ModelConfig | None = None  # architecture for a randomly initialised target (tests, benchmarks)
+    model: ModelConfig | None = None  # the target's architecture (presets: for planning; with random_init: built)
+    random_init: bool = False  # build a randomly initialised target of `model` (tests, benchmarks)
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,26 @@ EXPECTED_ERRORS = (ConfigError, TrainingError, DrafterConfigError, NoAssistantTo
                    CheckpointMismatchError, UnsupportedModelError, TargetMismatchError, FileNotFoundError)
 
 
-def prepare_target(cfg: Config, phases: Phases) -> LoadedTarget:
+def prepare_target(cfg: Config, phases: Phases | None = None) -> LoadedTarget:
     """The frozen target: a local HF checkpoint, a random model of a given shape, or the embedded default."""
     tc = cfg.target
+    phases = phases or Phases()
     if tc.path:
         with phases("load target"):
-            return load_target(tc.path, dtype=tc.dtype)
+            target = load_target(tc.path, dtype=tc.dtype)
+        if tc.model is not None:  # a preset that names an architecture: the checkpoint must be it
+            keys = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+            diff = [f"{k} {getattr(target.cfg, k)} != {getattr(tc.model, k)}" for k in keys if getattr(target.cfg, k) != getattr(tc.model, k)]
+            if diff:
+                raise ConfigError(f"checkpoint {tc.path} does not match the config's target.model ({'; '.join(diff)}): "
+                                  "use the preset for this model, or set target.model=null")
+        return target
+    if tc.model is not None and not tc.random_init:
+        raise ConfigError(
+            f"this config describes a {tc.model.num_layers}-layer {tc.model.arch} target (hidden {tc.model.hidden_size}) "
+            "but gives no checkpoint: pass target.path=/path/to/hf_checkpoint (or target.random_init=true for a "
+            "randomly initialised target of that shape)"
+        )
     if tc.model is not None:
         from dspark_jax.model import TargetModel
         from dspark_jax.sharding import create_model

@@ -1,0 +1,164 @@
+"""Plan a training run without devices: sharding divisibility on the preset's mesh, the
+step's shapes traced abstractly, and a per-device memory estimate.
+
+`python -m dspark_jax.train.plan configs/qwen3_8b_dspark.yaml` prints the table that
+docs/tpu_memory.md records.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from dspark_jax.config import Config, from_cli
+from dspark_jax.configlib import to_dict
+from dspark_jax.drafter import registry
+from dspark_jax.drafter.frozen import Frozen
+from dspark_jax.model import TargetModel
+from dspark_jax.sharding import MESH_AXES, logical_to_pspec
+from dspark_jax.train.loss import LossCoefs
+from dspark_jax.train.step import TrainState, make_loss_fn, make_optimizer, make_train_step
+
+GIB = 2**30
+
+
+class _Shape:  # what logical_to_pspec reads of a mesh
+    def __init__(self, shape: dict):
+        self.shape = shape
+
+
+def mesh_shape(cfg: Config) -> dict[str, int]:
+    m = cfg.mesh
+    if m.data < 1:
+        raise ValueError("planning needs an explicit mesh.data (not -1)")
+    return {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
+
+
+def abstract_models(cfg: Config):
+    tcfg = cfg.target.model
+    dt = jnp.bfloat16 if cfg.target.dtype == "bfloat16" else jnp.float32
+    with nnx.use_eager_sharding(False):
+        target = nnx.eval_shape(lambda: TargetModel(tcfg, rngs=nnx.Rngs(0), param_dtype=dt))
+        drafter = nnx.eval_shape(lambda: registry.build(tcfg, cfg.drafter, rngs=nnx.Rngs(0), ttt_steps=cfg.train.eagle3_steps))
+    return target, drafter
+
+
+def shard_report(state, shape: dict, bytes_per: int | None = None) -> tuple[float, list[str]]:
+    """(bytes per device, problems). Every sharded dimension must divide its mesh axes."""
+    problems, total = [], 0.0
+    mesh = _Shape(shape)
+    for path, v in nnx.to_flat_state(state):
+        names = v.get_metadata().get("out_sharding")
+        try:
+            spec = logical_to_pspec(names, v.shape, mesh, strict=True)
+        except ValueError as e:
+            problems.append(f"{'.'.join(map(str, path))}: {e}")
+            spec = logical_to_pspec(names, v.shape, mesh)
+        factor = 1
+        for ax in spec:
+            for a in (ax if isinstance(ax, tuple) else (ax,)):
+                factor *= shape.get(a, 1) if a else 1
+        nbytes = bytes_per or np.dtype(v.dtype).itemsize
+        total += int(np.prod(v.shape)) * nbytes / factor
+    return total, problems
+
+
+def check_step_shapes(cfg: Config):
+    """Trace one training step on abstract arrays of the preset's full shapes (no memory used)."""
+    target, drafter = abstract_models(cfg)
+    dg, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
+    tg, tstate = nnx.split(target)
+    tc = cfg.train
+    tx, _ = make_optimizer(tc.lr, 1000)
+    loss_fn = make_loss_fn(dg, tg, cfg.drafter.kind, LossCoefs(), tc.anchor_chunk,
+                           jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None, tc.eagle3_steps)
+    step = make_train_step(loss_fn, tx, tc.grad_accum)
+    b, s, a, g = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors, registry.resolve(cfg.target.model, cfg.drafter).gamma
+    sds = jax.ShapeDtypeStruct
+    batch = {"tokens": sds((b, s), jnp.int32), "loss_mask": sds((b, s), bool), "seq_valid": sds((b, s), bool),
+             "anchors": sds((b, a), jnp.int32), "keep": sds((b, a), bool), "block_valid": sds((b, a, g), bool)}
+    opt = jax.eval_shape(tx.init, params)
+    state = TrainState(sds((), jnp.int32), params, opt)
+    return jax.eval_shape(step, state, frozen, tstate, batch)
+
+
+def activation_estimate(cfg: Config, micro_per_device: float) -> dict[str, float]:
+    """Bytes per device of the largest live activations (analytic; see docs/tpu_memory.md)."""
+    t, d, tc = cfg.target.model, registry.resolve(cfg.target.model, cfg.drafter), cfg.train
+    s, a, g, v, h = cfg.data.seq_len, cfg.data.num_anchors, d.gamma, t.vocab_size, t.hidden_size
+    bf = 2 if tc.compute_dtype == "bfloat16" else 4
+    est = {
+        # frozen target, no gradient: the scan keeps one layer's attention scores (fp32) and the residual
+        "target forward (scores of one layer)": t.num_heads * s * s * 4 + 4 * s * h * bf,
+        "target features + final hidden": (d.num_target_features + 1) * s * h * bf,
+    }
+    if d.kind in ("dspark", "dflash"):
+        q = a * g
+        per_layer = t.num_heads * q * (s + g) * (4 + bf) + q * (3 * h + 3 * t.intermediate_size) * bf
+        est["drafter layers (kept for backward)"] = d.num_layers * per_layer
+        est["loss chunk (q, p, grads; fp32)"] = 6 * min(tc.anchor_chunk, a) * g * v * 4
+    elif d.kind == "eagle3":
+        steps = tc.eagle3_steps
+        est["TTT attention (all steps)"] = sum(t.num_heads * s * (k + 1) * s * (4 + bf) for k in range(steps))
+        est["TTT logits (one step, fp32)"] = 4 * s * v * 4 + s * v * 4
+    else:
+        est["MTP layer + logits"] = t.num_heads * s * s * (4 + bf) + 3 * s * v * 4
+    return {k: val * micro_per_device for k, val in est.items()}
+
+
+def plan(cfg: Config) -> dict:
+    shape = mesh_shape(cfg)
+    n = int(np.prod(list(shape.values())))
+    target, drafter = abstract_models(cfg)
+    _, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
+    t_bytes, t_prob = shard_report(nnx.state(target), shape)
+    p_bytes, p_prob = shard_report(params, shape, bytes_per=4)
+    f_bytes, f_prob = shard_report(frozen, shape)
+    batch_shards = shape["data"] * shape["fsdp"]
+    micro = cfg.train.batch_size / cfg.train.grad_accum / batch_shards
+    act = activation_estimate(cfg, micro)
+    rows = {
+        "target weights (frozen)": t_bytes,
+        "drafter params (fp32 master)": p_bytes,
+        "AdamW moments (fp32)": 2 * p_bytes,
+        "gradients (fp32)": p_bytes,
+        "frozen embed / LM head copy": f_bytes,
+        **act,
+    }
+    n_params = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(params))
+    return {"devices": n, "mesh": shape, "micro_batch_per_device": micro, "drafter_params": n_params,
+            "rows": rows, "total": sum(rows.values()), "problems": t_prob + p_prob + f_prob}
+
+
+def format_plan(name: str, p: dict) -> str:
+    lines = [f"{name}: {p['devices']} devices, mesh {p['mesh']}, {p['micro_batch_per_device']:g} sequences per device "
+             f"per micro-batch, drafter {p['drafter_params'] / 1e6:.1f} M trainable params"]
+    for k, v in p["rows"].items():
+        lines.append(f"  {k:<40} {v / GIB:8.2f} GiB")
+    lines.append(f"  {'total (estimate)':<40} {p['total'] / GIB:8.2f} GiB")
+    for pr in p["problems"]:
+        lines.append(f"  PROBLEM: {pr}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m dspark_jax.train.plan CONFIG.yaml [section.key=value ...]\n"
+              "Checks sharding divisibility on the config's mesh, traces the step abstractly and prints\n"
+              "a per-device memory estimate.")
+        return 0
+    cfg = from_cli(argv)
+    p = plan(cfg)
+    check_step_shapes(cfg)
+    print(format_plan(argv[0], p))
+    return 1 if p["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
