@@ -233,3 +233,13 @@ def test_gradient_accumulation_averages_micro_batch_gradients(datasets, tmp_path
         np.testing.assert_allclose(u, w, atol=1e-6, rtol=1e-4)
     assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-5 for a, b in zip(jax.tree.leaves(g[0]), jax.tree.leaves(g[1])))
     tr.close()
+
+
+def test_remote_output_dir_keeps_logs_in_a_local_mirror(monkeypatch, tmp_path):
+    from dspark_jax.train.trainer import output_paths
+
+    monkeypatch.setenv("DSPARK_JAX_LOCAL_RUN_DIR", str(tmp_path))
+    remote, local = output_paths("gs://bucket/runs/a")
+    assert str(remote) == "gs://bucket/runs/a" and local == tmp_path / "bucket_runs_a"
+    r2, l2 = output_paths(str(tmp_path / "x"))
+    assert r2 == l2 == tmp_path / "x"

@@ -21,6 +21,22 @@ Defaults: the embedded target (built on first use, cached under $DSPARK_JAX_CACH
 Sections and keys: see dspark_jax/config.py."""
 
 
+def maybe_initialize_distributed() -> None:
+    """Multi-host (a TPU pod slice): connect the hosts before any other JAX call.
+
+    On Cloud TPU VMs the workers are listed in TPU_WORKER_HOSTNAMES and
+    `jax.distributed.initialize()` finds its coordinator by itself; elsewhere set
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+    """
+    import os
+
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        import jax
+
+        jax.distributed.initialize()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -34,6 +50,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    maybe_initialize_distributed()
     from dspark_jax.train.run import run
 
     try:

@@ -40,8 +40,9 @@ class PreemptionFlag:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, every: int, keep: int, async_save: bool = True):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory, every: int, keep: int, async_save: bool = True):
+        # local paths or epath.Path("gs://...") (orbax writes GCS through tensorstore)
+        self.directory = directory if "://" in str(directory) else Path(directory).absolute()
         self.every = every
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -81,9 +82,6 @@ class Checkpointer:
         return out["state"], out["meta"]
 
     def read_meta(self, step: int) -> dict:
-        path = self.directory / str(step) / "meta" / "metadata"
-        if path.is_file():
-            return json.loads(path.read_text())
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def wait(self):

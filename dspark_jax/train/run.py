@@ -136,6 +136,12 @@ def run(cfg: Config, progress: bool = True) -> dict:
     summary["wall_s"] = time.perf_counter() - t0
     summary["phases_s"] = dict(phases.times)
     if jax.process_index() == 0:
-        Path(cfg.train.output_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+        from dspark_jax.train.trainer import output_paths
+
+        remote, local = output_paths(cfg.train.output_dir)
+        text = json.dumps(summary, indent=2)
+        (local / "summary.json").write_text(text)
+        if remote != local:
+            (remote / "summary.json").write_text(text)
         print(format_summary(summary, phases))
     return summary

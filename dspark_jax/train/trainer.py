@@ -52,14 +52,44 @@ class Phases:
         return "\n".join(["  phase                      time   share", *rows])
 
 
-def check_output_dir(path: Path) -> None:
+def is_remote(path) -> bool:
+    return "://" in str(path)
+
+
+def output_paths(output_dir: str) -> tuple[object, Path]:
+    """(where checkpoints and the final export go, where logs are written as they happen).
+
+    A `gs://` output dir takes orbax checkpoints directly (tensorstore writes to GCS);
+    the JSONL log and TensorBoard files go to a local mirror that tpu_scripts/worker.sh
+    copies up every minute, and the summary and drafter export are copied at the end.
+    """
+    if not is_remote(output_dir):
+        p = Path(output_dir).absolute()
+        return p, p
+    from etils import epath
+
+    local_root = Path(os.environ.get("DSPARK_JAX_LOCAL_RUN_DIR", "~/dspark_runs")).expanduser()
+    name = output_dir.split("://", 1)[1].strip("/").replace("/", "_")
+    return epath.Path(output_dir), local_root / name
+
+
+def check_output_dir(path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write_test"
         probe.write_text("ok")
         probe.unlink()
-    except OSError as e:
-        raise TrainingError(f"output directory '{path}' cannot be written ({e.strerror}); set train.output_dir to a writable path") from None
+    except Exception as e:  # OSError locally; fsspec / auth errors remotely
+        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise TrainingError(f"output directory '{path}' cannot be written ({reason}); set train.output_dir to a writable path") from None
+
+
+def copy_tree(src: Path, dst) -> None:
+    """Copy a local directory to a local or remote (epath) directory."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
 
 
 def check_vocabulary(ds, vocab_size: int, name: str) -> None:
@@ -92,8 +122,9 @@ class Trainer:
         self.progress = progress and jax.process_index() == 0
         self.phases = phases or Phases()
         self.target = target  # TargetModel
-        self.out = Path(cfg.train.output_dir)
+        self.out, self.local_out = output_paths(cfg.train.output_dir)
         check_output_dir(self.out)
+        check_output_dir(self.local_out)
         tc = cfg.train
         self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         dcfg = registry.resolve(target.cfg, cfg.drafter)
@@ -230,7 +261,7 @@ class Trainer:
         self.data_iter = self._new_iter()
         start = self.maybe_resume()
         self._saved.add(start)
-        logger = RunLogger(self.out, enabled=jax.process_index() == 0)
+        logger = RunLogger(self.local_out, enabled=jax.process_index() == 0)
         flag = PreemptionFlag()
         tokens_per_step = tc.batch_size * self.cfg.data.seq_len
         last_good = start
@@ -282,7 +313,10 @@ class Trainer:
         logger.close()
         export = self.out / "drafter"
         if jax.process_index() == 0:
-            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), export)
+            local_export = self.local_out / "drafter"
+            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
+            if is_remote(self.out):
+                copy_tree(local_export, export)
         return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
                 "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export), "eval": final_eval}
 
