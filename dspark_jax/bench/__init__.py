@@ -1,0 +1,11 @@
+"""Benchmarks: ``python -m dspark_jax.bench <subcommand>`` (see docs/benchmarks.md).
+
+Each subcommand lives in its own module ``dspark_jax.bench.<name>`` exposing ``main(argv)``;
+register it in ``SUBCOMMANDS`` (name -> (module, one-line help)).
+"""
+
+SUBCOMMANDS = {
+    "regen": ("dspark_jax.bench.regen", "regeneration tokens/s (batch 1, 16) and compiled vs host decode loop"),
+    "train": ("dspark_jax.bench.train", "drafter training step throughput"),
+    "engine": ("dspark_jax.bench.engine", "speculative decoding engine throughput"),
+}
