@@ -39,30 +39,56 @@ class SamplingParams(NamedTuple):
     top_p: Any = 1.0
 
 
-def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
-    """fp32 probabilities ``[..., V]`` of the distribution that is sampled from (see module doc)."""
-    logits = jnp.asarray(logits, jnp.float32)
-    batch_shape, V = logits.shape[:-1], logits.shape[-1]
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch_shape)
-    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch_shape)
-    tp = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch_shape)
-    greedy = t <= 0.0
+# Top-k settings up to this many tokens take a path that sorts only the top TOPK_CAP logits.
+TOPK_CAP = 64
 
-    scaled = logits / jnp.where(greedy, 1.0, t)[..., None]
-    # Stable descending order: ties keep the lower index first.
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    s_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(V, dtype=jnp.int32)
-    k_on = (k > 0) & (k < V)
+
+def _truncate_sorted(s_logits, k, k_on, tp):
+    """Top-k then top-p on logits sorted descending along the last axis -> probs (same order)."""
+    rank = jnp.arange(s_logits.shape[-1], dtype=jnp.int32)
     keep_k = jnp.where(k_on[..., None], rank < k[..., None], True)
     s_logits = jnp.where(keep_k, s_logits, -jnp.inf)
     s_probs = jax.nn.softmax(s_logits, axis=-1)
     mass_before = jnp.cumsum(s_probs, axis=-1) - s_probs
     keep_p = (mass_before < tp[..., None]) | (rank == 0) | (tp >= 1.0)[..., None]
     s_probs = jnp.where(keep_p, s_probs, 0.0)
-    s_probs = s_probs / jnp.sum(s_probs, axis=-1, keepdims=True)
-    probs = jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
+    return s_probs / jnp.sum(s_probs, axis=-1, keepdims=True)
 
+
+def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
+    """fp32 probabilities ``[..., V]`` of the distribution that is sampled from (see module doc).
+
+    Three paths with the same result, chosen at run time (the settings are traced): no
+    truncation (a plain softmax, no sort); top-k <= TOPK_CAP (`lax.top_k`, which orders
+    ties by lower index, then top-p inside those k); otherwise a full stable sort.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    batch_shape, V = logits.shape[:-1], logits.shape[-1]
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch_shape)
+    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch_shape)
+    tp = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch_shape)
+    greedy = t <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t)[..., None]
+    k_on = (k > 0) & (k < V)
+    cap = min(TOPK_CAP, V)
+
+    def plain(_):
+        return jax.nn.softmax(scaled, axis=-1)
+
+    def small_k(_):
+        vals, idx = jax.lax.top_k(scaled, cap)
+        s_probs = _truncate_sorted(vals, k, k_on, tp)
+        return jnp.put_along_axis(jnp.zeros_like(scaled), idx, s_probs, axis=-1, inplace=False)
+
+    def full_sort(_):
+        order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties keep the lower index first
+        s_probs = _truncate_sorted(jnp.take_along_axis(scaled, order, axis=-1), k, k_on, tp)
+        return jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
+
+    no_trunc = jnp.all(~k_on & (tp >= 1.0))
+    small = jnp.all(k_on & (k <= cap))
+    branch = jnp.where(no_trunc, 0, jnp.where(small, 1, 2))
+    probs = jax.lax.switch(branch, (plain, small_k, full_sort), None)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     return jnp.where(greedy[..., None], one_hot, probs)
 

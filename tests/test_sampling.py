@@ -73,3 +73,15 @@ def test_sample_exact_distribution_and_greedy_determinism():
     one_hot = jax.nn.one_hot(jnp.asarray([3, 0, 7]), V)
     for s in range(5):
         assert np.asarray(sample_jit(jax.random.PRNGKey(s), one_hot)).tolist() == [3, 0, 7]
+
+
+@pytest.mark.parametrize("k, p", [(0, 1.0), (3, 1.0), (20, 0.8), (64, 0.9), (65, 0.9), (0, 0.6), (300, 0.95)])
+def test_each_fast_path_matches_reference(k, p):
+    """Uniform settings take the no-sort, top_k (<= TOPK_CAP) or full-sort path; all equal the reference."""
+    from tests._reference import ref_sampling_probs
+
+    rng = np.random.default_rng(k)
+    logits = np.round(rng.normal(size=(32, 300)) * 2) / 2  # many exact ties
+    got = np.asarray(sampling_probs(jnp.asarray(logits, jnp.float32), 0.7, k, p))
+    want = np.stack([ref_sampling_probs(row, 0.7, k, p) for row in logits])
+    np.testing.assert_allclose(got, want, atol=1e-6)
