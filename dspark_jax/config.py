@@ -61,14 +61,14 @@ class DataSection:
     path: str | None = None  # token dataset (data/dataset.py format); None = regenerate with the target
     heldout_path: str | None = None  # held-out token dataset; None = regenerate held-out prompts
     prompts: str | None = None  # prompts jsonl to regenerate from; None = the embedded corpora
-    num_prompts: int = 2000
+    num_prompts: int = 1200
     num_heldout_prompts: int = 64
-    regen_max_new_tokens: int = 192
-    regen_batch_size: int = 32
+    regen_max_new_tokens: int = 128
+    regen_batch_size: int = 64
     regen_temperature: float = 0.7
     regen_top_p: float = 0.8
     regen_top_k: int = 20
-    seq_len: int = 512
+    seq_len: int = 256  # the embedded target's context; real presets use 4096
     num_anchors: int = 64
 
     def __post_init__(self):

@@ -118,7 +118,6 @@ def prepare_data(cfg: Config, target: LoadedTarget, phases: Phases) -> tuple[Tok
         train = TokenDataset(d.path)
         held = TokenDataset(d.heldout_path) if d.heldout_path else None
         return train, held
-    from dspark_jax.regenerate import regenerate_split
 
     target.require_tokenizer()
     out = {}
