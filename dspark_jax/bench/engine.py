@@ -1,0 +1,240 @@
+"""`python -m dspark_jax.bench engine`: engine throughput, accepted length and sequential-head overhead.
+
+    python -m dspark_jax.bench engine --target DIR --drafter runs/dspark/drafter [--dflash DIR] \
+        [--prompts heldout.jsonl] [--sections loop,speed,tau,head]
+
+Sections (all ratios measured in one run):
+- loop: host loop over the compiled round vs one compiled lax.while_loop (target-only and DSpark).
+- speed: tokens/s DSpark vs target-only at batch 1 and 8, beside the bound
+  tau * T_ar / (T_draft + T_verify) from separately timed parts.
+- tau: accepted length (gamma = block size, T = 1) per given drafter with a 95 % bootstrap
+  interval over prompts.
+- head: a full round with the Markov head vs without (same backbone), gamma 7 and 15,
+  batch 1 and 32, beside the analytic FLOP share at these shapes and at Qwen3-8B shapes.
+Without --drafter a random drafter is used (speed / tau then only measure the machinery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench engine")
+    ap.add_argument("--target", default=None, help="HF checkpoint dir (default: the embedded target)")
+    ap.add_argument("--drafter", default=None, help="trained DSpark drafter dir")
+    ap.add_argument("--dflash", default=None, help="trained DFlash drafter dir (tau comparison)")
+    ap.add_argument("--prompts", default=None, help="held-out prompts jsonl (default: embedded math held-out)")
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--sections", default="loop,speed,tau,head")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def _time(fn, reps):
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _prompts(target, args):
+    from dspark_jax.data.chat import render_prompt
+
+    tok = target.require_tokenizer()
+    if args.prompts:
+        from dspark_jax.data.corpora import load_jsonl
+
+        convs = load_jsonl(args.prompts)
+    else:
+        from dspark_jax.data.corpora import math_conversations
+
+        convs = [[c[0]] for c in math_conversations("heldout", seed=args.seed, n=args.num_prompts)]
+    return [render_prompt(tok, c, target.chat_template) for c in convs[: args.num_prompts]], tok
+
+
+def _random_drafter(target, gamma, markov_rank, seed=0):
+    from flax import nnx
+
+    from dspark_jax.config import DrafterSection
+    from dspark_jax.drafter.frozen import attach_target
+    from dspark_jax.drafter.model import Drafter
+    from dspark_jax.sharding import create_model
+
+    tok = target.tokenizer
+    L = target.cfg.num_layers
+    dcfg = DrafterSection(kind="dspark" if markov_rank else "dflash", num_layers=2, gamma=gamma,
+                          target_layer_ids=tuple(sorted({1, L // 2, L - 2})), markov_rank=markov_rank,
+                          mask_token_id=(tok.mask_id if tok is not None and tok.mask_id is not None
+                                         else target.cfg.vocab_size - 1))
+    d = create_model(lambda: Drafter(target.cfg, dcfg, rngs=nnx.Rngs(seed)))
+    attach_target(d, target.model)
+    return d
+
+
+def _parts(eng, st, ctl):
+    """Separately jitted draft and verify of the engine's round (full bucket), for the bound."""
+    from dspark_jax.engine.drafts import draft
+    from dspark_jax.engine.round import row_round_keys
+    from dspark_jax.engine.verify import verify_packed
+
+    spec = eng.spec
+    kd, _ = row_round_keys(st.keys, st.rounds)
+    fd = jax.jit(lambda dp, st, kd, s: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, s)[:3])
+    t_draft = _time(lambda: fd(eng.dp, st, kd, ctl.sampling), 5) if spec.G else 0.0
+    toks = jnp.zeros((eng.R, spec.G + 1), jnp.int32)
+    valid = jnp.broadcast_to(st.active[:, None], toks.shape)
+    fv = jax.jit(lambda tp, c: verify_packed(tp, spec.tcfg, c, toks, st.pos, valid, bucket=spec.buckets[-1],
+                                             feature_layers=spec.feature_layers).logits)
+    return t_draft, _time(lambda: fv(eng.tp, st.cache), 5)
+
+
+def _started(eng, prompts, max_new):
+    st = eng.init_state()
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), eng.R)))
+    ps = [prompts[i % len(prompts)] for i in range(eng.R)]
+    return eng.prefill_slots(st, list(range(eng.R)), ps, kd, [max_new] * eng.R)
+
+
+def bench_loop(target, drafter, prompts, args, out):
+    from dspark_jax.engine import Engine
+    from dspark_jax.sampling import SamplingParams
+
+    S = max(len(p) for p in prompts[:8]) + args.max_new_tokens + drafter.gamma + 2
+    for name, d in (("ar", None), ("dspark", drafter)):
+        eng = Engine(target, d, num_slots=8, max_len=S)
+        r = {}
+        for loop in ("host", "while"):
+            eng.generate(prompts[:8], max_new_tokens=4, sampling=SamplingParams(1.0, 0, 1.0), loop=loop)  # compile
+            res = eng.generate(prompts[:8], max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
+                               loop=loop)
+            r[loop] = res.tokens_per_s
+        out[f"loop_{name}"] = {"host_tok_s": r["host"], "while_tok_s": r["while"], "while_over_host": r["while"] / r["host"]}
+        print(f"[loop] {name}: host {r['host']:.1f} tok/s, while {r['while']:.1f} tok/s, ratio {r['while'] / r['host']:.3f}")
+
+
+def bench_speed(target, drafter, prompts, args, out):
+    from dspark_jax.engine import Engine
+    from dspark_jax.sampling import SamplingParams
+
+    sp = SamplingParams(1.0, 0, 1.0)
+    for R in (1, 8):
+        ps = prompts[: max(R, 8)]
+        S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
+        ar = Engine(target, None, num_slots=R, max_len=S)
+        ds = Engine(target, drafter, num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),))
+        for e in (ar, ds):
+            e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while")
+        ra = ar.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
+        rd = ds.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
+        ctl = ds.control(sp)
+        t_draft, t_verify = _parts(ds, _started(ds, ps, args.max_new_tokens), ctl)
+        _, t_ar = _parts(ar, _started(ar, ps, args.max_new_tokens), ar.control(sp))
+        bound = rd.tau * t_ar / (t_draft + t_verify)
+        rec = {"batch": R, "ar_tok_s": ra.tokens_per_s, "dspark_tok_s": rd.tokens_per_s,
+               "speedup": rd.tokens_per_s / ra.tokens_per_s, "tau": rd.tau, "T_ar_ms": 1e3 * t_ar,
+               "T_draft_ms": 1e3 * t_draft, "T_verify_ms": 1e3 * t_verify, "bound": bound}
+        out[f"speed_b{R}"] = rec
+        print(f"[speed] batch {R}: AR {ra.tokens_per_s:.1f} tok/s, DSpark {rd.tokens_per_s:.1f} tok/s "
+              f"(x{rec['speedup']:.2f}); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
+              f"T_verify {1e3 * t_verify:.2f} ms -> bound x{bound:.2f}")
+
+
+def _bootstrap(per_prompt, seed=0, n=2000):
+    """95 % interval of the round-weighted tau, resampling prompts."""
+    acc = np.asarray([a for a, _ in per_prompt], np.float64)
+    rounds = np.asarray([r for _, r in per_prompt], np.float64)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(acc), (n, len(acc)))
+    taus = (acc[idx].sum(1) + rounds[idx].sum(1)) / rounds[idx].sum(1)
+    return float(np.percentile(taus, 2.5)), float(np.percentile(taus, 97.5))
+
+
+def bench_tau(target, drafters, prompts, args, out, stop_ids):
+    from dspark_jax.engine import Engine
+    from dspark_jax.sampling import SamplingParams
+
+    for name, d in drafters.items():
+        S = max(len(p) for p in prompts) + args.max_new_tokens + d.gamma + 2
+        eng = Engine(target, d, num_slots=8, max_len=S)
+        res = eng.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
+                           loop="while", stop_ids=stop_ids, seed=args.seed)
+        lo, hi = _bootstrap([(r.accepted, r.rounds) for r in res.results])
+        out[f"tau_{name}"] = {"tau": res.tau, "ci95": [lo, hi], "prompts": len(prompts)}
+        print(f"[tau] {name}: {res.tau:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {len(prompts)} prompts")
+
+
+def head_flop_share(H, V, r, G, L_draft, L_target, I_draft, I_target, R, S_ctx):
+    """Analytic FLOP share of the Markov head in a round (draft + verify), matmul FLOPs only."""
+    head = R * G * 2 * r * V  # W2 projection (r -> V) per slot; the W1 lookup is a gather
+    layer = lambda I, T: 2 * T * (4 * H * H + 3 * H * I) + 4 * T * S_ctx * H
+    draft = R * G * 2 * H * V + L_draft * layer(I_draft, R * G) + R * 2 * H * H
+    verify = L_target * layer(I_target, R * (G + 1)) + R * (G + 1) * 2 * H * V
+    return head / (draft + verify + head)
+
+
+def bench_head(target, prompts, args, out):
+    from dspark_jax.engine import Engine
+    from dspark_jax.sampling import SamplingParams
+
+    cfg = target.cfg
+    sp = SamplingParams(1.0, 0, 1.0)
+    S = max(len(p) for p in prompts[:32]) + 32
+    for G in (7, 15):
+        with_h, without = _random_drafter(target, G, 256), _random_drafter(target, G, 0)
+        for R in (1, 32):
+            ps = [prompts[i % len(prompts)] for i in range(R)]
+            times = {}
+            for name, d in (("markov", with_h), ("none", without)):
+                eng = Engine(target, d, num_slots=R, max_len=S + G, buckets=(R * (G + 1),))
+                st = _started(eng, ps, 16)
+                ctl = eng.control(sp)
+                rnd = jax.jit(lambda tp, dp, st, ctl, _e=eng: __import__("dspark_jax.engine.round", fromlist=["r"])
+                              .round_step(_e.spec, tp, dp, st, ctl)[1])
+                times[name] = _time(lambda: rnd(eng.tp, eng.dp, st, ctl), args.reps)
+            meas = times["markov"] / times["none"] - 1
+            ctx = int(np.mean([len(p) for p in ps]))
+            ana = head_flop_share(cfg.hidden_size, cfg.vocab_size, 256, G, 2, cfg.num_layers, cfg.intermediate_size,
+                                  cfg.intermediate_size, R, ctx)
+            q8 = head_flop_share(4096, 151936, 256, G, 5, 36, 12288, 12288, R, 1024)
+            out[f"head_g{G}_b{R}"] = {"measured_overhead": meas, "analytic_share": ana, "qwen3_8b_share": q8,
+                                      "round_ms_markov": 1e3 * times["markov"], "round_ms_none": 1e3 * times["none"]}
+            print(f"[head] gamma {G} batch {R}: round {1e3 * times['none']:.2f} -> {1e3 * times['markov']:.2f} ms "
+                  f"(+{100 * meas:.1f} %), analytic FLOP share {100 * ana:.1f} %, Qwen3-8B shapes {100 * q8:.2f} %")
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    from dspark_jax.drafter.model import load_drafter
+    from dspark_jax.generate import load_models
+
+    target, drafter, _ = load_models(args.target, None, "ar")
+    prompts, tok = _prompts(target, args)
+    sections = set(args.sections.split(","))
+    drafter = load_drafter(args.drafter, target) if args.drafter else _random_drafter(target, 7, 256)
+    out = {"target": str(target.path), "drafter": args.drafter or "<random>", "cpu_devices": jax.device_count()}
+    if "loop" in sections:
+        bench_loop(target, drafter, prompts, args, out)
+    if "speed" in sections:
+        bench_speed(target, drafter, prompts, args, out)
+    if "tau" in sections:
+        ds = {"dspark": drafter}
+        if args.dflash:
+            ds["dflash"] = load_drafter(args.dflash, target)
+        bench_tau(target, ds, prompts, args, out, tok.stop_ids)
+    if "head" in sections:
+        bench_head(target, prompts, args, out)
+    print(json.dumps(out, indent=1, default=float))
+    return 0

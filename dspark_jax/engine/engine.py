@@ -1,0 +1,360 @@
+"""The Engine: R request slots, bucketed prefill, one compiled round, continuous batching.
+
+    engine = Engine(target, drafter, num_slots=8, max_len=512)   # drafter None = target-only
+    res = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=64, sampling=SamplingParams(0.7, 20, 0.8))
+    res.results[0].tokens, res.results[0].tau
+
+The mode follows the drafter: `Drafter` (kind dspark / dflash), `Eagle3Drafter`,
+`MTPDrafter`, or None (target-only autoregressive decoding). Compiled programs: one round
+(all verification buckets inside one `lax.switch`), one prefill per prompt-length bucket,
+optionally one `lax.while_loop` of rounds. Sampling settings, gamma, threshold, cost table
+and stop ids are traced: switching them never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import scheduler
+from dspark_jax.drafter.eagle3 import Eagle3Drafter
+from dspark_jax.drafter.eagle3 import create_cache as e3_cache
+from dspark_jax.drafter.frozen import TargetMismatchError, check_target
+from dspark_jax.drafter.model import Drafter, validate_layer_ids
+from dspark_jax.drafter.mtp import MTPDrafter
+from dspark_jax.engine.drafts import MODES, Spec
+from dspark_jax.engine.policy import get_policy
+from dspark_jax.engine.round import prefill, round_step, run_rounds
+from dspark_jax.engine.state import Control, DecodeState
+from dspark_jax.engine.traces import Traces
+from dspark_jax.engine.verify import target_arrays
+from dspark_jax.model.kv_cache import KVCache
+from dspark_jax.sampling import SamplingParams
+
+__all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets", "drafter_mode"]
+
+MAX_STOP_IDS = 8
+
+
+class EngineError(ValueError):
+    pass
+
+
+@dataclass
+class RequestResult:
+    tokens: list[int]
+    prompt_len: int
+    rounds: int
+    accepted: int  # accepted draft tokens over all rounds
+    seconds: float
+
+    @property
+    def tau(self) -> float:
+        """Mean over rounds of (accepted + 1) (spec 5)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass
+class GenerateResult:
+    results: list[RequestResult]
+    seconds: float
+    round_calls: int  # compiled round dispatches (host loop) or while-loop calls
+    traces: Traces | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Accepted length over all rounds of all requests."""
+        r = sum(x.rounds for x in self.results)
+        return (sum(x.accepted for x in self.results) + r) / r if r else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(x.tokens) for x in self.results) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def drafter_mode(drafter) -> str:
+    if drafter is None:
+        return "ar"
+    if isinstance(drafter, Drafter):
+        return drafter.dcfg.kind
+    if isinstance(drafter, Eagle3Drafter):
+        return "eagle3"
+    if isinstance(drafter, MTPDrafter):
+        return "mtp1"
+    raise EngineError(f"unknown drafter type {type(drafter).__name__}: pass a Drafter, Eagle3Drafter, MTPDrafter or None")
+
+
+def default_buckets(R: int, G: int) -> tuple[int, ...]:
+    """Verification bucket sizes (tokens): R, 2R, 4R, ... and R * (G + 1) (every round fits)."""
+    top = R * (G + 1)
+    out, b = {top}, R
+    while b < top:
+        out.add(b)
+        b *= 2
+    return tuple(sorted(out))
+
+
+def _prefill_buckets(max_len: int) -> tuple[int, ...]:
+    out, b = [], 16
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_len])
+
+
+class Engine:
+    def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
+                 buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None, mesh=None,
+                 verifier: str = "exact"):
+        tmodel = target if hasattr(target, "lm_head_weight") else target.model
+        self.target, self.drafter, self.mesh = tmodel, drafter, mesh
+        tcfg = tmodel.cfg
+        mode = drafter_mode(drafter)
+        if drafter is not None:
+            check_target(getattr(drafter, "target_fingerprint", None), tmodel, f"{mode} drafter")
+            if tuple(drafter.embed.shape) != (tcfg.vocab_size, tcfg.hidden_size):
+                raise TargetMismatchError(f"the {mode} drafter's embedding {tuple(drafter.embed.shape)} does not fit the "
+                                          f"target ({tcfg.vocab_size}, {tcfg.hidden_size}): build it for this target")
+        if mode in ("dspark", "dflash"):
+            G = drafter.gamma
+            if gamma is not None and gamma > G:
+                raise EngineError(f"gamma {gamma} exceeds the drafter's block size {G}: a {mode} drafter drafts at most "
+                                  f"its trained block; use gamma <= {G}")
+            dcfg, mask_id, window, fl = drafter.cfg, drafter.mask_token_id, drafter.dcfg.sliding_window, drafter.layer_ids
+        elif mode == "eagle3":
+            G = gamma or 7
+            m = drafter.m
+            if layer_ids is None:
+                from dspark_jax.drafter.model import default_layer_ids
+                layer_ids = default_layer_ids(tcfg.num_layers, m)
+            fl = validate_layer_ids(layer_ids, tcfg.num_layers)
+            if len(fl) != m:
+                raise EngineError(f"Eagle3 drafter fuses {m} target layers but layer_ids {list(fl)} has {len(fl)}")
+            dcfg, mask_id, window = tcfg, 0, None
+        elif mode == "mtp1":
+            if gamma not in (None, 1):
+                raise EngineError(f"gamma {gamma} exceeds MTP-1's single draft token: use gamma 1")
+            G, dcfg, mask_id, window, fl = 1, tcfg, 0, None, ()
+        else:
+            G, dcfg, mask_id, window, fl = 0, None, 0, None, ()
+        if mode not in MODES:
+            raise EngineError(f"unknown mode {mode}")
+        R, S = int(num_slots), int(max_len)
+        if S < G + 3:
+            raise EngineError(f"max_len {S} is too short for gamma {G}: need at least {G + 3}")
+        buckets = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G)))))
+        if buckets[-1] < R * (G + 1):
+            raise EngineError(f"largest verification bucket {buckets[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
+                              "a round could not fit; add a bucket of that size")
+        self.mode, self.G, self.R, self.S = mode, G, R, S
+        self.gamma = G if gamma is None else int(gamma)
+        self.buckets = buckets
+        self.prefill_buckets = tuple(sorted(prefill_buckets or _prefill_buckets(S)))
+        self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+        self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, get_policy(policy), verifier)
+        self.table = table if table is not None else scheduler.make_table(
+            buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
+        self.tp = target_arrays(tmodel)
+        self.dp = drafter.arrays() if drafter is not None else {}
+        self.tgraph, self.tstate = nnx.split(tmodel)
+        spec = self.spec
+        tgraph = self.tgraph
+
+        def _prefill(tstate, dp, st, tokens, plen, join, keys, max_new):
+            model = nnx.merge(tgraph, tstate)
+
+            def apply(tok, pos, valid, cache, fl):
+                return model(tok, positions=pos, valid=valid, cache=cache, feature_layers=fl, return_logits=False)
+
+            return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)
+
+        self._prefill = jax.jit(_prefill, donate_argnums=(2,))
+        self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,))
+        self._loop = jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,))
+        self.round_calls = 0
+
+    # ------------------------------------------------------------ state / controls
+
+    def init_state(self) -> DecodeState:
+        R, S, G, cfg = self.R, self.S, self.G, self.target.cfg
+        dt = self.tp["layers"]["q_proj"].dtype
+        if self.mode in ("dspark", "dflash"):
+            dcache = self.drafter.init_cache(R, S)
+            last = jnp.zeros((R, 1), dt)
+        elif self.mode == "eagle3":
+            dcache = e3_cache(cfg, R, S, dt)
+            last = jnp.zeros((R, self.drafter.m, cfg.hidden_size), dt)
+        elif self.mode == "mtp1":
+            dcache = e3_cache(cfg, R, S, dt)
+            last = jnp.zeros((R, cfg.hidden_size), dt)
+        else:
+            dcache = KVCache.create(cfg, R, 1, dt, num_layers=1)
+            last = jnp.zeros((R, 1), dt)
+        zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
+        return DecodeState(KVCache.create(cfg, R, S, dt), dcache, last, zi(), zi(), jnp.zeros((R,), bool),
+                           jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
+                           jnp.zeros((2, R, max(G, 1)), jnp.float32), jnp.int32(0))
+
+    def control(self, sampling: SamplingParams | None = None, gamma: int | None = None, threshold: float = 0.0,
+                stop_ids=(), sts=None, table=None, default_k: int | None = None) -> Control:
+        g = self.gamma if gamma is None else int(gamma)
+        if g > self.G or g < 0:
+            raise EngineError(f"gamma {g} is outside this engine's compiled range 0..{self.G} (the block size it was "
+                              f"built with); build the Engine with a larger gamma / drafter block")
+        s = sampling or SamplingParams()
+        s = SamplingParams(*(jnp.broadcast_to(jnp.asarray(v, dt), (self.R,)) for v, dt in
+                             zip(s, (jnp.float32, jnp.int32, jnp.float32))))
+        stops = [int(x) for x in stop_ids]
+        if len(stops) > MAX_STOP_IDS:
+            raise EngineError(f"at most {MAX_STOP_IDS} stop ids, got {len(stops)}")
+        stops = jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32)
+        Gs = max(self.G, 1)
+        sts = jnp.ones((Gs,), jnp.float32) if sts is None else jnp.asarray(sts, jnp.float32)[:Gs]
+        if sts.shape != (Gs,):
+            raise EngineError(f"sts temperatures need {Gs} values, got {sts.shape[0]}")
+        dk = self.R * g if default_k is None else int(default_k)
+        return Control(s, jnp.int32(g), jnp.float32(threshold), sts, table or self.table, jnp.int32(dk), stops)
+
+    # ------------------------------------------------------------ compiled calls
+
+    def prefill_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
+        """Start `prompts` (lists of ids) in `slots` with per-request key data rows (`jax.random.key_data`);
+        one compiled prefill per prompt-length bucket."""
+        n = max(len(p) for p in prompts)
+        P = next((b for b in self.prefill_buckets if b >= n), None)
+        if P is None:
+            raise EngineError(f"prompt of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}")
+        tok = np.zeros((self.R, P), np.int32)
+        plen = np.ones((self.R,), np.int32)
+        join = np.zeros((self.R,), bool)
+        mx = np.zeros((self.R,), np.int32)
+        kd = np.array(jax.random.key_data(st.keys))
+        slots = np.asarray(slots, np.int64)
+        for s, p in zip(slots, prompts):
+            tok[s, : len(p)] = p
+            plen[s] = len(p)
+        join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
+        keys_arr = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
+        return self._prefill(self.tstate, self.dp, st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join),
+                             keys_arr, jnp.asarray(mx))
+
+    def step(self, st: DecodeState, ctl: Control):
+        """One compiled round for the whole batch -> (state, RoundOut)."""
+        self.round_calls += 1
+        return self._round(self.tp, self.dp, st, ctl)
+
+    def compiled_rounds(self) -> int:
+        """How many round programs have been compiled (1 for any number of buckets / settings)."""
+        return self._round._cache_size()
+
+    # ------------------------------------------------------------ generation
+
+    def check_prompts(self, prompts, max_new_tokens: int):
+        V = self.target.cfg.vocab_size
+        limit = self.S - self.G - 2
+        min_len = 2 if self.mode in ("eagle3", "mtp1") else 1
+        out = []
+        for i, p in enumerate(prompts):
+            p = [int(x) for x in p]
+            if len(p) < min_len:
+                raise EngineError(f"prompt {i} has {len(p)} tokens; {self.mode} needs at least {min_len}")
+            if len(p) > limit:
+                raise EngineError(f"prompt {i} has {len(p)} tokens, longer than the maximum context allows "
+                                  f"(max_len {self.S} - gamma {self.G} - 2 = {limit}): shorten it or build the "
+                                  "Engine with a larger max_len")
+            if min(p) < 0 or max(p) >= V:
+                raise EngineError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
+            out.append(p)
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return out
+
+    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None, seed: int = 0,
+                 gamma: int | None = None, threshold: float = 0.0, stop_ids=(), sts=None, sample_index=None,
+                 traces: bool = False, loop: str = "host", table=None) -> GenerateResult:
+        """Generate for every prompt (lists of token ids), R at a time, refilling freed slots.
+
+        Request i draws its randomness from `fold_in(key(seed), sample_index[i])` (default i),
+        so its output does not depend on the batch it ran in. `loop`: "host" (a Python loop over
+        the compiled round; required for traces) or "while" (a compiled `lax.while_loop` that
+        returns to the host only when a slot frees up while requests wait).
+        """
+        if loop not in ("host", "while"):
+            raise EngineError(f"loop must be 'host' or 'while', got {loop!r}")
+        if traces and loop != "host":
+            raise EngineError("traces need loop='host' (the while loop does not return per-round records)")
+        prompts = self.check_prompts(prompts, max_new_tokens)
+        ctl = self.control(sampling, gamma, threshold, stop_ids, sts, table)
+        idx = list(range(len(prompts))) if sample_index is None else [int(i) for i in sample_index]
+        req_keys = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+            jax.random.key(seed), jnp.asarray(idx, jnp.uint32))))
+        mx = min(max_new_tokens, self.S)
+        tr = Traces(self.G) if traces else None
+        st = self.init_state()
+        queue = list(range(len(prompts)))
+        slot_req = np.full((self.R,), -1, np.int64)
+        t_start = np.zeros(len(prompts))
+        results: list[RequestResult | None] = [None] * len(prompts)
+        calls = 0
+        t0 = time.perf_counter()
+        while True:
+            free = np.flatnonzero(slot_req < 0).tolist()
+            if queue and free:
+                take = queue[: len(free)]
+                queue = queue[len(take):]
+                by_bucket: dict[int, list] = {}
+                for s, i in zip(free, take):
+                    P = next(b for b in self.prefill_buckets if b >= len(prompts[i]))
+                    by_bucket.setdefault(P, []).append((s, i))
+                for group in by_bucket.values():
+                    ss, ii = [s for s, _ in group], [i for _, i in group]
+                    st = self.prefill_slots(st, ss, [prompts[i] for i in ii], req_keys[ii], [mx] * len(group))
+                    slot_req[ss] = ii
+                    t_start[ii] = time.perf_counter()
+            if not (slot_req >= 0).any():
+                break
+            if loop == "host":
+                st, ro = self.step(st, ctl)
+                calls += 1
+                if tr is not None:
+                    tr.add(calls - 1, slot_req, ro)
+            else:
+                st, _ = self._loop(self.tp, self.dp, st, ctl, jnp.int32(1 << 30), jnp.asarray(bool(queue)))
+                calls += 1
+            active = np.asarray(st.active)
+            finished = np.flatnonzero((slot_req >= 0) & ~active).tolist()
+            if finished:
+                now = time.perf_counter()
+                n_gen, rounds, acc = (np.asarray(x) for x in (st.n_gen, st.rounds, st.acc_sum))
+                out = np.asarray(st.out)
+                for s in finished:
+                    i = int(slot_req[s])
+                    results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),
+                                               int(acc[s]), now - t_start[i])
+                    slot_req[s] = -1
+        return GenerateResult(results, time.perf_counter() - t0, calls, tr)
+
+
+def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 64, gamma: int | None = None,
+                            sampling: SamplingParams | None = None, num_slots: int = 8, max_len: int | None = None,
+                            seed: int = 0, stop_ids=(), layer_ids=None) -> float:
+    """tau = mean over all rounds of (accepted + 1), fixed-gamma verification (default T = 1)."""
+    longest = max(len(p) for p in prompts)
+    G = gamma or getattr(drafter, "gamma", 7)
+    S = max_len or (longest + max_new_tokens + G + 2)
+    eng = Engine(target, drafter, num_slots=min(num_slots, len(prompts)), max_len=S, gamma=gamma, layer_ids=layer_ids)
+    res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(1.0, 0, 1.0),
+                       seed=seed, stop_ids=stop_ids)
+    return res.tau

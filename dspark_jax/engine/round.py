@@ -1,0 +1,190 @@
+"""The compiled pieces: prefill (per prompt-length bucket), one round, and a `lax.while_loop` of rounds.
+
+One round for the whole batch is ONE jitted call: draft -> prefix survival -> length
+policy -> bucket choice -> packed verification (`lax.switch` over the compiled buckets,
+so the program is compiled once and only the chosen bucket's branch runs) -> rejection
+sampling with per-row keys -> stop / max-length per slot -> KV rollback (a `lengths`
+move) -> drafter update.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import rejection, scheduler
+from dspark_jax.engine.drafts import Spec, draft, prefill_drafter, update_drafter
+from dspark_jax.engine.state import Control, DecodeState, RoundOut
+from dspark_jax.engine.verify import verify_packed
+from dspark_jax.sampling import sample, sampling_probs
+
+__all__ = ["prefill", "round_step", "run_rounds", "verify_row", "row_round_keys"]
+
+
+# ------------------------------------------------------------------ rejection per row
+
+
+def _verify_no_residual(key, d, q, p, l):
+    """DELIBERATELY BROKEN (tests only): resample from p instead of norm(max(p - q, 0))."""
+    g = d.shape[1]
+    k_u, k_s = jax.random.split(key)
+    pd = jnp.take_along_axis(p[:, :g], d[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_u, d.shape, jnp.float32)
+    accept = (u * qd < pd) & (jnp.arange(g)[None] < l[:, None])
+    acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    last = sample(k_s, p[jnp.arange(d.shape[0]), acc])
+    pos = jnp.arange(g + 1)[None]
+    ext = jnp.concatenate([d, jnp.zeros_like(d[:, :1])], axis=1)
+    out = jnp.where(pos < acc[:, None], ext, jnp.where(pos == acc[:, None], last[:, None], -1))
+    return acc, out, acc + 1
+
+
+def verify_row(key, drafts, q, p, length, variant: str = "exact"):
+    """Rejection sampling of one row (drafts [G], q [G, V], p [G+1, V]) -> (acc, out [G+1], n_out)."""
+    fn = _verify_no_residual if variant == "no_residual" else rejection.verify
+    acc, out, n = fn(key, drafts[None], q[None], p[None], length[None])
+    return acc[0], out[0], n[0]
+
+
+def row_round_keys(keys, rounds):
+    """Per row and round: (draft key, verify key), from the request's key and its own round count."""
+    k = jax.vmap(jax.random.fold_in)(keys, rounds.astype(jnp.uint32))
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 0), jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 1)
+
+
+# ------------------------------------------------------------------ prefill
+
+
+def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
+    """Start requests in the slots where `join` [R] is True: prompt tokens [R, P] (right padded), lengths plen [R].
+
+    The target forwards x_0..x_{n-2} (the last prompt token becomes the first anchor, forwarded
+    by the first round's verification), the drafter context is written from its features.
+    """
+    r, p = tokens.shape
+    col = jnp.arange(p, dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(col, (r, p))
+    valid = (col < plen[:, None] - 1) & join[:, None]
+    fo = tmodel_apply(tokens, positions, valid, st.cache, spec.feature_layers)
+    cache = fo.cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
+    dcache, last = prefill_drafter(spec, dp, st.dcache, st.last, fo.features, fo.hidden, tokens, plen, join)
+    anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, p - 1)]
+    z = lambda a: jnp.where(join, 0, a)
+    return st._replace(
+        cache=cache, dcache=dcache, last=last,
+        anchor=jnp.where(join, anchor, st.anchor), pos=jnp.where(join, plen - 1, st.pos),
+        active=jnp.where(join, max_new > 0, st.active), keys=_select_keys(join, keys, st.keys),
+        rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen),
+        max_new=jnp.where(join, max_new, st.max_new), out=jnp.where(join[:, None], 0, st.out))
+
+
+def _select_keys(mask, new, old):
+    nd = jax.random.key_data(new)
+    od = jax.random.key_data(old)
+    m = mask.reshape(mask.shape[0], *([1] * (nd.ndim - 1)))
+    return jax.random.wrap_key_data(jnp.where(m, nd, od), impl=jax.random.key_impl(old))
+
+
+# ------------------------------------------------------------------ one round
+
+
+def _stop_truncate(out, n_out, stop_ids):
+    pos = jnp.arange(out.shape[1])[None]
+    is_stop = jnp.any(out[..., None] == stop_ids[None, None, :], axis=-1) & (pos < n_out[:, None])
+    hit = jnp.any(is_stop, axis=1)
+    return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_out).astype(jnp.int32), hit
+
+
+def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
+    """One speculative round for all R slots -> (DecodeState, RoundOut)."""
+    r = st.anchor.shape[0]
+    G, S = spec.G, spec.max_len
+    act = st.active
+    kd, kv = row_round_keys(st.keys, st.rounds)
+    samp = ctl.sampling
+
+    # 1-2. draft + confidence
+    if G:
+        drafts, q, z, q_raw, dcache = draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)
+        a = scheduler.prefix_survival(z, ctl.sts[:G])
+        stale_valid = st.step >= 2
+        lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
+        lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
+        a_hist = jnp.stack([a, st.a_hist[0]])
+    else:
+        drafts = jnp.zeros((r, 0), jnp.int32)
+        z = jnp.zeros((r, 1), jnp.float32)
+        lengths = jnp.zeros((r,), jnp.int32)
+        dcache, a_hist, q, q_raw = st.dcache, st.a_hist, None, None
+
+    # 3. bucket
+    n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
+    buckets = jnp.asarray(spec.buckets, jnp.int32)
+    b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)
+
+    # 4. verify on the packed batch
+    toks = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [R, G+1]
+    valid = (jnp.arange(G + 1)[None] <= lengths[:, None]) & act[:, None]
+
+    def branch(bk):
+        return lambda cache: verify_packed(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
+                                           feature_layers=spec.feature_layers)
+
+    vo = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    t_samp = jax.tree.map(lambda x: x[:, None], samp)
+    p = sampling_probs(vo.logits, t_samp.temperature, t_samp.top_k, t_samp.top_p)  # [R, G+1, V]
+
+    # 5. rejection sampling (+ bonus)
+    if G:
+        qv = q_raw if spec.verifier == "unfiltered_q" else q
+        acc, out, n_out = jax.vmap(functools.partial(verify_row, variant=spec.verifier))(kv, drafts, qv, p, lengths)
+    else:
+        acc = jnp.zeros((r,), jnp.int32)
+        out = jax.vmap(sample)(kv, p[:, 0])[:, None]
+        n_out = jnp.ones((r,), jnp.int32)
+    n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
+    acc = jnp.minimum(acc, n_out)
+
+    # 6. commit, per-slot stops, rollback
+    room = jnp.maximum(st.max_new - st.n_gen, 0)
+    n_keep = jnp.where(act, jnp.minimum(n_out, room), 0)
+    cols = st.n_gen[:, None] + jnp.arange(G + 1)[None]
+    write = jnp.where(jnp.arange(G + 1)[None] < n_keep[:, None], cols, S)
+    out_buf = st.out.at[jnp.arange(r)[:, None], write].set(out, mode="drop")
+    n_gen = st.n_gen + n_keep
+    new_pos = st.pos + acc + 1
+    new_anchor = out[jnp.arange(r), jnp.clip(n_out - 1, 0, G)]
+    done = act & (stopped | (n_gen >= st.max_new) | (new_pos + G + 1 > S))
+    pos = jnp.where(act, new_pos, st.pos)
+    cache = vo.cache.with_lengths(pos)
+    if G:
+        dcache, last = update_drafter(spec, dp, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
+                                      act & ~done)
+    else:
+        last = st.last
+    new = st._replace(
+        cache=cache, dcache=dcache, last=last, anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
+        active=act & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + jnp.where(act, acc, 0), n_gen=n_gen,
+        out=out_buf, a_hist=a_hist, step=st.step + 1)
+    return new, RoundOut(z[:, : spec.Gs], lengths, acc, n_keep, act, b_idx)
+
+
+def run_rounds(spec: Spec, tp, dp, st: DecodeState, ctl: Control, max_rounds, stop_on_free):
+    """`lax.while_loop` over `round_step` until no slot is active, `max_rounds` rounds ran, or
+    (when `stop_on_free`) a slot finished, so the host can refill it."""
+    n0 = jnp.sum(st.active)
+
+    def cond(c):
+        s, i = c
+        freed = jnp.sum(s.active) < n0
+        return jnp.any(s.active) & (i < max_rounds) & ~(stop_on_free & freed)
+
+    def body(c):
+        s, i = c
+        return round_step(spec, tp, dp, s, ctl)[0], i + 1
+
+    st, n = jax.lax.while_loop(cond, body, (st, jnp.int32(0)))
+    return st, n

@@ -1,0 +1,62 @@
+"""The decode state of R request slots (a pytree, every leaf a fixed-shape array) and the
+traced per-call controls.
+
+Convention per slot r: the committed sequence is x_0..x_p, `anchor[r] = x_p`,
+`pos[r] = p`; the target cache holds K/V of positions < p (`cache.lengths == pos`), the
+anchor is forwarded by the next round's verification. Drafter state per mode:
+DSpark/DFlash: context K/V of positions < p; Eagle3/MTP-1: their one-layer cache with
+`lengths == p - 1` and `last` = target features (Eagle3, [R, m, H]) or final hidden
+(MTP-1, [R, H]) at position p - 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.model.kv_cache import KVCache
+from dspark_jax.sampling import SamplingParams
+
+__all__ = ["DecodeState", "Control", "RoundOut"]
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache  # target KV [L, R, S, Nkv, D]
+    dcache: KVCache  # drafter cache (mode dependent; a 1-position dummy for target-only)
+    last: jax.Array  # Eagle3 [R, m, H] / MTP-1 [R, H] / dummy [R, 1]
+    anchor: jax.Array  # [R] int32
+    pos: jax.Array  # [R] int32
+    active: jax.Array  # [R] bool: holds an unfinished request
+    keys: jax.Array  # [R] typed PRNG keys (per request)
+    rounds: jax.Array  # [R] int32 rounds run by the request
+    acc_sum: jax.Array  # [R] int32 sum over rounds of accepted drafts
+    n_gen: jax.Array  # [R] int32 tokens generated
+    max_new: jax.Array  # [R] int32
+    out: jax.Array  # [R, S] int32 generated tokens
+    a_hist: jax.Array  # [2, R, G'] prefix survivals of the last two rounds (production scheduler)
+    step: jax.Array  # scalar int32 rounds run by the engine
+
+
+class Control(NamedTuple):
+    """Traced settings of a call: changing them does not recompile."""
+
+    sampling: SamplingParams  # each field [R]
+    gamma: jax.Array  # int32: fixed-gamma verification length (<= the compiled block size)
+    threshold: jax.Array  # float32: static confidence threshold
+    sts: jax.Array  # [G'] float32 STS temperatures for the prefix survival
+    table: Any  # scheduler.CostTable
+    default_k: jax.Array  # int32: production scheduler capacity for its first two rounds
+    stop_ids: jax.Array  # [K] int32 (-1 = none)
+
+
+class RoundOut(NamedTuple):
+    """Per-round, per-slot record (the trace the calibration reads)."""
+
+    z: jax.Array  # [R, G'] raw confidence logits
+    lengths: jax.Array  # [R] verification length chosen
+    accepted: jax.Array  # [R] accepted draft tokens
+    n_out: jax.Array  # [R] tokens committed this round
+    active: jax.Array  # [R] slot was active in this round
+    bucket: jax.Array  # scalar: bucket index used

@@ -1,0 +1,116 @@
+"""Target verification on a packed token batch with a per-request padded attention view (spec 3.1).
+
+The dense work (q/k/v/o projections, MLP, LM head) runs on `bucket` packed tokens: the
+valid tokens of the padded `[R, T]` block (`T = gamma + 1`, each row's anchor and its
+first `l_r` drafts), each with its slot and position, padded with masked tokens up to the
+compiled bucket size. Attention scatters the packed queries into the `[R, T]` view and
+attends each row against its own KV cache (keys <= the query's position, so each row sees
+exactly its prefix of `1 + l_r` new tokens). Compute then scales with the bucket, not with
+`R * T`, while every shape stays static.
+
+`pack` / `unpack` are the two index maps; `verify_packed` is the forward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.model.config import ModelConfig
+from dspark_jax.model.kv_cache import KVCache
+from dspark_jax.model.layers import attention, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.model.transformer import finish_layer, project_qkv
+
+__all__ = ["Packing", "pack", "verify_packed", "target_arrays"]
+
+
+def target_arrays(model, dtype=None) -> dict:
+    """The target's weights as a dict of arrays for the pure forwards (lm_head [H,V] even when tied)."""
+    dt = dtype or (model.dtype or model.embed[...].dtype)
+    return {"embed": model.embed[...], "layers": model.layers.arrays(dt), "final_norm": model.final_norm[...],
+            "lm_head": model.lm_head_weight()}
+
+
+class Packing(NamedTuple):
+    dest: jax.Array  # [R*T] packed index of each padded token (bucket = not packed)
+    slot: jax.Array  # [bucket] row of each packed token (R = padding)
+    col: jax.Array  # [bucket] column in the padded view
+    pos: jax.Array  # [bucket] sequence position (S = padding: cache writes dropped)
+    tok: jax.Array  # [bucket] token id
+    n: jax.Array  # scalar: number of valid packed tokens
+
+
+def pack(tokens, start, valid, bucket: int, max_len: int) -> Packing:
+    """tokens/valid [R, T], start [R] (position of column 0) -> a packing of the valid tokens
+    into `bucket` slots, row-major. Valid tokens beyond the bucket are dropped (callers size
+    the bucket so that never happens)."""
+    r, t = tokens.shape
+    fv = valid.reshape(-1)
+    idx = jnp.cumsum(fv.astype(jnp.int32)) - 1
+    dest = jnp.where(fv, idx, bucket)
+    slot = jnp.full((bucket,), r, jnp.int32).at[dest].set(jnp.repeat(jnp.arange(r, dtype=jnp.int32), t), mode="drop")
+    col = jnp.zeros((bucket,), jnp.int32).at[dest].set(jnp.tile(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
+    tok = jnp.zeros((bucket,), jnp.int32).at[dest].set(tokens.reshape(-1).astype(jnp.int32), mode="drop")
+    live = slot < r
+    pos = jnp.where(live, start[jnp.minimum(slot, r - 1)] + col, max_len)
+    return Packing(dest, slot, col, pos.astype(jnp.int32), tok, jnp.sum(fv.astype(jnp.int32)))
+
+
+def unpack(packed, pk: Packing, r: int, t: int):
+    """[bucket, ...] -> [R, T, ...] (tokens that were not packed get an arbitrary finite row)."""
+    b = packed.shape[0]
+    return packed[jnp.clip(pk.dest, 0, b - 1)].reshape(r, t, *packed.shape[1:])
+
+
+class VerifyOut(NamedTuple):
+    logits: jax.Array  # [R, T, V] float32
+    hidden: jax.Array  # [R, T, H] final normed hidden
+    features: jax.Array  # [R, T, m, H] raw outputs of the feature layers (m >= 1; zeros if none asked)
+    cache: KVCache  # K/V written at the valid tokens' positions; lengths unchanged
+
+
+def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, valid, *, bucket: int,
+                  feature_layers: tuple[int, ...] = ()) -> VerifyOut:
+    """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
+
+    Dense work on `bucket` packed tokens; attention on the padded [R, T] view against each
+    row's cache. Writes their K/V into `cache` (a later rollback is a `lengths` move).
+    """
+    r, t = tokens.shape
+    s = cache.max_len
+    pk = pack(tokens, start, valid, bucket, s)
+    dtype = tp["layers"]["q_proj"].dtype
+    x = jnp.take(tp["embed"], pk.tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
+    cos, sin = rope_cos_sin(jnp.minimum(pk.pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
+    qpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= qpos[:, :, None]  # [R, T, S]
+    gslot = jnp.minimum(pk.slot, r - 1)
+    slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
+    for i, l in enumerate(feature_layers):
+        slot_of_layer[l] = i
+    m = max(len(feature_layers), 1)
+    feats0 = jnp.zeros((m, bucket, cfg.hidden_size), dtype)
+
+    def body(carry, layer):
+        x, feats = carry
+        p, fslot, ck, cv = layer
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        ck = ck.at[pk.slot, pk.pos].set(k[0].astype(ck.dtype), mode="drop")
+        cv = cv.at[pk.slot, pk.pos].set(v[0].astype(cv.dtype), mode="drop")
+        qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
+        o = attention(qv, ck.astype(dtype), cv.astype(dtype), mask)  # [R, T, Nq, D]
+        x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
+        if feature_layers:
+            i = jnp.maximum(fslot, 0)
+            feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
+        return (x, feats), (ck, cv)
+
+    (x, feats), (k, v) = jax.lax.scan(body, (x, feats0), (tp["layers"], jnp.asarray(slot_of_layer), cache.k, cache.v))
+    h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.einsum("bh,hv->bv", h, tp["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
+    return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t),
+                     cache._replace(k=k, v=v))
