@@ -103,6 +103,8 @@ class TrainSection:
     log_every: int = 10
     resume: bool = True
     stop_after_steps: int | None = None  # stop (with a checkpoint) after this many steps of this run
+    measure_prompts: int = 32  # held-out prompts decoded speculatively at the end (0 = skip)
+    measure_max_new_tokens: int = 64
 
     def __post_init__(self):
         if self.batch_size < 1:

@@ -57,9 +57,8 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
 
 
 def load_models(target_dir=None, drafter_dir=None, mode=None):
-    """(LoadedTarget, drafter or None, mode). Eagle3 / MTP-1 drafters have no on-disk format yet:
-    build them in Python and pass them to Engine directly."""
-    from dspark_jax.drafter.model import load_drafter
+    """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer."""
+    from dspark_jax.drafter.registry import load as load_drafter
     from dspark_jax.hf_import import load_target
 
     if target_dir is None:
@@ -74,9 +73,6 @@ def load_models(target_dir=None, drafter_dir=None, mode=None):
     mode = mode or kind
     if mode == "ar":
         drafter = None
-    elif mode in ("eagle3", "mtp1"):
-        raise ValueError(f"--mode {mode}: Eagle3 / MTP-1 drafters are not loadable from disk yet; use the Python API "
-                         "(dspark_jax.engine.Engine with an Eagle3Drafter / MTPDrafter)")
     elif drafter is None:
         raise ValueError(f"--mode {mode} needs --drafter DIR (a drafter trained with python -m dspark_jax.train)")
     elif kind != mode:

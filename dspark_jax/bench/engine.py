@@ -31,6 +31,8 @@ def _args(argv):
     ap.add_argument("--target", default=None, help="HF checkpoint dir (default: the embedded target)")
     ap.add_argument("--drafter", default=None, help="trained DSpark drafter dir")
     ap.add_argument("--dflash", default=None, help="trained DFlash drafter dir (tau comparison)")
+    ap.add_argument("--eagle3", default=None, help="trained Eagle3 drafter dir (tau comparison)")
+    ap.add_argument("--mtp1", default=None, help="trained MTP-1 drafter dir (tau comparison)")
     ap.add_argument("--prompts", default=None, help="held-out prompts jsonl (default: embedded math held-out)")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -167,7 +169,8 @@ def bench_tau(target, drafters, prompts, args, out, stop_ids):
     from dspark_jax.sampling import SamplingParams
 
     for name, d in drafters.items():
-        S = max(len(p) for p in prompts) + args.max_new_tokens + d.gamma + 2
+        gamma = getattr(d, "gamma", None) or d.dcfg.gamma
+        S = max(len(p) for p in prompts) + args.max_new_tokens + gamma + 2
         eng = Engine(target, d, num_slots=8, max_len=S)
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
                            loop="while", stop_ids=stop_ids, seed=args.seed)
@@ -217,7 +220,7 @@ def bench_head(target, prompts, args, out):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_jax.drafter.model import load_drafter
+    from dspark_jax.drafter.registry import load as load_drafter
     from dspark_jax.generate import load_models
 
     target, drafter, _ = load_models(args.target, None, "ar")
@@ -231,8 +234,9 @@ def main(argv=None) -> int:
         bench_speed(target, drafter, prompts, args, out)
     if "tau" in sections:
         ds = {"dspark": drafter}
-        if args.dflash:
-            ds["dflash"] = load_drafter(args.dflash, target)
+        for kind in ("dflash", "eagle3", "mtp1"):
+            if getattr(args, kind, None):
+                ds[kind] = load_drafter(getattr(args, kind), target)
         bench_tau(target, ds, prompts, args, out, tok.stop_ids)
     if "head" in sections:
         bench_head(target, prompts, args, out)

@@ -127,6 +127,29 @@ def prepare_data(cfg: Config, target: LoadedTarget, phases: Phases) -> tuple[Tok
     return out["train"], out["heldout"]
 
 
+def heldout_prompts(ds, n: int) -> list[list[int]]:
+    """The prompt part (tokens before the first assistant token) of the first n records."""
+    out = []
+    for i in range(min(n, len(ds))):
+        rec = ds[i]
+        first = int(rec["loss_mask"].argmax()) if rec["loss_mask"].any() else len(rec["tokens"])
+        if first >= 2:
+            out.append(rec["tokens"][:first].tolist())
+    return out
+
+
+def measure_heldout_tau(cfg: Config, target: LoadedTarget, held_ds, drafter_dir) -> float:
+    """Accepted length of real speculative decoding (fixed gamma, temperature 1) on held-out prompts."""
+    from dspark_jax.drafter import registry
+    from dspark_jax.engine import measure_accepted_length
+
+    drafter = registry.load(drafter_dir, target.model)
+    prompts = heldout_prompts(held_ds, cfg.train.measure_prompts)
+    stops = tuple(target.tokenizer.stop_ids) if target.tokenizer is not None else ()
+    return float(measure_accepted_length(target.model, drafter, prompts, max_new_tokens=cfg.train.measure_max_new_tokens,
+                                         stop_ids=stops, seed=cfg.seed))
+
+
 def format_summary(summary: dict, phases: Phases) -> str:
     ev = summary.get("eval", {})
     lines = [
@@ -161,6 +184,9 @@ def run(cfg: Config, progress: bool = True) -> dict:
         summary = trainer.fit()
     finally:
         trainer.close()
+    if held_ds is not None and cfg.train.measure_prompts > 0 and not summary["preempted"]:
+        with phases("speculative decoding"):
+            summary["measured_tau"] = measure_heldout_tau(cfg, target, held_ds, summary["drafter_local"])
     summary["wall_s"] = time.perf_counter() - t0
     summary["phases_s"] = dict(phases.times)
     if jax.process_index() == 0:

@@ -318,7 +318,8 @@ class Trainer:
             if is_remote(self.out):
                 copy_tree(local_export, export)
         return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
-                "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export), "eval": final_eval}
+                "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export),
+                "drafter_local": str(self.local_out / "drafter"), "eval": final_eval}
 
     def close(self):
         self.ckpt.close()
