@@ -89,3 +89,34 @@ def hf_checkpoints(tmp_path_factory):
         d = root / name
         out[name] = (d, _save_hf(kind, d, dtype))
     return out
+
+
+@pytest.fixture(scope="session")
+def embedded_tiny_dir():
+    """The tiny embedded target (about a minute to build on a fresh cache, then cached)."""
+    from dspark_jax.embedded import embedded_target_dir
+
+    return embedded_target_dir(preset="tiny", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dspark_drafter_dir(embedded_tiny_dir, tmp_path_factory):
+    """An untrained DSpark drafter (gamma 4) for the tiny embedded target, saved to disk."""
+    import dataclasses
+
+    from flax import nnx
+
+    from dspark_jax.config import DrafterSection
+    from dspark_jax.drafter import registry
+    from dspark_jax.drafter.frozen import attach_target
+    from dspark_jax.hf_import import load_target
+    from dspark_jax.sharding import create_model
+
+    t = load_target(embedded_tiny_dir)
+    dcfg = DrafterSection(kind="dspark", num_layers=1, gamma=4, markov_rank=16, target_layer_ids=(1, 3, 5),
+                          mask_token_id=t.tokenizer.mask_id)
+    d = create_model(lambda: registry.build(t.cfg, dcfg, rngs=nnx.Rngs(3)))
+    attach_target(d, t.model)
+    out = tmp_path_factory.mktemp("drafter") / "dspark"
+    registry.save(d, out)
+    return out

@@ -1,0 +1,297 @@
+"""`python -m dspark_jax.eval`: judge drafters on prompt sets with real speculative decoding.
+
+For every prompt set and drafter: accepted length tau with a 95 % bootstrap interval
+(over requests), conditional acceptance per draft position (the paper's Figure 2
+metric), a static confidence-threshold sweep (share of verified tokens accepted, and
+tau) and calibration metrics. Writes report.md, PNG plots and results.json.
+
+Prompt sets are jsonl files in the reference's `{"turns": [...]}` format (first turn) or
+`{"conversations": [...]}`; without --prompts, the embedded corpora's held-out code,
+math and prose prompts are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class EvalError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------- metrics (pure)
+
+def bootstrap_tau(accepted: np.ndarray, rounds: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """tau = (sum accepted + sum rounds) / sum rounds over requests, and its 95 % percentile interval."""
+    accepted, rounds = np.asarray(accepted, float), np.asarray(rounds, float)
+    tau = (accepted.sum() + rounds.sum()) / max(rounds.sum(), 1.0)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(rounds), (n, len(rounds)))
+    a, r = accepted[idx].sum(1), rounds[idx].sum(1)
+    boot = (a + r) / np.maximum(r, 1.0)
+    return float(tau), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def conditional_acceptance(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
+    """[G]: position k = j+1: #(accepted >= k) / #(accepted >= k-1 and length >= k)."""
+    accepted, length = np.asarray(accepted), np.asarray(length)
+    out = np.full((G,), np.nan)
+    for k in range(1, G + 1):
+        den = np.sum((accepted >= k - 1) & (length >= k))
+        if den:
+            out[k - 1] = np.sum(accepted >= k) / den
+    return out
+
+
+def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) -> list[dict]:
+    """Static thresholds on prefix survival, replayed exactly on full-gamma rounds: a round
+    verifying l drafts accepts min(k, l) of them when k were accepted at full gamma."""
+    z = np.asarray(conf_logits, float)
+    t = np.ones(z.shape[1]) if temps is None else np.asarray(temps, float)
+    a = np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=1)
+    acc = np.asarray(accepted)
+    rows = []
+    for th in thresholds:
+        l = np.sum(np.cumprod(a >= th, axis=1), axis=1)
+        got = np.minimum(acc, l)
+        rows.append({"threshold": float(th), "verified_per_round": float(l.mean()),
+                     "accepted_share": float(got.sum() / max(l.sum(), 1)), "tau": float((got + 1).mean())})
+    return rows
+
+
+# ---------------------------------------------------------------------------- running
+
+def load_prompt_sets(paths, tokenizer, template, num: int) -> dict[str, list[list[int]]]:
+    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.data.corpora import build_corpus, load_jsonl
+    from dspark_jax.regenerate import prompt_messages
+
+    sets = {}
+    if paths:
+        for p in paths:
+            path = Path(p)
+            if not path.is_file():
+                raise EvalError(f"prompt set '{p}' does not exist: pass a jsonl file of {{\"turns\": [...]}} lines")
+            convs = load_jsonl(path)
+            sets[path.stem] = convs[:num]
+    else:
+        per = -(-num // 1) + 8
+        held = build_corpus("heldout", 0, n_code=per, n_math=per, n_prose=per)
+        for domain in ("code", "math", "prose"):
+            sets[domain] = [c for c in held if _domain(c) == domain][:num]
+    out = {}
+    for name, convs in sets.items():
+        ids = [render_prompt(tokenizer, prompt_messages(c), template) for c in convs]
+        out[name] = [x for x in ids if len(x) >= 2]
+    return out
+
+
+def _domain(conv) -> str:
+    user = conv[0]["content"]
+    if user.startswith(("Write the Python", "Complete this code")):
+        return "code"
+    if user.startswith("Explain"):
+        return "prose"
+    return "math"
+
+
+def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
+                     max_prompt_len=None):
+    from dspark_jax.engine import Engine
+
+    G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
+    if max_prompt_len:
+        prompts = [p[-max_prompt_len:] for p in prompts]
+    S = max(len(p) for p in prompts) + max_new_tokens + G + 2
+    eng = Engine(target, drafter, num_slots=min(num_slots, len(prompts)), max_len=S)
+    res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids,
+                       traces=True)
+    acc = np.asarray([r.accepted for r in res.results])
+    rounds = np.asarray([r.rounds for r in res.results])
+    tau, lo, hi = bootstrap_tau(acc, rounds, seed=seed)
+    tr = res.traces.arrays()
+    out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
+           "conditional_acceptance": conditional_acceptance(tr["accepted"], tr["length"], G).tolist(),
+           "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
+    has_conf = bool(getattr(drafter, "dcfg", None) and drafter.dcfg.confidence_head)
+    full = tr["full"]
+    if has_conf and full.any():
+        from dspark_jax.calibration import calibration_report
+
+        out["threshold_sweep"] = threshold_sweep(tr["conf_logits"][full], tr["accepted"][full], temps)
+        rep = calibration_report(tr["conf_logits"][full], tr["accepted"][full], np.ones(G) if temps is None else temps)
+        out["calibration"] = json.loads(json.dumps(rep, default=lambda x: np.asarray(x).tolist()))
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+def write_plots(results: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    sets = list(results)
+    drafters = sorted({d for s in results.values() for d in s})
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(sets), 3.6))
+    w = 0.8 / max(len(drafters), 1)
+    for i, d in enumerate(drafters):
+        xs, ys, err = [], [], [[], []]
+        for j, s in enumerate(sets):
+            r = results[s].get(d)
+            if r:
+                xs.append(j + i * w)
+                ys.append(r["tau"])
+                err[0].append(r["tau"] - r["ci95"][0])
+                err[1].append(r["ci95"][1] - r["tau"])
+        ax.bar(xs, ys, w, yerr=err, capsize=3, label=d)
+    ax.set_xticks([j + w * (len(drafters) - 1) / 2 for j in range(len(sets))], sets)
+    ax.set_ylabel("accepted length tau (95 % CI)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tau.png", dpi=120)
+    plt.close(fig)
+    files.append("tau.png")
+    fig, axes = plt.subplots(1, len(sets), figsize=(3.4 * len(sets), 3.2), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        for d in drafters:
+            r = results[s].get(d)
+            if r:
+                ca = r["conditional_acceptance"]
+                ax.plot(range(1, len(ca) + 1), ca, marker="o", label=d)
+        ax.set_title(s)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("conditional acceptance")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "conditional_acceptance.png", dpi=120)
+    plt.close(fig)
+    files.append("conditional_acceptance.png")
+    sweeps = [(s, d, results[s][d]["threshold_sweep"]) for s in sets for d in drafters
+              if results[s].get(d, {}).get("threshold_sweep")]
+    if sweeps:
+        fig, ax = plt.subplots(figsize=(4.4, 3.4))
+        for s, d, sw in sweeps:
+            ax.plot([r["threshold"] for r in sw], [r["accepted_share"] for r in sw], marker=".", label=f"{d} / {s}")
+        ax.set_xlabel("static confidence threshold")
+        ax.set_ylabel("share of verified tokens accepted")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "threshold_sweep.png", dpi=120)
+        plt.close(fig)
+        files.append("threshold_sweep.png")
+    return files
+
+
+def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path:
+    lines = ["# Drafter evaluation", "", f"Command: `{meta['command']}`", "",
+             f"Target: `{meta['target']}`; sampling: temperature {meta['temperature']}, top-k {meta['top_k']}, "
+             f"top-p {meta['top_p']}; {meta['max_new_tokens']} new tokens per prompt; seed {meta['seed']}.", "",
+             "## Accepted length tau (95 % bootstrap interval over requests)", ""]
+    drafters = sorted({d for s in results.values() for d in s})
+    lines.append("| set | " + " | ".join(drafters) + " |")
+    lines.append("|---|" + "---|" * len(drafters))
+    for s, row in results.items():
+        cells = [f"{row[d]['tau']:.3f} [{row[d]['ci95'][0]:.3f}, {row[d]['ci95'][1]:.3f}] (n={row[d]['prompts']})"
+                 if d in row else "" for d in drafters]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", "## Conditional acceptance per draft position", ""]
+    for s, row in results.items():
+        for d, r in row.items():
+            ca = ", ".join("nan" if np.isnan(x) else f"{x:.3f}" for x in np.asarray(r["conditional_acceptance"], float))
+            lines.append(f"- {s} / {d}: {ca}")
+    sweeps = [(s, d, r["threshold_sweep"]) for s, row in results.items() for d, r in row.items() if "threshold_sweep" in r]
+    if sweeps:
+        lines += ["", "## Static threshold sweep (replayed on full-gamma rounds)", "",
+                  "| set / drafter | threshold | verified / round | accepted share | tau |", "|---|---|---|---|---|"]
+        for s, d, sw in sweeps:
+            for r in sw:
+                lines.append(f"| {s} / {d} | {r['threshold']:.1f} | {r['verified_per_round']:.2f} | "
+                             f"{r['accepted_share']:.3f} | {r['tau']:.3f} |")
+    cals = [(s, d, r["calibration"]) for s, row in results.items() for d, r in row.items() if "calibration" in r]
+    if cals:
+        lines += ["", "## Calibration of the confidence head (raw or STS temperatures)", ""]
+        for s, d, c in cals:
+            lines.append(f"- {s} / {d}: `{json.dumps(c)[:600]}`")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]DIR",
+                    help="a trained drafter directory; repeat for several (NAME defaults to its kind)")
+    ap.add_argument("--prompts", nargs="*", default=None, help="prompt set jsonl files (default: embedded held-out code/math/prose)")
+    ap.add_argument("--num-prompts", type=int, default=200, help="prompts per set (default 200)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-len", type=int, default=None, help="keep only the last N prompt tokens")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
+    args = ap.parse_args(argv)
+    from dspark_jax.drafter import registry
+    from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.generate import load_models
+    from dspark_jax.sampling import SamplingParams
+
+    try:
+        target, _, _ = load_models(args.target, None, "ar")
+        tok = target.require_tokenizer()
+        drafters = {}
+        for spec in args.drafter:
+            name, _, path = spec.rpartition("=")
+            d = registry.load(path, target.model)
+            drafters[name or d.dcfg.kind] = (d, path)
+        sets = load_prompt_sets(args.prompts, tok, target.chat_template, args.num_prompts)
+    except (TargetMismatchError, EvalError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for sname, prompts in sets.items():
+        results[sname] = {}
+        for dname, (d, path) in drafters.items():
+            temps = None
+            try:
+                from dspark_jax.calibrate import load_temperatures
+
+                temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
+            except Exception:
+                temps = None
+            r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
+                                 max_prompt_len=args.max_prompt_len)
+            r["sts"] = temps is not None
+            results[sname][dname] = r
+            print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "
+                  f"over {r['prompts']} prompts")
+    meta = {"command": "python -m dspark_jax.eval " + " ".join(sys.argv[1:] if argv is None else argv),
+            "target": str(target.path), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
+    plots = write_plots(results, out)
+    path = write_report(results, meta, out, plots)
+    print(f"[eval] report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
