@@ -161,7 +161,9 @@ def format_summary(summary: dict, phases: Phases) -> str:
     ]
     if "eval/expected_accepted_length" in ev:
         lines += [
-            f"held-out expected accepted length (1 + sum_j prod c*): {ev['eval/expected_accepted_length']:.3f}",
+            f"held-out expected accepted length (1 + sum_j prod c*): {ev['eval/expected_accepted_length']:.3f} "
+            f"(95 % CI over held-out batches {ev['eval/expected_accepted_length_ci95'][0]:.3f}-"
+            f"{ev['eval/expected_accepted_length_ci95'][1]:.3f})",
             f"held-out acceptance per position: {ev['eval/acceptance_per_position']}",
         ]
     if "eval/loss" in ev:

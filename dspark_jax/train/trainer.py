@@ -92,6 +92,16 @@ def copy_tree(src: Path, dst) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
 
 
+def bootstrap_ratio(pairs: list[tuple[float, float]], n: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of sum(a) / sum(b) resampling the (a, b) pairs (held-out batches)."""
+    if len(pairs) < 2:
+        return [float("nan"), float("nan")]
+    a, b = np.asarray(pairs, float).T
+    idx = np.random.default_rng(seed).integers(0, len(a), (n, len(a)))
+    r = a[idx].sum(1) / np.maximum(b[idx].sum(1), 1e-9)
+    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+
+
 def check_vocabulary(ds, vocab_size: int, name: str) -> None:
     """The data's token ids must index the target's (and so the drafter's) vocabulary."""
     meta_v = (getattr(ds, "meta", None) or {}).get("vocab_size")
@@ -232,6 +242,7 @@ class Trainer:
                            shuffle=False, num_epochs=1)
         tot = None
         losses: list[float] = []
+        per_batch: list[tuple[float, float]] = []  # (sum of block tau, blocks): bootstrap unit
         for i, batch in enumerate(it):
             if i >= self.cfg.train.eval_batches:
                 break
@@ -240,6 +251,7 @@ class Trainer:
                 losses.append(float(metrics["loss"]))
                 continue
             sums = jax.tree.map(np.asarray, sums)
+            per_batch.append((float(sums.tau), float(sums.blocks)))
             tot = sums if tot is None else jax.tree.map(np.add, tot, sums)
         if tot is None:
             return {"eval/loss": float(np.mean(losses))} if losses else {}
@@ -251,6 +263,7 @@ class Trainer:
             "eval/acceptance_per_position": [round(float(a), 4) for a in acc],
             "eval/top1_per_position": [round(float(a), 4) for a in tot.correct / np.maximum(tot.count, 1)],
             "eval/blocks": int(tot.blocks),
+            "eval/expected_accepted_length_ci95": bootstrap_ratio(per_batch),
         }
 
     # ------------------------------------------------------------------ loop
