@@ -235,6 +235,14 @@ class Trainer:
         self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
 
     # ------------------------------------------------------------------ evaluation
+    def load_params(self, drafter_dir) -> None:
+        """Evaluate an exported drafter: its Params replace the current ones (same config)."""
+        from dspark_jax.drafter import registry
+
+        d = registry.load(drafter_dir, self.target)
+        params = nnx.state(d, nnx.Param)
+        self.state = self.state._replace(params=jax.device_put(params, self.param_sh))
+
     def evaluate(self) -> dict:
         if self.heldout_ds is None or len(self.heldout_ds) == 0:
             return {}
