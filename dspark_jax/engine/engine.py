@@ -134,8 +134,10 @@ class Engine:
                                   f"its trained block; use gamma <= {G}")
             dcfg, mask_id, window, fl = drafter.cfg, drafter.mask_token_id, drafter.dcfg.sliding_window, drafter.layer_ids
         elif mode == "eagle3":
-            G = gamma or 7
+            G = gamma or getattr(getattr(drafter, "dcfg", None), "gamma", None) or 7
             m = drafter.m
+            if layer_ids is None and getattr(drafter, "dcfg", None) is not None:
+                layer_ids = drafter.dcfg.target_layer_ids  # recorded with the drafter (registry.build/load)
             if layer_ids is None:
                 from dspark_jax.drafter.model import default_layer_ids
                 layer_ids = default_layer_ids(tcfg.num_layers, m)
