@@ -35,26 +35,16 @@ from dspark_jax.drafter.model import (
     HEAD_TYPES, Drafter, DrafterConfigError, build_drafter, load_drafter, param_shapes, resolve_config, save_drafter,
     validate_layer_ids,
 )
+from dspark_jax.hf_import import decoder_layer_rules
 from dspark_jax.keymap import CheckpointMismatchError, KeyRule, export_tensors, import_tensors
 from dspark_jax.model.config import ModelConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"
 REF_WEIGHTS = "model.safetensors"
 
-_L = r"layers\.(?P<layer>\d+)\."
 REFERENCE_KEY_TABLE = [
     KeyRule(r"embed_tokens\.weight", "embed"),
-    KeyRule(_L + r"input_layernorm\.weight", "layers.input_norm"),
-    KeyRule(_L + r"self_attn\.q_proj\.weight", "layers.q_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.k_proj\.weight", "layers.k_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.v_proj\.weight", "layers.v_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.o_proj\.weight", "layers.o_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.q_norm\.weight", "layers.q_norm"),
-    KeyRule(_L + r"self_attn\.k_norm\.weight", "layers.k_norm"),
-    KeyRule(_L + r"post_attention_layernorm\.weight", "layers.post_norm"),
-    KeyRule(_L + r"mlp\.gate_proj\.weight", "layers.gate_proj", transpose=True),
-    KeyRule(_L + r"mlp\.up_proj\.weight", "layers.up_proj", transpose=True),
-    KeyRule(_L + r"mlp\.down_proj\.weight", "layers.down_proj", transpose=True),
+    *decoder_layer_rules(""),
     KeyRule(r"norm\.weight", "final_norm"),
     KeyRule(r"fc\.weight", "fc", transpose=True),  # torch (H, m*H): column block i = layer id i
     KeyRule(r"hidden_norm\.weight", "hidden_norm"),

@@ -7,6 +7,7 @@ safetensors files, and a chat template is only ever rendered in a sandboxed Jinj
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,20 +24,28 @@ from dspark_jax.model.transformer import TargetModel, layer_param_shapes
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-_L = r"model\.layers\.(?P<layer>\d+)\."
+def decoder_layer_rules(prefix: str) -> list[KeyRule]:
+    """Key rules of the stacked decoder layers under `prefix` (e.g. "model." for HF targets,
+    "" for DeepSpec drafters)."""
+    L = re.escape(prefix) + r"layers\.(?P<layer>\d+)\."
+    return [
+        KeyRule(L + r"input_layernorm\.weight", "layers.input_norm"),
+        KeyRule(L + r"self_attn\.q_proj\.weight", "layers.q_proj", transpose=True),
+        KeyRule(L + r"self_attn\.k_proj\.weight", "layers.k_proj", transpose=True),
+        KeyRule(L + r"self_attn\.v_proj\.weight", "layers.v_proj", transpose=True),
+        KeyRule(L + r"self_attn\.o_proj\.weight", "layers.o_proj", transpose=True),
+        KeyRule(L + r"self_attn\.q_norm\.weight", "layers.q_norm"),
+        KeyRule(L + r"self_attn\.k_norm\.weight", "layers.k_norm"),
+        KeyRule(L + r"post_attention_layernorm\.weight", "layers.post_norm"),
+        KeyRule(L + r"mlp\.gate_proj\.weight", "layers.gate_proj", transpose=True),
+        KeyRule(L + r"mlp\.up_proj\.weight", "layers.up_proj", transpose=True),
+        KeyRule(L + r"mlp\.down_proj\.weight", "layers.down_proj", transpose=True),
+    ]
+
+
 TARGET_KEY_TABLE = [
     KeyRule(r"model\.embed_tokens\.weight", "embed"),
-    KeyRule(_L + r"input_layernorm\.weight", "layers.input_norm"),
-    KeyRule(_L + r"self_attn\.q_proj\.weight", "layers.q_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.k_proj\.weight", "layers.k_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.v_proj\.weight", "layers.v_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.o_proj\.weight", "layers.o_proj", transpose=True),
-    KeyRule(_L + r"self_attn\.q_norm\.weight", "layers.q_norm"),
-    KeyRule(_L + r"self_attn\.k_norm\.weight", "layers.k_norm"),
-    KeyRule(_L + r"post_attention_layernorm\.weight", "layers.post_norm"),
-    KeyRule(_L + r"mlp\.gate_proj\.weight", "layers.gate_proj", transpose=True),
-    KeyRule(_L + r"mlp\.up_proj\.weight", "layers.up_proj", transpose=True),
-    KeyRule(_L + r"mlp\.down_proj\.weight", "layers.down_proj", transpose=True),
+    *decoder_layer_rules("model."),
     KeyRule(r"model\.norm\.weight", "final_norm"),
     KeyRule(r"lm_head\.weight", "lm_head", transpose=True),
 ]

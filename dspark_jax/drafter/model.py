@@ -268,11 +268,18 @@ def build_drafter(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.fl
     """A Drafter for `target` (TargetModel or LoadedTarget) with Params from a nested or
     dotted-flat dict of arrays (checked: all missing / unexpected / mis-shaped at once),
     and the Frozen weights attached from the target. No random initialisation."""
+    tmodel = target if hasattr(target, "lm_head_weight") else target.model
+    factory = lambda: Drafter(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype)
+    return fill_drafter(factory, tmodel, params, param_dtype, mesh, source)
+
+
+def fill_drafter(factory, tmodel, params: dict, param_dtype=jnp.float32, mesh=None, source: str = "drafter params"):
+    """Build the module `factory` makes without random init, fill its Params from `params`
+    (every mismatch reported at once), attach the target's frozen weights."""
     from dspark_jax.sharding import state_shardings
 
-    tmodel = target if hasattr(target, "lm_head_weight") else target.model
     with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: Drafter(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+        abstract = nnx.eval_shape(factory)
     graphdef, pstate, fstate = nnx.split(abstract, nnx.Param, Frozen)
     expected = {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(pstate)).items()}
     flat = flatten(params)

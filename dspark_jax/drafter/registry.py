@@ -93,30 +93,14 @@ def read_config(path: str | Path) -> tuple[DrafterSection, str | None]:
 
 def load(path: str | Path, target, param_dtype=jnp.float32, dtype=None, mesh=None):
     """Any kind's drafter directory -> a drafter with the target's frozen weights attached."""
-    from dspark_jax.sharding import state_shardings
-
     path = Path(path)
     dcfg, fp = read_config(path)
     check_target(fp, target, f"drafter {path}")
     if dcfg.kind in ("dspark", "dflash"):
         return dmodel.load_drafter(path, target, param_dtype, dtype, mesh)
     tmodel = target if hasattr(target, "lm_head_weight") else target.model
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: build(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
-    graphdef, pstate, fstate = nnx.split(abstract, nnx.Param, Frozen)
-    expected = {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(pstate)).items()}
-    tensors = safetensors_io.load_file(path / dmodel.WEIGHTS_FILE)
-    rules = [KeyRule(re.escape(p), p) for p in expected]
-    pure = import_tensors({k: np.asarray(v) for k, v in tensors.items()}, rules, expected, 0, source=str(path))
-    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(param_dtype) == jnp.bfloat16 else np.dtype(param_dtype)
-    nnx.replace_by_pure_dict(pstate, jax.tree.map(lambda a: np.asarray(a).astype(np_dtype), pure))
-    fstate = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fstate)
-    if mesh is not None:
-        pstate = jax.device_put(pstate, state_shardings(pstate, mesh))
-        fstate = jax.device_put(fstate, state_shardings(fstate, mesh))
-    else:
-        pstate = jax.tree.map(jnp.asarray, pstate)
-    drafter = nnx.merge(graphdef, pstate, fstate)
+    factory = lambda: build(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype)
+    drafter = dmodel.fill_drafter(factory, tmodel, safetensors_io.load_file(path / dmodel.WEIGHTS_FILE),
+                                  param_dtype, mesh, source=str(path))
     drafter.dcfg = dcfg
-    attach_target(drafter, tmodel)
     return drafter
