@@ -82,8 +82,7 @@ def load_prompt_sets(paths, tokenizer, template, num: int) -> dict[str, list[lis
             convs = load_jsonl(path)
             sets[path.stem] = convs[:num]
     else:
-        per = -(-num // 1) + 8
-        held = build_corpus("heldout", 0, n_code=per, n_math=per, n_prose=per)
+        held = build_corpus("heldout", 0, n_code=num + 8, n_math=num + 8, n_prose=num + 8)
         for domain in ("code", "math", "prose"):
             sets[domain] = [c for c in held if _domain(c) == domain][:num]
     out = {}
