@@ -75,7 +75,7 @@ def with_mask_token(cfg: Config, target: LoadedTarget) -> Config:
 
 def _data_key(cfg: Config, target: LoadedTarget, split: str) -> str:
     d = cfg.data
-    info = {"target": str(target.path), "hf": target.hf_config.get("dspark_jax", target.hf_config.get("corpus_hash")),
+    info = {"target": str(target.path), "hf": hashlib.sha256(json.dumps(target.hf_config, sort_keys=True, default=str).encode()).hexdigest(),
             "prompts": d.prompts, "n": d.num_prompts if split == "train" else d.num_heldout_prompts,
             "max_new": d.regen_max_new_tokens, "t": d.regen_temperature, "p": d.regen_top_p, "k": d.regen_top_k,
             "seed": cfg.seed, "split": split}
