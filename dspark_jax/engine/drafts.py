@@ -40,6 +40,8 @@ class Spec:
     max_len: int
     policy: Callable
     verifier: str = "exact"  # "exact" | deliberately broken, for tests: "no_residual" | "unfiltered_q"
+    skip_drafting: bool = False  # skip the draft when the cost table says no speculation pays this round
+    theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
 
     @property
     def Gs(self) -> int:

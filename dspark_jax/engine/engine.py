@@ -117,7 +117,7 @@ def _prefill_buckets(max_len: int) -> tuple[int, ...]:
 class Engine:
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None, mesh=None,
-                 verifier: str = "exact"):
+                 verifier: str = "exact", theta: str = "latency", cost: str = "step", skip_drafting: bool = False):
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.target, self.drafter, self.mesh = tmodel, drafter, mesh
         tcfg = tmodel.cfg
@@ -165,7 +165,12 @@ class Engine:
         self.buckets = buckets
         self.prefill_buckets = tuple(sorted(prefill_buckets or _prefill_buckets(S)))
         self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-        self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, get_policy(policy), verifier)
+        try:
+            pol = get_policy(policy, theta, cost)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, pol, verifier,
+                         bool(skip_drafting) and G > 0, theta)
         self.table = table if table is not None else scheduler.make_table(
             buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
         self.tp = target_arrays(tmodel)

@@ -6,45 +6,64 @@ cost table, default capacity), `a_stale` the survivals of two rounds ago. A poli
 respect the lossless invariant of spec 3: whether draft j is verified never depends on
 the value of draft j itself (all policies here do; see scheduler.py). Policies are static
 (part of the compiled program); their parameters are traced.
+
+The throughput objective is static too: `theta="sps"` is the paper's `tau * SPS(B)`,
+`theta="latency"` is `tau / (T_draft + T_verify(B))`; `cost` is how a batch of B tokens
+is priced between buckets ("step": the bucket it runs in; "interp": linear).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
 from dspark_jax import scheduler
 
-__all__ = ["POLICIES", "get_policy", "fixed", "threshold", "early_stop", "static", "production"]
+__all__ = ["POLICIES", "SCHEDULED", "THETA_MODES", "COSTS", "get_policy", "fixed", "threshold", "early_stop",
+           "static", "production"]
+
+THETA_MODES = ("sps", "latency")
+COSTS = ("step", "interp")
+SCHEDULED = ("early_stop", "static", "production")
 
 
-def fixed(a, active, ctl, a_stale, stale_valid):
+def fixed(a, active, ctl, a_stale, stale_valid, **_):
     return jnp.where(active, jnp.clip(ctl.gamma, 0, a.shape[1]), 0).astype(jnp.int32)
 
 
-def threshold(a, active, ctl, a_stale, stale_valid):
+def threshold(a, active, ctl, a_stale, stale_valid, **_):
     return jnp.minimum(scheduler.schedule_threshold(a, active, ctl.threshold), ctl.gamma)
 
 
-def early_stop(a, active, ctl, a_stale, stale_valid):
-    return scheduler.schedule_early_stop(a, active, ctl.table, mode="latency")
+def early_stop(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
+    return scheduler.schedule_early_stop(a, active, ctl.table, mode=mode, cost=cost)
 
 
-def static(a, active, ctl, a_stale, stale_valid):
-    return scheduler.schedule_static(a, active, ctl.table, mode="latency")[0]
+def static(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
+    """Section 3.1: early stop on the interpolated table (`cost` does not apply), then the bucket is filled."""
+    return scheduler.schedule_static(a, active, ctl.table, mode=mode)[0]
 
 
-def production(a, active, ctl, a_stale, stale_valid):
+def production(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
     return scheduler.schedule_production(a, active, a_stale, stale_valid, ctl.table, ctl.default_k,
-                                         mode="latency", cost="step")[0]
+                                         mode=mode, cost=cost)[0]
 
 
 POLICIES = {"fixed": fixed, "threshold": threshold, "early_stop": early_stop, "static": static,
             "production": production}
 
 
-def get_policy(policy):
+def get_policy(policy, theta: str = "latency", cost: str = "step"):
+    """A policy by name with its objective bound (`theta`, `cost`), or a user function as is."""
     if callable(policy):
         return policy
     if policy not in POLICIES:
         raise ValueError(f"unknown length policy {policy!r}; choose one of: {', '.join(POLICIES)} or pass a function")
-    return POLICIES[policy]
+    if theta not in THETA_MODES:
+        raise ValueError(f"unknown throughput objective theta={theta!r}; choose one of: {', '.join(THETA_MODES)}")
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost model {cost!r}; choose one of: {', '.join(COSTS)}")
+    if policy not in SCHEDULED:
+        return POLICIES[policy]
+    return functools.partial(POLICIES[policy], mode=theta, cost=cost)

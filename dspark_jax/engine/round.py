@@ -1,6 +1,7 @@
 """The compiled pieces: prefill (per prompt-length bucket), one round, and a `lax.while_loop` of rounds.
 
-One round for the whole batch is ONE jitted call: draft -> prefix survival -> length
+One round for the whole batch is ONE jitted call: draft (skipped under `lax.cond` when
+`Spec.skip_drafting` and the cost table says no speculation pays) -> prefix survival -> length
 policy -> bucket choice -> packed verification (`lax.switch` over the compiled buckets,
 so the program is compiled once and only the chosen bucket's branch runs) -> rejection
 sampling with per-row keys -> stop / max-length per slot -> KV rollback (a `lengths`
@@ -98,6 +99,13 @@ def _stop_truncate(out, n_out, stop_ids):
     return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_out).astype(jnp.int32), hit
 
 
+def _no_draft(run_draft, dcache):
+    """The draft's outputs, all zeros (shapes from an abstract trace), and the untouched drafter cache."""
+    shapes = jax.eval_shape(run_draft)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:4])
+    return (*zeros, dcache)
+
+
 def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     """One speculative round for all R slots -> (DecodeState, RoundOut)."""
     r = st.anchor.shape[0]
@@ -106,13 +114,19 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     kd, kv = row_round_keys(st.keys, st.rounds)
     samp = ctl.sampling
 
-    # 1-2. draft + confidence
+    # 1-2. draft + confidence (skipped, under `lax.cond`, when the table says no speculation pays)
     if G:
-        drafts, q, z, q_raw, dcache = draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)
-        a = scheduler.prefix_survival(z, ctl.sts[:G])
+        run_draft = lambda: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)
+        if spec.skip_drafting:
+            pays = scheduler.speculation_pays(jnp.sum(act), ctl.table, r * G, mode=spec.theta, cost="interp")
+            drafts, q, z, q_raw, dcache = jax.lax.cond(pays, run_draft, lambda: _no_draft(run_draft, st.dcache))
+        else:
+            pays = jnp.bool_(True)
+            drafts, q, z, q_raw, dcache = run_draft()
+        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), 0.0)
         stale_valid = st.step >= 2
         lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
-        lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
+        lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
         a_hist = jnp.stack([a, st.a_hist[0]])
     else:
         drafts = jnp.zeros((r, 0), jnp.int32)
