@@ -1,4 +1,4 @@
-"""Verification cost tables (spec 3.1): measure on the engine's verification function, save, load, check.
+"""Verification cost tables (spec 3.1): measure on the engine's compiled round, save, load, check.
 
     python -m dspark_jax.costs measure --model tiny --num-slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
     python -m dspark_jax.costs roofline --out configs/costs/accelerator_synthetic.json   # synthetic, documented
@@ -11,6 +11,8 @@ A cost file is JSON::
      "t_draft": s,                                       # seconds of drafting per round (at num_slots)
      "draft_requests": [..], "t_draft_by_requests": [..],  # optional: draft time vs concurrency
      "t_draft_by_kind": {"mtp1": {"draft_requests": [..], "t_draft_by_requests": [..]}},  # optional
+     "measured_on": "compiled_round",                    # measured tables: t_verify from the engine's round
+     "t_round": [..], "plan": [..],                      # measured tables: whole-round times, (k, g) per bucket
      "provenance": "...", "engine": {...}, "measure": {...}}
 
 The scheduler consumes it as a :class:`dspark_jax.scheduler.CostTable`. Loading checks that
@@ -18,9 +20,12 @@ times are positive and finite and, when asked, that the table was measured for t
 expected backend and bucket set (a table from other hardware is fine for simulation, not
 for scheduling a live engine).
 
-Measurement works against a small interface so any engine plugs in: ``verify_fn(bucket) ->
-seconds`` (one verification step at that bucket, already compiled) and ``draft_fn() ->
-seconds``; :func:`engine_timers` builds both from a `dspark_jax.engine.Engine`.
+Measurement (:func:`measure_engine`) times the engine's own compiled round (`Engine.step`)
+once per bucket: the engine is built with :func:`verify_gamma_policy`, so k active slots
+verifying g drafts each pack k * (1 + g) tokens and the round runs that bucket's branch of
+its `lax.switch` (checked on `RoundOut.bucket`). The draft part is the engine's draft
+function timed on the same state; ``t_verify(b) = t_round(b) - t_draft``. The core,
+:func:`measure_table`, only needs ``round_fn(bucket) -> seconds`` and ``draft_fn() -> seconds``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -37,9 +43,10 @@ import numpy as np
 
 from dspark_jax.scheduler import CostTable, make_table
 
-__all__ = ["CostTableError", "FORMAT", "load_cost_file", "load_cost_table", "save_cost_file", "measure_table",
-           "time_call", "engine_timers", "draft_time_at", "draft_time_for", "roofline_table",
-           "roofline_time", "main"]
+__all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
+           "save_cost_file", "measure_table", "measure_engine", "engine_round_timer", "engine_draft_timer",
+           "verify_gamma_policy", "bucket_plan", "draft_time", "time_call", "draft_time_at", "draft_time_for",
+           "roofline_table", "roofline_time", "main"]
 
 FORMAT = "dspark_cost_table/1"
 
@@ -119,6 +126,13 @@ def save_cost_file(path, buckets, t_verify, t_draft, *, backend: str, device_kin
 
 # ------------------------------------------------------------------ measuring
 
+MEASURED_ON = "compiled_round"
+FLOOR_S = 1e-6  # t_verify floor (seconds) when the round minus the draft comes out non-positive (noise)
+
+
+class MeasureError(ValueError):
+    pass
+
 
 def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, stat: str = "median") -> float:
     """Seconds per call of ``fn`` (which must block until its result is ready)."""
@@ -129,64 +143,193 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, stat:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
+    return _stat(ts, stat)
+
+
+def _stat(ts, stat: str) -> float:
     return float(np.median(ts) if stat == "median" else np.min(ts))
 
 
-def measure_table(verify_fn: Callable[[int], float], buckets, draft_fn: Callable[[], float] | None = None,
-                  log=None) -> dict:
-    """-> {"buckets", "t_verify", "t_draft"} from ``verify_fn(bucket) -> seconds`` and ``draft_fn() -> seconds``."""
-    tv = []
-    for b in sorted(int(x) for x in buckets):
-        tv.append(float(verify_fn(b)))
+def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[[], float] | None = None, *,
+                  repeats: int = 5, warmup: int = 1, stat: str = "median", log=None, floor: float = FLOOR_S) -> dict:
+    """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped"} from one-sample
+    timers ``round_fn(bucket) -> seconds`` (one whole round landing in that bucket) and
+    ``draft_fn() -> seconds`` (the round's draft part).
+
+    Per bucket, draft and round calls alternate (after ``warmup`` untimed pairs), so both see
+    the same load on a shared host; ``t_verify(b) = stat(rounds) - stat(drafts of that window)``
+    and ``t_draft`` is ``stat`` over all draft samples. Everything in the round besides
+    drafting (verification, sampling, rejection, rollback, drafter update) is thus charged to
+    verification, and ``t_draft + t_verify(b)`` is the measured round (up to load drift between
+    windows). A non-positive difference (noise when drafting dominates the round) is clipped to
+    ``floor`` with a warning and listed in ``clipped``.
+    """
+    bs = sorted(int(x) for x in buckets)
+    tr, tv, tdp, clipped, d_all = [], [], [], [], []
+    for b in bs:
+        for _ in range(warmup):
+            if draft_fn is not None:
+                draft_fn()
+            round_fn(b)
+        r, d = [], []
+        for _ in range(repeats):
+            if draft_fn is not None:
+                d.append(float(draft_fn()))
+            r.append(float(round_fn(b)))
+        d_all += d
+        tr.append(_stat(r, stat))
+        tdp.append(_stat(d, stat) if d else 0.0)
+        t = tr[-1] - tdp[-1]
+        if not t > 0:
+            clipped.append(b)
+            msg = (f"bucket {b}: round {1e3 * tr[-1]:.3f} ms <= draft {1e3 * tdp[-1]:.3f} ms, so t_verify is clipped "
+                   f"to {floor:g} s; timing noise dominates: re-measure on a quieter host or with more --repeats")
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            if log:
+                log("WARNING: " + msg)
+            t = floor
+        tv.append(t)
         if log:
-            log(f"bucket {b:6d}: {1e3 * tv[-1]:9.3f} ms")
-    td = float(draft_fn()) if draft_fn is not None else 0.0
+            log(f"bucket {b:6d}: round {1e3 * tr[-1]:9.3f} ms  draft {1e3 * tdp[-1]:9.3f} ms  verify {1e3 * t:9.3f} ms")
+    td = _stat(d_all, stat) if d_all else 0.0
     if log:
         log(f"draft per round: {1e3 * td:.3f} ms")
-    return {"buckets": sorted(int(x) for x in buckets), "t_verify": tv, "t_draft": td}
+    return {"buckets": bs, "t_verify": tv, "t_draft": td, "t_round": tr, "t_draft_paired": tdp, "clipped": clipped}
 
 
-def engine_timers(engine, repeats: int = 5, warmup: int = 1, stat: str = "median"):
-    """``(verify_fn, draft_fn)`` for an Engine: its verification forward (`verify_packed`, the
-    function each bucket branch of the compiled round runs) jitted per bucket with a batch of
-    exactly ``bucket`` valid tokens (or all R * (G + 1) when the bucket is larger), and its
-    draft step (`drafts.draft`) on the engine's R slots. Positions sit mid-cache."""
-    import jax
+def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
+    """Measurement policy: every active slot verifies ``ctl.gamma`` drafts, so a round with k
+    active slots packs exactly k * (1 + gamma) tokens and lands in a bucket chosen by (k, gamma)."""
     import jax.numpy as jnp
+
+    return jnp.where(active, ctl.gamma, 0).astype(jnp.int32)
+
+
+def bucket_plan(buckets, num_slots: int, gamma: int) -> dict[int, tuple[int, int]]:
+    """``{bucket: (k, g)}``: k active slots verifying g drafts each (k * (1 + g) tokens) lands in
+    ``bucket`` (the smallest bucket >= the token count). Picks the fullest count, then the most
+    slots. Raises MeasureError naming every bucket no (k <= num_slots, g <= gamma) can reach."""
+    bs = sorted(int(b) for b in buckets)
+    R, G = int(num_slots), int(gamma)
+    counts = sorted({(k * (1 + g), k, g) for k in range(1, R + 1) for g in range(G + 1)})
+    plan, bad, lo = {}, [], 0
+    for b in bs:
+        hit = [c for c in counts if lo < c[0] <= b]
+        if hit:
+            plan[b] = hit[-1][1:]
+        else:
+            bad.append(b)
+        lo = b
+    if bad:
+        raise MeasureError(
+            f"cannot time bucket(s) {bad} on an engine with num_slots {R} and gamma {G}: a measured round packs "
+            f"k active slots x (1 + g) tokens (k <= {R}, g <= {G}, at most {R * (G + 1)}), and no such count lies "
+            "between the previous bucket (exclusive) and these; fix: drop them from --buckets or use buckets the "
+            "engine reaches (e.g. multiples of num_slots up to num_slots * (gamma + 1)), or raise --num-slots")
+    return plan
+
+
+def _prefilled(engine, k: int, seed: int = 0):
+    """The engine's state with requests in slots 0..k-1, their next round mid-cache."""
+    import jax
+
+    S, G, V = engine.S, engine.G, engine.target.cfg.vocab_size
+    n = max(min(S // 2 - G, S - G - 2), 2 if engine.mode in ("eagle3", "mtp1") else 1)
+    prompts = [[(7 * i + 3 * j + 1) % V for j in range(n)] for i in range(k)]
+    kd = jax.random.key_data(jax.random.split(jax.random.key(seed), k))
+    return engine.prefill_slots(engine.init_state(), list(range(k)), prompts, kd, [S] * k)
+
+
+def engine_draft_timer(engine, sampling=None):
+    """``draft_fn() -> seconds`` (one call): the round's draft part, timed as the engine's own draft function
+    (`engine.drafts.draft`, the call the compiled round makes first) jitted on a state with all R
+    slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
+    one number per round is exact; timing it apart (rather than as the difference of two rounds)
+    keeps it from absorbing the round's other bucket-independent work, which `measure_table`
+    charges to verification instead (``t_draft + t_verify(b)`` stays the measured round). All
+    inputs are traced arguments, as in the round: as closure constants XLA folds the per-row
+    sampling branches and the draft times several times faster than inside the round."""
+    if not engine.G:
+        return lambda: 0.0
+    import jax
 
     from dspark_jax.engine.drafts import draft
     from dspark_jax.engine.round import row_round_keys
-    from dspark_jax.engine.verify import verify_packed
-    from dspark_jax.sampling import SamplingParams
 
-    spec, R, G, S = engine.spec, engine.R, engine.G, engine.S
-    st = engine.init_state()
-    pos = jnp.full((R,), max(S // 2 - G - 1, 0), jnp.int32)
-    toks = jnp.ones((R, G + 1), jnp.int32)
+    spec, st = engine.spec, _prefilled(engine, engine.R)
+    samp = engine.control(sampling).sampling
 
-    compiled = {}
+    def part(dp, st, samp):  # every input traced, as in the round (constants would let XLA fold the sampling branches)
+        kd, _ = row_round_keys(st.keys, st.rounds)
+        return draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)[:3]
 
-    def verify_fn(bucket: int) -> float:
-        if bucket not in compiled:
-            f = jax.jit(lambda tp, cache, valid: verify_packed(tp, spec.tcfg, cache, toks, pos, valid, bucket=bucket,
-                                                               feature_layers=spec.feature_layers).logits)
-            compiled[bucket] = f
-        n = min(bucket, R * (G + 1))
-        flat = jnp.arange(R * (G + 1)) < n  # row-major fill: whole rows first
-        valid = flat.reshape(R, G + 1)
-        f = compiled[bucket]
-        return time_call(lambda: f(engine.tp, st.cache, valid).block_until_ready(), repeats, warmup, stat)
+    f = jax.jit(part)
 
     def draft_fn() -> float:
-        if not G:
-            return 0.0
-        samp = SamplingParams(*(jnp.broadcast_to(jnp.asarray(v, dt), (R,)) for v, dt in
-                                zip((1.0, 0, 1.0), (jnp.float32, jnp.int32, jnp.float32))))
-        kd, _ = row_round_keys(st.keys, st.rounds)
-        f = jax.jit(lambda dp, dcache, last: draft(spec, dp, dcache, last, st.anchor, pos, kd, samp)[:3])
-        return time_call(lambda: jax.block_until_ready(f(engine.dp, st.dcache, st.last)), repeats, warmup, stat)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(engine.dp, st, samp))
+        return time.perf_counter() - t0
 
-    return verify_fn, draft_fn
+    return draft_fn
+
+
+def engine_round_timer(engine, sampling=None):
+    """``(round_fn, plan, used)``: ``round_fn(bucket) -> seconds`` (one call) times the engine's
+    compiled round (`Engine.step`, all buckets in one program) on a state with k active slots and
+    fixed verify length g from `bucket_plan`, so the round runs its own `lax.switch` branch for
+    that bucket. Each call starts from a fresh copy of the state (the round donates it; copying
+    is not timed). ``used[bucket]`` records `RoundOut.bucket` of every call; a round that lands
+    elsewhere raises MeasureError (the engine must be built with `verify_gamma_policy`)."""
+    import jax
+    import jax.numpy as jnp
+
+    plan = bucket_plan(engine.buckets, engine.R, engine.G)
+    states, ctls, used = {}, {}, {}
+
+    def round_fn(bucket: int) -> float:
+        k, g = plan[bucket]
+        if k not in states:
+            states[k] = _prefilled(engine, k)
+        if g not in ctls:
+            ctls[g] = engine.control(sampling, gamma=g)
+        s = jax.block_until_ready(jax.tree.map(jnp.copy, states[k]))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(engine.step(s, ctls[g]))
+        dt = time.perf_counter() - t0
+        got = int(out[1].bucket)
+        used.setdefault(bucket, []).append(got)
+        if got != engine.buckets.index(bucket):
+            raise MeasureError(f"the round timed for bucket {bucket} ({k} active slots x (1 + {g}) tokens) ran in "
+                               f"bucket {engine.buckets[got]}: the engine's policy {engine.policy_name!r} does not "
+                               "verify ctl.gamma drafts per active slot; build the Engine with "
+                               "policy=dspark_jax.costs.verify_gamma_policy")
+        return dt
+
+    return round_fn, plan, used
+
+
+def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None,
+                   log=None) -> dict:
+    """Cost table of ``engine`` (built with ``policy=verify_gamma_policy``) measured on its compiled
+    round: `measure_table` over `engine_round_timer` and `engine_draft_timer`, plus the plan
+    (active slots, verify length, tokens per bucket) and the bucket index every timed round used."""
+    if warmup < 1 or repeats < 1:
+        raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
+    round_fn, plan, used = engine_round_timer(engine, sampling)
+    draft_fn = engine_draft_timer(engine, sampling) if engine.G else None
+    res = measure_table(round_fn, engine.buckets, draft_fn, repeats=repeats, warmup=warmup, stat=stat, log=log)
+    res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
+                   for b, (k, g) in sorted(plan.items())]
+    res["buckets_used"] = {b: used[b] for b in res["buckets"]}
+    return res
+
+
+def draft_time(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None) -> float:
+    """Seconds of the engine's draft part per round (0 without a drafter); see `engine_draft_timer`."""
+    if not engine.G:
+        return 0.0
+    f = engine_draft_timer(engine, sampling)
+    return _stat([f() for _ in range(warmup + repeats)][warmup:], stat)
 
 
 # ------------------------------------------------------------------ synthetic roofline tables
@@ -264,7 +407,8 @@ def _build_engine(args):
     target = tiny_target(cfg)
     drafter = None if args.drafter == "none" else tiny_drafter(args.drafter, target, gamma=args.gamma)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
-    kw = dict(max_len=args.max_len, gamma=args.gamma if args.drafter == "eagle3" else None)
+    kw = dict(max_len=args.max_len, gamma=args.gamma if args.drafter == "eagle3" else None,
+              policy=verify_gamma_policy)
     eng = Engine(target, drafter, num_slots=args.num_slots, buckets=buckets, **kw)
     return eng, cfg, lambda r: Engine(target, drafter, num_slots=r, **kw)
 
@@ -276,13 +420,12 @@ def _cmd_measure(args) -> int:
     dev = jax.devices()[0]
     log = lambda s: print(s, flush=True)
     log(f"backend {jax.default_backend()} ({dev.device_kind}); R={eng.R} G={eng.G} buckets {list(eng.buckets)}")
-    timers = lambda e: engine_timers(e, repeats=args.repeats, warmup=args.warmup, stat=args.stat)
-    verify_fn, draft_fn = timers(eng)
-    res = measure_table(verify_fn, eng.buckets, draft_fn, log=log)
+    kw = dict(repeats=args.repeats, warmup=args.warmup, stat=args.stat)
+    res = measure_engine(eng, log=log, **kw)
     extra = {}
     if args.draft_requests and eng.G:
         rs = sorted({int(r) for r in args.draft_requests.split(",")} | {eng.R})
-        tds = [res["t_draft"] if r == eng.R else timers(make_engine(r))[1]() for r in rs]
+        tds = [res["t_draft"] if r == eng.R else draft_time(make_engine(r), **kw) for r in rs]
         for r, t in zip(rs, tds):
             log(f"draft per round at {r:4d} requests: {1e3 * t:.3f} ms")
         extra = {"draft_requests": rs, "t_draft_by_requests": tds}
@@ -290,7 +433,10 @@ def _cmd_measure(args) -> int:
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,
         provenance=(f"measured by `python -m dspark_jax.costs measure` on {jax.default_backend()} ({dev.device_kind}), "
-                    f"model {args.model}, drafter {args.drafter}, random weights"),
+                    f"model {args.model}, drafter {args.drafter}, random weights; t_verify(b) = compiled round "
+                    "landing in bucket b minus the engine's draft function on the same state"),
+        measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
+        clipped=res["clipped"],
         engine={"num_slots": eng.R, "gamma": eng.G, "mode": eng.mode, "max_len": eng.S, "model": args.model,
                 "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size},
         measure={"repeats": args.repeats, "warmup": args.warmup, "stat": args.stat,
@@ -313,6 +459,7 @@ def _cmd_show(args) -> int:
     d = load_cost_file(args.path)
     print(f"{args.path}: backend {d['backend']} ({d['device_kind']}); t_draft {1e3 * d['t_draft']:.3f} ms")
     print(f"provenance: {d.get('provenance')}")
+    print(f"measured on: {d.get('measured_on', 'standalone verification forward (older table)')}")
     for b, t in zip(d["buckets"], d["t_verify"]):
         print(f"  B={b:6d}  T_verify={1e3 * t:9.3f} ms  SPS={1 / t:9.1f}  tokens/s at full bucket={b / t:12.0f}")
     return 0
@@ -321,7 +468,7 @@ def _cmd_show(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.costs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure", help="time the engine's verification per bucket and its draft step")
+    m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
     m.add_argument("--model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
     m.add_argument("--drafter", default="dspark", choices=["dspark", "dflash", "eagle3", "mtp1", "none"])
     m.add_argument("--num-slots", type=int, default=8)

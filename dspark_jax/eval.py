@@ -3,11 +3,17 @@
 For every prompt set and drafter: accepted length tau with a 95 % bootstrap interval
 (over requests), conditional acceptance per draft position (the paper's Figure 2
 metric), a static confidence-threshold sweep (share of verified tokens accepted, and
-tau) and calibration metrics. Writes report.md, PNG plots and results.json.
+tau) and calibration metrics. For drafters with a confidence head, STS is also fitted on
+half of each set's requests (full-gamma rounds of the same run, no extra generation) and
+ECE / Brier / ROC-AUC are reported before and after on the other half. Writes report.md,
+PNG plots and results.json.
 
 Prompt sets are jsonl files in the reference's `{"turns": [...]}` format (first turn) or
 `{"conversations": [...]}`; without --prompts, the embedded corpora's held-out code,
-math and prose prompts are used.
+math and prose prompts are used. The stdlib hold-out has only ~108 code functions, so the
+code set is filled up to --num-prompts from the installed numpy / jax / flax / optax
+sources (`dspark_jax.data.heldout_code`, unseen by the target and the drafters; their
+versions are recorded in results.json).
 """
 
 from __future__ import annotations
@@ -43,10 +49,30 @@ def conditional_acceptance(accepted: np.ndarray, length: np.ndarray, G: int) -> 
     """[G]: position k = j+1: #(accepted >= k) / #(accepted >= k-1 and length >= k)."""
     accepted, length = np.asarray(accepted), np.asarray(length)
     out = np.full((G,), np.nan)
+    den = conditional_support(accepted, length, G)
     for k in range(1, G + 1):
-        den = np.sum((accepted >= k - 1) & (length >= k))
-        if den:
-            out[k - 1] = np.sum(accepted >= k) / den
+        if den[k - 1]:
+            out[k - 1] = np.sum(accepted >= k) / den[k - 1]
+    return out
+
+
+def conditional_support(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
+    """[G] int: the denominators of `conditional_acceptance` (rounds that reached position k),
+    so plots can tell a measured rate from one resting on a handful of rounds."""
+    accepted, length = np.asarray(accepted), np.asarray(length)
+    return np.asarray([int(np.sum((accepted >= k - 1) & (length >= k))) for k in range(1, G + 1)], np.int64)
+
+
+def tau_by_group(accepted, rounds, groups, seed: int = 0) -> dict:
+    """{label: {"tau", "ci95", "prompts"}} over the requests of each group label (in first-seen order)."""
+    acc, rnd, g = np.asarray(accepted), np.asarray(rounds), np.asarray(groups)
+    if not (len(acc) == len(rnd) == len(g)):
+        raise ValueError(f"one group label per request needed: {len(g)} labels for {len(acc)} requests")
+    out = {}
+    for label in dict.fromkeys(g.tolist()):
+        m = g == label
+        t, lo, hi = bootstrap_tau(acc[m], rnd[m], seed=seed)
+        out[label] = {"tau": t, "ci95": [lo, hi], "prompts": int(m.sum())}
     return out
 
 
@@ -68,12 +94,35 @@ def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) ->
 
 # ---------------------------------------------------------------------------- running
 
-def load_prompt_sets(paths, tokenizer, template, num: int) -> dict[str, list[list[int]]]:
+def default_conversations(num: int, seed: int = 0) -> tuple[dict[str, list], dict[str, list[str]], dict]:
+    """The embedded held-out sets: ({set: conversations}, {set: source label per prompt}, {set: provenance}).
+
+    code = all stdlib held-out functions, then functions of installed dependencies up to ``num``."""
+    from dspark_jax.data import heldout_code
+    from dspark_jax.data.corpora import HELDOUT_MODULES, build_corpus
+
+    held = build_corpus("heldout", seed, n_code=num + 8, n_math=num + 8, n_prose=num + 8)
+    sets = {d: [c for c in held if _domain(c) == d][:num] for d in ("code", "math", "prose")}
+    groups = {d: ["stdlib_heldout"] * len(v) for d, v in sets.items()}
+    info = {d: {"stdlib_heldout": len(v), "heldout_modules": list(HELDOUT_MODULES)} for d, v in sets.items()}
+    info["math"] = {"synthetic_heldout": len(sets["math"])}
+    missing = num - len(sets["code"])
+    if missing > 0:
+        extra = heldout_code.code_conversations(missing, seed, exclude_prompts={c[0]["content"] for c in sets["code"]})
+        sets["code"] += extra
+        groups["code"] += ["dependencies"] * len(extra)
+        info["code"].update({"dependencies": len(extra), "dependency_packages": heldout_code.source_versions()})
+    return sets, groups, info
+
+
+def load_prompt_sets(paths, tokenizer, template, num: int, info: dict | None = None) -> dict[str, list[list[int]]]:
+    """{set name: prompt token ids}. ``info`` (optional, filled in place): per set its
+    provenance ("sources") and the source label of every kept prompt ("groups")."""
     from dspark_jax.data.chat import render_prompt
-    from dspark_jax.data.corpora import build_corpus, load_jsonl
+    from dspark_jax.data.corpora import load_jsonl
     from dspark_jax.regenerate import prompt_messages
 
-    sets = {}
+    sets, groups, prov = {}, {}, {}
     if paths:
         for p in paths:
             path = Path(p)
@@ -81,14 +130,17 @@ def load_prompt_sets(paths, tokenizer, template, num: int) -> dict[str, list[lis
                 raise EvalError(f"prompt set '{p}' does not exist: pass a jsonl file of {{\"turns\": [...]}} lines")
             convs = load_jsonl(path)
             sets[path.stem] = convs[:num]
+            groups[path.stem] = [path.stem] * len(sets[path.stem])
+            prov[path.stem] = {"file": str(path), path.stem: len(sets[path.stem])}
     else:
-        held = build_corpus("heldout", 0, n_code=num + 8, n_math=num + 8, n_prose=num + 8)
-        for domain in ("code", "math", "prose"):
-            sets[domain] = [c for c in held if _domain(c) == domain][:num]
+        sets, groups, prov = default_conversations(num)
     out = {}
     for name, convs in sets.items():
         ids = [render_prompt(tokenizer, prompt_messages(c), template) for c in convs]
-        out[name] = [x for x in ids if len(x) >= 2]
+        keep = [i for i, x in enumerate(ids) if len(x) >= 2]
+        out[name] = [ids[i] for i in keep]
+        if info is not None:
+            info[name] = {"sources": prov[name], "groups": [groups[name][i] for i in keep]}
     return out
 
 
@@ -101,8 +153,29 @@ def _domain(conv) -> str:
     return "math"
 
 
+def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, holdout: float = 0.5,
+                     min_rounds: int = 50) -> dict:
+    """STS fitted on the full-gamma rounds of one half of the requests, ECE / Brier /
+    ROC-AUC per position before (T = 1) and after on the other half (calibrate.calibrate_traces).
+
+    Returns {"error": why} instead when there are too few full-gamma rounds."""
+    from dspark_jax.calibrate import calibrate_traces
+    from dspark_jax.traces import from_engine
+
+    ts = from_engine(traces, drafter_kind=drafter_kind, sampling=sampling)
+    try:
+        fit = calibrate_traces(ts, holdout=holdout, seed=seed, min_rounds=min_rounds)
+    except ValueError as e:
+        return {"error": str(e)}
+    rep = fit["report"]
+    mean = lambda v: float(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
+    summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc") for tag in ("before", "after")}
+    return {"split": "by request", "holdout": holdout, "seed": seed, **summary,
+            **{k: fit[k] for k in ("temperatures", "n_rounds", "n_fit", "n_heldout", "n_bins", "grid", "report")}}
+
+
 def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
-                     max_prompt_len=None):
+                     max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50):
     from dspark_jax.engine import Engine
 
     G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
@@ -118,9 +191,15 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     tr = res.traces.arrays()
     out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
            "conditional_acceptance": conditional_acceptance(tr["accepted"], tr["length"], G).tolist(),
+           "conditional_support": conditional_support(tr["accepted"], tr["length"], G).tolist(),
            "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
+    if groups is not None and len(set(groups)) > 1:
+        out["by_source"] = tau_by_group(acc, rounds, groups, seed=seed)
     has_conf = bool(getattr(drafter, "dcfg", None) and drafter.dcfg.confidence_head)
     full = tr["full"]
+    if has_conf and sts_split:
+        out["sts_split"] = sts_before_after(res.traces, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
+                                            min_rounds=sts_min_rounds)
     if has_conf and full.any():
         from dspark_jax.calibration import calibration_report
 
@@ -204,6 +283,13 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
         cells = [f"{row[d]['tau']:.3f} [{row[d]['ci95'][0]:.3f}, {row[d]['ci95'][1]:.3f}] (n={row[d]['prompts']})"
                  if d in row else "" for d in drafters]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        labels = sorted({k for d in drafters for k in row.get(d, {}).get("by_source", {})})
+        for label in labels:
+            cells = [(lambda b: f"{b['tau']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}] (n={b['prompts']})" if b else "")(
+                row.get(d, {}).get("by_source", {}).get(label)) for d in drafters]
+            lines.append(f"| {s}: {label} | " + " | ".join(cells) + " |")
+    if meta.get("sets"):
+        lines += ["", "Prompt sources: " + "; ".join(f"{s}: {json.dumps(v)}" for s, v in meta["sets"].items())]
     lines += ["", "## Conditional acceptance per draft position", ""]
     for s, row in results.items():
         for d, r in row.items():
@@ -217,6 +303,25 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
             for r in sw:
                 lines.append(f"| {s} / {d} | {r['threshold']:.1f} | {r['verified_per_round']:.2f} | "
                              f"{r['accepted_share']:.3f} | {r['tau']:.3f} |")
+    splits = [(s, d, r["sts_split"]) for s, row in results.items() for d, r in row.items() if "sts_split" in r]
+    if splits:
+        lines += ["", "## STS before / after (fitted on half of the requests, measured on the other half)", ""]
+        f = lambda v, pct=False: "n/a" if v is None else (f"{100 * v:.1f} %" if pct else f"{v:.3f}")
+        for s, d, sp in splits:
+            if "error" in sp:
+                lines += [f"- {s} / {d}: not fitted ({sp['error']})"]
+                continue
+            r = sp["report"]
+            lines += [f"{s} / {d}: {sp['n_fit']} fit / {sp['n_heldout']} held-out full-gamma rounds; mean over "
+                      f"positions: ECE {f(sp['ece_before_mean'], True)} -> {f(sp['ece_after_mean'], True)}, Brier "
+                      f"{f(sp['brier_before_mean'])} -> {f(sp['brier_after_mean'])}", "",
+                      "| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for j, t in enumerate(sp["temperatures"]):
+                lines.append(f"| {j + 1} | {t:.3g} | {f(r['ece_before'][j], True)} | {f(r['ece_after'][j], True)} | "
+                             f"{f(r['brier_before'][j])} | {f(r['brier_after'][j])} | {f(r['auc_before'][j])} | "
+                             f"{f(r['auc_after'][j])} |")
+            lines.append("")
     cals = [(s, d, r["calibration"]) for s, row in results.items() for d, r in row.items() if "calibration" in r]
     if cals:
         lines += ["", "## Calibration of the confidence head (raw or STS temperatures)", ""]
@@ -242,6 +347,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sts-split", action=argparse.BooleanOptionalAction, default=True,
+                    help="fit STS on half of each set's requests, report calibration before/after on the other half "
+                         "(drafters with a confidence head; default on)")
+    ap.add_argument("--sts-min-rounds", type=int, default=50,
+                    help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
     from dspark_jax.drafter import registry
@@ -257,7 +367,8 @@ def main(argv=None) -> int:
             name, _, path = spec.rpartition("=")
             d = registry.load(path, target.model)
             drafters[name or d.dcfg.kind] = (d, path)
-        sets = load_prompt_sets(args.prompts, tok, target.chat_template, args.num_prompts)
+        info: dict = {}
+        sets = load_prompt_sets(args.prompts, tok, target.chat_template, args.num_prompts, info=info)
     except (TargetMismatchError, EvalError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -277,14 +388,19 @@ def main(argv=None) -> int:
                 temps = None
             r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
-                                 max_prompt_len=args.max_prompt_len)
+                                 max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
+                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds)
             r["sts"] = temps is not None
             results[sname][dname] = r
             print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "
                   f"over {r['prompts']} prompts")
     meta = {"command": "python -m dspark_jax.eval " + " ".join(sys.argv[1:] if argv is None else argv),
             "target": str(target.path), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "sets": {k: v["sources"] for k, v in info.items()},
+            "drafters": {n: {"path": str(path), **{k: getattr(d.dcfg, k, None) for k in
+                                                   ("kind", "gamma", "num_layers", "confidence_head")}}
+                         for n, (d, path) in drafters.items()}}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
     plots = write_plots(results, out)
     path = write_report(results, meta, out, plots)

@@ -3,8 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.costs import (CostTableError, draft_time_at, draft_time_for, load_cost_file, load_cost_table,
-                              measure_table, roofline_table, save_cost_file, time_call)
+from dspark_jax.costs import (MEASURED_ON, CostTableError, MeasureError, bucket_plan, draft_time_at, draft_time_for,
+                              load_cost_file, load_cost_table, measure_engine, measure_table, roofline_table,
+                              save_cost_file, time_call, verify_gamma_policy)
 
 BK = [4, 8, 16]
 
@@ -62,14 +63,79 @@ def test_not_a_table(tmp_path):
         load_cost_file(tmp_path / "missing.json")
 
 
-def test_measure_table_with_callables():
+def test_measure_table_pairs_draft_and_round():
     calls = []
-    res = measure_table(lambda b: calls.append(b) or 1e-4 * b, [16, 4, 8], lambda: 2e-3)
-    assert calls == [4, 8, 16] and res["buckets"] == [4, 8, 16]
-    np.testing.assert_allclose(res["t_verify"], [4e-4, 8e-4, 16e-3 / 10])
-    assert res["t_draft"] == 2e-3
+    # per bucket window: 1 warm-up + 2 paired draft samples; bucket 8's window runs under extra load (+1 ms)
+    draft = iter([2e-3, 2e-3, 2.5e-3] + [3e-3, 3e-3, 3e-3] + [2e-3, 2e-3, 2e-3])
+
+    def round_fn(b):
+        calls.append(b)
+        return 2e-3 + 1e-4 * b + (1e-3 if b == 8 else 0.0)
+
+    res = measure_table(round_fn, [16, 4, 8], lambda: next(draft), repeats=2, warmup=1, stat="min")
+    assert calls == [4] * 3 + [8] * 3 + [16] * 3 and res["buckets"] == [4, 8, 16] and res["clipped"] == []
+    np.testing.assert_allclose(res["t_verify"], [4e-4, 8e-4, 16e-4])  # the window's own draft is subtracted
+    np.testing.assert_allclose(res["t_round"], [2.4e-3, 3.8e-3, 3.6e-3])
+    np.testing.assert_allclose(res["t_draft_paired"], [2e-3, 3e-3, 2e-3])
+    assert res["t_draft"] == pytest.approx(2e-3)
     n = []
     assert time_call(lambda: n.append(1), repeats=3, warmup=2) >= 0 and len(n) == 5
+
+
+def test_measure_table_clips_noise_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="bucket 8: round .* <= draft .* clipped"):
+        res = measure_table(lambda b: {4: 3e-3, 8: 1.9e-3}[b], [4, 8], lambda: 2e-3, floor=1e-6)
+    assert res["clipped"] == [8]
+    np.testing.assert_allclose(res["t_verify"], [1e-3, 1e-6])
+
+
+def test_bucket_plan_lands_in_each_bucket():
+    R, G = 4, 3
+    bk = [1, 2, 3, 4, 8, 12, 16]
+    plan = bucket_plan(bk, R, G)
+    lo = 0
+    for b in bk:
+        k, g = plan[b]
+        assert 1 <= k <= R and 0 <= g <= G and lo < k * (1 + g) <= b
+        lo = b
+    assert plan[16] == (4, 3) and plan[8] == (4, 1)  # fullest count, then most slots
+    with pytest.raises(MeasureError, match=r"bucket\(s\) \[5, 32\] on an engine with num_slots 4 and gamma 3.*--buckets"):
+        bucket_plan([4, 5, 16, 32], R, G)  # 5: no k * (1 + g) in (4, 5]; 32: above R * (G + 1) = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine.testing import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config())
+    drafter = tiny_drafter("dspark", target, gamma=2)
+    return Engine(target, drafter, num_slots=2, max_len=16, buckets=[1, 2, 3, 4, 6], policy=verify_gamma_policy)
+
+
+@pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")  # timing noise, not under test here
+def test_measure_engine_times_each_bucket_on_the_round(tiny_engine):
+    res = measure_engine(tiny_engine, repeats=2, warmup=1)
+    assert res["buckets"] == [1, 2, 3, 4, 6]
+    assert len(res["t_verify"]) == 5 and all(t > 0 for t in res["t_verify"]) and res["t_draft"] > 0
+    for i, b in enumerate(res["buckets"]):  # every timed round (warm-up included) ran in its own bucket
+        assert res["buckets_used"][b] == [i] * 3
+    assert [(p["active_slots"], p["verify_len"]) for p in res["plan"]] == [(1, 0), (2, 0), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")
+def test_measure_engine_refuses_a_round_in_another_bucket(tiny_engine):
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import Engine
+
+    def never_verify(a, active, ctl, a_stale, stale_valid):  # ignores ctl.gamma: every round packs 1 token / slot
+        return jnp.zeros(active.shape, jnp.int32)
+
+    eng = Engine(tiny_engine.target, tiny_engine.drafter, num_slots=2, max_len=16, buckets=[2, 6], policy=never_verify)
+    with pytest.raises(MeasureError, match=r"bucket 6 .* ran in bucket 2: the engine's policy "
+                                           r"'never_verify'.*policy=dspark_jax.costs.verify_gamma_policy"):
+        measure_engine(eng, repeats=1, warmup=1)
 
 
 def test_accelerator_shape_and_draft_curves(tmp_path):
@@ -98,14 +164,15 @@ def test_shipped_accelerator_table_is_the_documented_model():
 
 
 def test_measure_cli_on_the_engine(tmp_path):
-    """End to end on a tiny engine: per-bucket verification of the engine's forward, draft time, JSON."""
+    """End to end, target-only (G = 0: rounds of k slots x 1 token, no draft): JSON from the compiled round."""
     import jax
 
     from dspark_jax.costs import main
 
     out = tmp_path / "m.json"
-    assert main(["measure", "--model", "tiny", "--num-slots", "2", "--gamma", "2", "--max-len", "16",
-                 "--buckets", "2,4,6", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
-    d = load_cost_file(out, expect_backend=jax.default_backend(), expect_buckets=[2, 4, 6])
-    assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 2 and d["t_draft"] > 0
+    assert main(["measure", "--model", "tiny", "--drafter", "none", "--num-slots", "2", "--max-len", "16",
+                 "--buckets", "1,2", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+    d = load_cost_file(out, expect_backend=jax.default_backend(), expect_buckets=[1, 2])
+    assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 0 and d["t_draft"] == 0
+    assert d["measured_on"] == MEASURED_ON and [p["active_slots"] for p in d["plan"]] == [1, 2]
     assert d["device_kind"] == jax.devices()[0].device_kind

@@ -65,3 +65,61 @@ def test_scheduler_in_compiled_round(setup, policy):
         np.testing.assert_array_equal(tr["length"][rows], _reference_lengths(policy, a, table_np), err_msg=f"round {rnd}")
         checked += 1
     assert checked >= 5
+
+
+def test_scheduler_objective_is_configurable(setup):
+    """theta="sps" (the paper's tau * SPS(B)) makes other choices than "latency" on a table with a
+    large draft time, and each equals the numpy scheduler with that objective."""
+    target, prompts, reference = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    table = dict(buckets=BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=3.0)
+    table_np = scheduler.make_table(**table, as_numpy=True)
+    lengths = {}
+    for theta in ("sps", "latency"):
+        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
+                     theta=theta)
+        res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True,
+                           table=scheduler.make_table(**table))
+        assert [r.tokens for r in res.results] == reference
+        tr = res.traces.arrays()
+        for rnd in np.unique(tr["round"]):
+            rows = tr["round"] == rnd
+            a = scheduler.prefix_survival_np(tr["conf_logits"][rows])
+            ref = scheduler.schedule_early_stop_np(a, np.ones(rows.sum(), bool), table_np, mode=theta)
+            np.testing.assert_array_equal(tr["length"][rows], ref, err_msg=f"{theta} round {rnd}")
+        lengths[theta] = tr["length"]
+    # under "latency" the (large) draft time is paid whatever is verified, so extra tokens are relatively cheaper
+    assert lengths["latency"].sum() > lengths["sps"].sum()
+
+
+def test_bad_objective_names(setup):
+    target = setup[0]
+    d = tiny_drafter("dspark", target, gamma=3)
+    with pytest.raises(ValueError, match="theta='speed'.*sps, latency"):
+        Engine(target, d, num_slots=3, max_len=40, policy="early_stop", theta="speed")
+    with pytest.raises(ValueError, match="cost model 'linear'.*step, interp"):
+        Engine(target, d, num_slots=3, max_len=40, policy="production", cost="linear")
+
+
+def test_skip_drafting_inside_the_round(setup):
+    """When the table says no speculation pays, the compiled round skips the drafter (a cond in
+    the same program): every length is 0 and the output is still the target's; with a table
+    where speculation pays, the same compiled round drafts again."""
+    import jax
+
+    target, prompts, reference = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
+                 skip_drafting=True)
+    never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)  # drafting costs 50 steps
+    res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True, table=never)
+    assert [r.tokens for r in res.results] == reference
+    tr = res.traces.arrays()
+    assert (tr["length"] == 0).all() and (tr["conf_logits"] == 0).all()  # the drafter never ran
+    res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True, table=scheduler.make_table(**TABLE))
+    assert [r.tokens for r in res.results] == reference
+    assert res.traces.arrays()["length"].max() > 0
+    assert eng.compiled_rounds() == 1
+    st = eng.init_state()
+    jaxpr = str(jax.make_jaxpr(lambda s: eng._round(eng.tp, eng.dp, s, eng.control(table=never)))(st))
+    assert "cond[" in jaxpr

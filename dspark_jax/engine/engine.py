@@ -115,9 +115,22 @@ def _prefill_buckets(max_len: int) -> tuple[int, ...]:
 
 
 class Engine:
+    """Speculative decoding over `num_slots` request slots.
+
+    Verification lengths come from `policy` ("fixed", "threshold", or a scheduler:
+    "early_stop" = Algorithm 1, "static" = the static-shape variant, "production"; or a
+    function, see engine/policy.py). A scheduler maximises `theta` ("sps": tau * SPS(B),
+    the paper's; "latency": tau / (T_draft + T_verify(B))) over the cost table passed as
+    `table` (here or per call), pricing B tokens by `cost` ("interp" / "step"; None: the
+    policy's default). `skip_drafting`: when even perfect drafts could not beat plain
+    decoding on the table (`scheduler.speculation_pays` for the active slots), the round
+    does not run the drafter at all (a `lax.cond` inside the same compiled round).
+    """
+
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None, mesh=None,
-                 verifier: str = "exact", theta: str = "latency", cost: str = "step", skip_drafting: bool = False):
+                 verifier: str = "exact", theta: str = "latency", cost: str | None = None,
+                 skip_drafting: bool = False):
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.target, self.drafter, self.mesh = tmodel, drafter, mesh
         tcfg = tmodel.cfg

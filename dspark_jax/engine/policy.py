@@ -10,6 +10,8 @@ the value of draft j itself (all policies here do; see scheduler.py). Policies a
 The throughput objective is static too: `theta="sps"` is the paper's `tau * SPS(B)`,
 `theta="latency"` is `tau / (T_draft + T_verify(B))`; `cost` is how a batch of B tokens
 is priced between buckets ("step": the bucket it runs in; "interp": linear).
+Defaults (theta "latency", Algorithm 1 on "interp", production on "step") are what the
+engine used before these were options.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ def threshold(a, active, ctl, a_stale, stale_valid, **_):
     return jnp.minimum(scheduler.schedule_threshold(a, active, ctl.threshold), ctl.gamma)
 
 
-def early_stop(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
+def early_stop(a, active, ctl, a_stale, stale_valid, mode="latency", cost="interp"):
     return scheduler.schedule_early_stop(a, active, ctl.table, mode=mode, cost=cost)
 
 
-def static(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
+def static(a, active, ctl, a_stale, stale_valid, mode="latency", cost=None):
     """Section 3.1: early stop on the interpolated table (`cost` does not apply), then the bucket is filled."""
     return scheduler.schedule_static(a, active, ctl.table, mode=mode)[0]
 
@@ -54,16 +56,19 @@ POLICIES = {"fixed": fixed, "threshold": threshold, "early_stop": early_stop, "s
             "production": production}
 
 
-def get_policy(policy, theta: str = "latency", cost: str = "step"):
-    """A policy by name with its objective bound (`theta`, `cost`), or a user function as is."""
+def get_policy(policy, theta: str = "latency", cost: str | None = None):
+    """A policy by name with its objective bound (`theta`; `cost`, None = the policy's default:
+    "interp" for Algorithm 1's exact-B throughput, "step" for production's bucket search),
+    or a user function as is."""
     if callable(policy):
         return policy
     if policy not in POLICIES:
         raise ValueError(f"unknown length policy {policy!r}; choose one of: {', '.join(POLICIES)} or pass a function")
     if theta not in THETA_MODES:
         raise ValueError(f"unknown throughput objective theta={theta!r}; choose one of: {', '.join(THETA_MODES)}")
-    if cost not in COSTS:
+    if cost is not None and cost not in COSTS:
         raise ValueError(f"unknown cost model {cost!r}; choose one of: {', '.join(COSTS)}")
     if policy not in SCHEDULED:
         return POLICIES[policy]
-    return functools.partial(POLICIES[policy], mode=theta, cost=cost)
+    kw = {"mode": theta} if cost is None else {"mode": theta, "cost": cost}
+    return functools.partial(POLICIES[policy], **kw)
