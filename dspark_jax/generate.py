@@ -27,8 +27,20 @@ def parse_args(argv=None):
     ap.add_argument("--mode", default=None, choices=MODES, help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
-    ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold"), help="verification-length policy")
+    ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"),
+                    help="verification-length policy: fixed gamma, a static confidence threshold, or the prefix "
+                         "scheduler (Algorithm 1 / static-shape / production; need --costs)")
     ap.add_argument("--threshold", type=float, default=0.0, help="static confidence threshold (--policy threshold)")
+    ap.add_argument("--costs", default=None,
+                    help="cost table JSON from `python -m dspark_jax.costs measure` (its buckets become the engine's)")
+    ap.add_argument("--theta", default="latency", choices=("sps", "latency"),
+                    help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
+    ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
+                    help="price of B tokens between buckets (default: the policy's own)")
+    ap.add_argument("--skip-drafting", action="store_true",
+                    help="skip the drafter in rounds where the cost table says no speculation pays")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="use the STS temperatures stored with the drafter (python -m dspark_jax.calibrate)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -81,8 +93,11 @@ def load_models(target_dir=None, drafter_dir=None, mode=None):
 
 
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
-                   policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False):
-    """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts)."""
+                   policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
+                   sts=None, theta="latency", cost=None, skip_drafting=False):
+    """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
+
+    `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
     from dspark_jax.data.chat import render_prompt
     from dspark_jax.engine import Engine
 
@@ -90,11 +105,36 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     ids = [render_prompt(tok, c, target.chat_template) for c in convs]
     G = gamma or (drafter.gamma if drafter is not None and hasattr(drafter, "gamma") else 0)
     S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
-    eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy)
+    buckets = None if table is None else [int(b) for b in table.buckets]
+    eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
+                 buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
-                       stop_ids=tok.stop_ids, traces=traces, loop=loop)
+                       stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
     return res, ids, texts
+
+
+def scheduling_inputs(args, sampling):
+    """(cost table or None, STS temperatures or None) from --costs / --calibrated, checked before
+    any model is loaded: a table from another backend and missing temperatures fail here."""
+    import jax
+
+    from dspark_jax.calibrate import load_temperatures
+    from dspark_jax.costs import load_cost_table
+
+    scheduled = args.policy in ("early_stop", "static", "production")
+    if scheduled and not args.costs:
+        raise ValueError(f"--policy {args.policy} needs --costs TABLE.json (measure one with "
+                         "`python -m dspark_jax.costs measure`, or pass a table shaped like your accelerator's)")
+    if args.skip_drafting and not args.costs:
+        raise ValueError("--skip-drafting needs --costs TABLE.json: the table decides when drafting pays")
+    table = load_cost_table(args.costs, expect_backend=jax.default_backend()) if args.costs else None
+    sts = None
+    if args.calibrated:
+        if not args.drafter:
+            raise ValueError("--calibrated needs --drafter DIR (the STS temperatures are stored with the drafter)")
+        sts = load_temperatures(args.drafter, sampling)
+    return table, sts
 
 
 def main(argv=None) -> int:
@@ -103,15 +143,21 @@ def main(argv=None) -> int:
     from dspark_jax.engine import EngineError
     from dspark_jax.sampling import SamplingParams
 
+    from dspark_jax.calibrate import CalibrationMissingError
+    from dspark_jax.costs import CostTableError
+
     try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         convs = read_prompts(args.prompts)
+        table, sts = scheduling_inputs(args, sampling)
         target, drafter, mode = load_models(args.target, args.drafter, args.mode)
         res, ids, texts = generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
-            gamma=args.gamma, policy=args.policy, threshold=args.threshold,
-            sampling=SamplingParams(args.temperature, args.top_k, args.top_p), seed=args.seed, loop=args.loop,
-            traces=bool(args.traces))
-    except (ValueError, FileNotFoundError, TargetMismatchError, EngineError) as e:
+            gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
+            loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
+            skip_drafting=args.skip_drafting)
+    except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
+            CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for i, (r, text) in enumerate(zip(res.results, texts)):

@@ -71,3 +71,34 @@ def test_measure_accepted_length(dirs):
     prompts = [rng.integers(0, 200, n).tolist() for n in (5, 9, 3)]
     tau = measure_accepted_length(t, d, prompts, max_new_tokens=6, num_slots=3)
     assert 1.0 <= tau <= 4.0
+
+
+def test_generate_cli_scheduler_costs_and_sts(dirs, capsys):
+    """--policy production with a cost table (its buckets become the engine's) and --calibrated
+    STS temperatures; missing temperatures, a missing table and another backend's table fail
+    with one message each (exit 2)."""
+    from dspark_jax.calibrate import save_temperatures
+    from dspark_jax.costs import save_cost_file
+
+    root, _, _ = dirs
+    drafter = root / "drafter_sts"
+    save_drafter(dirs[2], drafter)
+    table = root / "costs.json"
+    save_cost_file(table, [2, 4, 8], [1e-3, 1.1e-3, 3e-3], 2e-4, backend="cpu", device_kind="cpu", provenance="test")
+    base = ["--target", str(root / "target"), "--drafter", str(drafter), "--prompts", str(root / "prompts.jsonl"),
+            "--max-new-tokens", "6", "--batch", "2", "--json", "--temperature", "1.0"]
+    assert main(base + ["--policy", "production"]) == 2
+    assert "needs --costs" in capsys.readouterr().err
+    assert main(base + ["--policy", "production", "--costs", str(table), "--calibrated"]) == 2
+    assert "no STS temperatures" in capsys.readouterr().err
+    save_temperatures(drafter, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperatures": [1.0, 0.5, 2.0]})
+    rc = main(base + ["--policy", "production", "--costs", str(table), "--calibrated", "--skip-drafting",
+                      "--traces", str(root / "sched.jsonl")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lengths = [json.loads(x)["length"] for x in (root / "sched.jsonl").read_text().splitlines()]
+    assert max(lengths) <= 3 and len(set(lengths)) > 1  # scheduled: not a fixed gamma
+    other = root / "tpu_costs.json"
+    save_cost_file(other, [2, 4, 8], [1e-3, 1.1e-3, 3e-3], 2e-4, backend="tpu", device_kind="TPU v5e", provenance="t")
+    assert main(base + ["--policy", "early_stop", "--costs", str(other)]) == 2
+    assert "measured on backend 'tpu'" in capsys.readouterr().err
