@@ -24,7 +24,8 @@ Measurement (:func:`measure_engine`) times the engine's own compiled round (`Eng
 once per bucket: the engine is built with :func:`verify_gamma_policy`, so k active slots
 verifying g drafts each pack k * (1 + g) tokens and the round runs that bucket's branch of
 its `lax.switch` (checked on `RoundOut.bucket`). The draft part is the engine's draft
-function timed on the same state; ``t_verify(b) = t_round(b) - t_draft``. The core,
+function timed on the same state, alternating with the rounds; ``t_verify(b) = t_round(b) -
+t_draft`` (the draft of the same time window). The core,
 :func:`measure_table`, only needs ``round_fn(bucket) -> seconds`` and ``draft_fn() -> seconds``.
 """
 
@@ -241,8 +242,8 @@ def _prefilled(engine, k: int, seed: int = 0):
 
 
 def engine_draft_timer(engine, sampling=None):
-    """``draft_fn() -> seconds`` (one call): the round's draft part, timed as the engine's own draft function
-    (`engine.drafts.draft`, the call the compiled round makes first) jitted on a state with all R
+    """``draft_fn() -> seconds`` (one call): the round's draft part, i.e. the engine's own draft
+    function (`engine.drafts.draft`, the call the compiled round makes first) jitted on a state with all R
     slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
     one number per round is exact; timing it apart (rather than as the difference of two rounds)
     keeps it from absorbing the round's other bucket-independent work, which `measure_table`
@@ -259,7 +260,7 @@ def engine_draft_timer(engine, sampling=None):
     spec, st = engine.spec, _prefilled(engine, engine.R)
     samp = engine.control(sampling).sampling
 
-    def part(dp, st, samp):  # every input traced, as in the round (constants would let XLA fold the sampling branches)
+    def part(dp, st, samp):
         kd, _ = row_round_keys(st.keys, st.rounds)
         return draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)[:3]
 
@@ -407,7 +408,8 @@ def _build_engine(args):
     target = tiny_target(cfg)
     drafter = None if args.drafter == "none" else tiny_drafter(args.drafter, target, gamma=args.gamma)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
-    kw = dict(max_len=args.max_len, gamma=args.gamma if args.drafter == "eagle3" else None,
+    e3 = args.drafter == "eagle3"  # engine.testing's Eagle3 drafter fuses target layer 0
+    kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
               policy=verify_gamma_policy)
     eng = Engine(target, drafter, num_slots=args.num_slots, buckets=buckets, **kw)
     return eng, cfg, lambda r: Engine(target, drafter, num_slots=r, **kw)

@@ -99,7 +99,8 @@ def test_bucket_plan_lands_in_each_bucket():
         assert 1 <= k <= R and 0 <= g <= G and lo < k * (1 + g) <= b
         lo = b
     assert plan[16] == (4, 3) and plan[8] == (4, 1)  # fullest count, then most slots
-    with pytest.raises(MeasureError, match=r"bucket\(s\) \[5, 32\] on an engine with num_slots 4 and gamma 3.*--buckets"):
+    with pytest.raises(MeasureError, match=r"bucket\(s\) \[5, 32\] on an engine with num_slots 4 and gamma 3"
+                                           r".*--buckets"):
         bucket_plan([4, 5, 16, 32], R, G)  # 5: no k * (1 + g) in (4, 5]; 32: above R * (G + 1) = 16
 
 
