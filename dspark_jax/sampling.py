@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SamplingParams", "sampling_probs", "sample", "probs_from_params"]
+__all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "probs_from_params"]
 
 
 class SamplingParams(NamedTuple):
@@ -55,12 +55,26 @@ def _truncate_sorted(s_logits, k, k_on, tp):
     return s_probs / jnp.sum(s_probs, axis=-1, keepdims=True)
 
 
-def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
+def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
+    """Which of `sampling_probs`' paths serves every given row: 0 plain, 1 top-k <= TOPK_CAP, 2 full sort.
+
+    Pass it as `path=` when `sampling_probs` runs under a per-row `vmap`: computed there, the
+    index would be batched and `lax.switch` would run all three paths for every row."""
+    k = jnp.asarray(top_k, jnp.int32)
+    tp = jnp.asarray(top_p, jnp.float32)
+    k_on = (k > 0) & (k < vocab_size)
+    no_trunc = jnp.all(~k_on & (tp >= 1.0))
+    small = jnp.all(k_on & (k <= min(TOPK_CAP, vocab_size)))
+    return jnp.where(no_trunc, 0, jnp.where(small, 1, 2)).astype(jnp.int32)
+
+
+def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=None) -> jax.Array:
     """fp32 probabilities ``[..., V]`` of the distribution that is sampled from (see module doc).
 
     Three paths with the same result, chosen at run time (the settings are traced): no
     truncation (a plain softmax, no sort); top-k <= TOPK_CAP (`lax.top_k`, which orders
     ties by lower index, then top-p inside those k); otherwise a full stable sort.
+    `path`: the index from `sampling_path` over the whole batch (default: these rows').
     """
     logits = jnp.asarray(logits, jnp.float32)
     batch_shape, V = logits.shape[:-1], logits.shape[-1]
@@ -85,17 +99,15 @@ def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> ja
         s_probs = _truncate_sorted(jnp.take_along_axis(scaled, order, axis=-1), k, k_on, tp)
         return jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
 
-    no_trunc = jnp.all(~k_on & (tp >= 1.0))
-    small = jnp.all(k_on & (k <= cap))
-    branch = jnp.where(no_trunc, 0, jnp.where(small, 1, 2))
+    branch = sampling_path(t, k, tp, V) if path is None else path
     probs = jax.lax.switch(branch, (plain, small_k, full_sort), None)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     return jnp.where(greedy[..., None], one_hot, probs)
 
 
-def probs_from_params(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """``sampling_probs(logits, *params)``."""
-    return sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+def probs_from_params(logits: jax.Array, params: SamplingParams, path=None) -> jax.Array:
+    """``sampling_probs(logits, *params, path=path)``."""
+    return sampling_probs(logits, params.temperature, params.top_k, params.top_p, path=path)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -85,3 +85,42 @@ def test_each_fast_path_matches_reference(k, p):
     got = np.asarray(sampling_probs(jnp.asarray(logits, jnp.float32), 0.7, k, p))
     want = np.stack([ref_sampling_probs(row, 0.7, k, p) for row in logits])
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_batch_path_keeps_one_branch_under_per_row_vmap():
+    """Under a per-row vmap the path index is batched and `lax.switch` becomes a select over all
+    three paths (the full sort included); a batch-level `sampling_path` keeps a real switch with
+    the same probabilities."""
+    from dspark_jax.sampling import sampling_path
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 50)), jnp.float32)
+    t, k, p = jnp.asarray([1.0, 0.7, 1.0, 0.5]), jnp.asarray([0, 0, 0, 0]), jnp.asarray([1.0, 1.0, 1.0, 1.0])
+
+    def per_row(path):
+        return jax.vmap(lambda lg, t_, k_, p_: sampling_probs(lg, t_, k_, p_, path=path))
+
+    def batched_path(lg, t_, k_, p_):
+        return per_row(sampling_path(t_, k_, p_, lg.shape[-1]))(lg, t_, k_, p_)
+
+    assert "cond[" not in str(jax.make_jaxpr(per_row(None))(logits, t, k, p))  # the problem
+    assert "cond[" in str(jax.make_jaxpr(batched_path)(logits, t, k, p))
+    np.testing.assert_allclose(batched_path(logits, t, k, p), sampling_probs(logits, t, k, p), atol=1e-6)
+    assert int(sampling_path(t, k, p, 50)) == 0
+    assert int(sampling_path(t, jnp.asarray([0, 5, 0, 0]), p, 50)) == 2  # mixed rows: the path that serves all
+    assert int(sampling_path(t, jnp.asarray([3, 5, 7, 9]), p, 50)) == 1
+
+
+def test_engine_draft_keeps_one_sampling_branch():
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine.drafts import draft
+    from dspark_jax.engine.testing import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
+    for kind in ("dspark", "mtp1"):
+        eng = Engine(target, tiny_drafter(kind, target, gamma=2), num_slots=2, max_len=16,
+                     **({"gamma": 1} if kind == "mtp1" else {}))
+        st = eng.init_state()
+        samp = eng.control().sampling
+        jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s.dcache, s.last, s.anchor, s.pos, s.keys, samp))(st)
+        assert "cond[" in str(jaxpr), kind

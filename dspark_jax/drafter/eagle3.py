@@ -355,8 +355,8 @@ def eagle3_draft_logits(params, cache: KVCache, last_feature, step_tokens, ancho
 
 
 def eagle3_draft(key, params, cache: KVCache, last_feature, anchor_tok, anchor_pos, gamma: int,
-                 sampling: SamplingParams = SamplingParams(), *, cfg: ModelConfig):
-    """Sample gamma draft tokens with a `lax.scan`.
+                 sampling: SamplingParams = SamplingParams(), *, cfg: ModelConfig, path=None):
+    """Sample gamma draft tokens with a `lax.scan` (`path`: see `sampling.sampling_path`).
 
     last_feature [R, m, H] = target features at anchor_pos - 1; anchor_tok [R] = x_p;
     anchor_pos [R] = p >= 1 with `cache.lengths == p - 1`. Returns tokens [R, G], the exact
@@ -366,7 +366,7 @@ def eagle3_draft(key, params, cache: KVCache, last_feature, anchor_tok, anchor_p
         raise ValueError(f"gamma must be >= 1 (draft tokens per round), got {gamma}")
 
     def pick(k, logits):
-        q = probs_from_params(logits, sampling)
+        q = probs_from_params(logits, sampling, path)
         tok = sample(k, q)
         return tok, (tok, q)
 

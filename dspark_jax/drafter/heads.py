@@ -98,7 +98,7 @@ def head_bias_train(params: dict, h, prev_tokens):
     return project_bias(params, jnp.moveaxis(outs, 0, -2))
 
 
-def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = SamplingParams()):
+def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = SamplingParams(), path=None):
     """Sample d_0..d_{G-1} left to right in ONE `lax.scan` over the G slots.
 
     h [R,G,H] (backbone output); anchor [R] (x_p, the previous token of slot 0).
@@ -106,7 +106,7 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     `q_j = sampling_probs(U_j + B_j, sampling)`, B_j computed from the *sampled* previous
     token; z_j (confidence logit) likewise. Returns tokens [R,G] int32, q [R,G,V] float32
     (exactly the distributions sampled from), z [R,G] float32 (zeros without a
-    confidence head). Without a Markov head (DFlash) B = 0.
+    confidence head). Without a Markov head (DFlash) B = 0. `path`: see `sampling.sampling_path`.
     """
     r, g = h.shape[:2]
     u = base_logits(params, h)
@@ -115,7 +115,7 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
         prev, s = carry
         j, u_j, h_j = xs
         s, b_j = step_bias(params, s, h_j, prev)
-        q_j = probs_from_params(u_j + b_j, sampling)
+        q_j = probs_from_params(u_j + b_j, sampling, path)
         tok = sample(jax.random.fold_in(key, j), q_j)
         z_j = confidence_logits(params, h_j, prev)
         return (tok, s), (tok, q_j, z_j)

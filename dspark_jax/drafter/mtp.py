@@ -153,8 +153,8 @@ def mtp_draft_logits(params, cache: KVCache, h_final_last, anchor_tok, anchor_po
 
 
 def mtp_draft(key, params, cache: KVCache, h_final_last, anchor_tok, anchor_pos,
-              sampling: SamplingParams = SamplingParams(), *, cfg: ModelConfig):
+              sampling: SamplingParams = SamplingParams(), *, cfg: ModelConfig, path=None):
     """One draft token: (tokens [R, 1], the exact distribution q [R, 1, V], cache with lengths p)."""
     logits, cache = mtp_draft_logits(params, cache, h_final_last, anchor_tok, anchor_pos, cfg=cfg)
-    q = probs_from_params(logits, sampling)
+    q = probs_from_params(logits, sampling, path)
     return sample(key, q)[:, None], q[:, None], cache

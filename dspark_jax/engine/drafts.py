@@ -20,7 +20,7 @@ from dspark_jax.drafter import eagle3 as e3
 from dspark_jax.drafter import mtp as mtp1
 from dspark_jax.model.config import ModelConfig
 from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.sampling import SamplingParams
+from dspark_jax.sampling import SamplingParams, sampling_path
 
 MODES = ("ar", "dspark", "dflash", "eagle3", "mtp1")
 
@@ -90,14 +90,18 @@ def prefill_drafter(spec: Spec, dp, dcache, last, feats, hidden, tokens, plen, j
 
 
 def draft(spec: Spec, dp, dcache, last, anchor, pos, keys, sampling: SamplingParams):
-    """-> (tokens [R, G], q [R, G, V], z [R, G], q_raw [R, G, V] or None, dcache)."""
+    """-> (tokens [R, G], q [R, G, V], z [R, G], q_raw [R, G, V] or None, dcache).
+
+    The sampling path is chosen once for the batch, outside the per-row vmaps (else every
+    row would run all of `sampling_probs`' paths, the full-vocabulary sort included)."""
     r = anchor.shape[0]
+    path = sampling_path(*sampling, spec.tcfg.vocab_size)
     if spec.mode in ("dspark", "dflash"):
         h = backbone.draft_hidden(dp, spec.dcfg, dcache, anchor, pos, gamma=spec.G, mask_id=spec.mask_id,
                                   window=spec.window)
 
         def one(k, h_r, a_r, s_r):
-            t, q, z = heads.sample_block(k, dp, h_r[None], a_r[None], s_r)
+            t, q, z = heads.sample_block(k, dp, h_r[None], a_r[None], s_r, path)
             return t[0], q[0], z[0]
 
         toks, q, z = jax.vmap(one)(keys, h, anchor, sampling)
@@ -110,7 +114,7 @@ def draft(spec: Spec, dp, dcache, last, anchor, pos, keys, sampling: SamplingPar
     if spec.mode == "eagle3":
         def one(k, ck, cv, ln, lf, a_r, p_r, s_r):
             t, q, c = e3.eagle3_draft(k, dp, KVCache(ck[:, None], cv[:, None], ln[None]), lf[None], a_r[None],
-                                      p_r[None], spec.G, s_r, cfg=spec.tcfg)
+                                      p_r[None], spec.G, s_r, cfg=spec.tcfg, path=path)
             return t[0], q[0], c.k[:, 0], c.v[:, 0], c.lengths[0]
 
         toks, q, k, v, ln = jax.vmap(one, in_axes=(0, 1, 1, 0, 0, 0, 0, 0), out_axes=(0, 0, 1, 1, 0))(
@@ -119,7 +123,7 @@ def draft(spec: Spec, dp, dcache, last, anchor, pos, keys, sampling: SamplingPar
     if spec.mode == "mtp1":
         def one(k, ck, cv, ln, hl, a_r, p_r, s_r):
             t, q, c = mtp1.mtp_draft(k, dp, KVCache(ck[:, None], cv[:, None], ln[None]), hl[None], a_r[None],
-                                     p_r[None], s_r, cfg=spec.tcfg)
+                                     p_r[None], s_r, cfg=spec.tcfg, path=path)
             return t[0], q[0], c.k[:, 0], c.v[:, 0], c.lengths[0]
 
         toks, q, k, v, ln = jax.vmap(one, in_axes=(0, 1, 1, 0, 0, 0, 0, 0), out_axes=(0, 0, 1, 1, 0))(
