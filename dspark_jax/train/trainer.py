@@ -275,6 +275,28 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ loop
+    def _step_metrics(self, step: int, metrics: dict, last_good: int, tokens: int, seconds: float) -> dict:
+        """Host floats of a logged step (+ throughput, lr); a non-finite loss stops training."""
+        m = {k: float(v) for k, v in metrics.items()}
+        if not all(math.isfinite(v) for v in m.values()):
+            raise TrainingError(
+                f"non-finite loss at step {step} ({m}); training stopped. The last good checkpoint "
+                f"(step {last_good}) in {self.ckpt.directory} is kept; lower train.lr or check the data"
+            )
+        m["tokens_per_s"] = tokens / max(seconds, 1e-9)
+        m["lr"] = float(self.schedule(step))
+        return m
+
+    def _export(self):
+        """Write the final drafter (reference layout) on process 0; copied to gs:// outputs."""
+        export = self.out / "drafter"
+        if jax.process_index() == 0:
+            local_export = self.local_out / "drafter"
+            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
+            if is_remote(self.out):
+                copy_tree(local_export, export)
+        return export
+
     def fit(self) -> dict:
         from dspark_jax.train.runlog import RunLogger
 
@@ -298,16 +320,9 @@ class Trainer:
                     self.state, metrics, _ = self.train_step(self.state, self.frozen, self.t_state, self._device_batch(batch))
                     step += 1
                     if step % tc.log_every == 0 or step == stop_at:
-                        m = {k: float(v) for k, v in metrics.items()}
-                        if not all(math.isfinite(v) for v in m.values()):
-                            raise TrainingError(
-                                f"non-finite loss at step {step} ({m}); training stopped. The last good checkpoint "
-                                f"(step {last_good}) in {self.ckpt.directory} is kept; lower train.lr or check the data"
-                            )
-                        now = time.perf_counter()
-                        m["tokens_per_s"] = tokens_per_step * (step - n_last) / max(now - t_last, 1e-9)
-                        m["lr"] = float(self.schedule(step))
-                        t_last, n_last = now, step
+                        m = self._step_metrics(step, metrics, last_good, tokens_per_step * (step - n_last),
+                                               time.perf_counter() - t_last)
+                        t_last, n_last = time.perf_counter(), step
                         logger.scalars(step, m)
                         bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
@@ -332,12 +347,7 @@ class Trainer:
             final_eval = self.evaluate()
         logger.scalars(step, final_eval)
         logger.close()
-        export = self.out / "drafter"
-        if jax.process_index() == 0:
-            local_export = self.local_out / "drafter"
-            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
-            if is_remote(self.out):
-                copy_tree(local_export, export)
+        export = self._export()
         return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
                 "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export),
                 "drafter_local": str(self.local_out / "drafter"), "eval": final_eval}
