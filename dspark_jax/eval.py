@@ -160,22 +160,32 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
 
     Returns {"error": why} instead when there are too few full-gamma rounds."""
     from dspark_jax.calibrate import calibrate_traces
-    from dspark_jax.traces import from_engine
+    from dspark_jax.traces import TraceSet, from_engine
 
-    ts = from_engine(traces, drafter_kind=drafter_kind, sampling=sampling)
+    from dspark_jax.calibrate import split_by_request
+    from dspark_jax.calibration import sigmoid
+
+    ts = traces if isinstance(traces, TraceSet) else from_engine(traces, drafter_kind=drafter_kind, sampling=sampling)
     try:
         fit = calibrate_traces(ts, holdout=holdout, seed=seed, min_rounds=min_rounds)
     except ValueError as e:
         return {"error": str(e)}
+    _, held = split_by_request(ts.full_gamma(), holdout, seed)  # the half the report is measured on
+    G = ts.gamma
+    z = held.conf_logits.astype(np.float64)
+    means = {f"mean_survival_{tag}": np.cumprod(sigmoid(z / np.asarray(t, np.float64)[None]), axis=1).mean(0).tolist()
+             for tag, t in (("before", np.ones(G)), ("after", fit["temperatures"]))}
+    means["prefix_rate"] = (held.accepted[:, None] > np.arange(G)[None]).mean(0).tolist()
     rep = fit["report"]
     mean = lambda v: float(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
     summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc") for tag in ("before", "after")}
-    return {"split": "by request", "holdout": holdout, "seed": seed, **summary,
+    return {"split": "by request", "holdout": holdout, "seed": seed, **summary, **means,
             **{k: fit[k] for k in ("temperatures", "n_rounds", "n_fit", "n_heldout", "n_bins", "grid", "report")}}
 
 
 def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
-                     max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50):
+                     max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50,
+                     traces_path=None):
     from dspark_jax.engine import Engine
 
     G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
@@ -197,9 +207,15 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
         out["by_source"] = tau_by_group(acc, rounds, groups, seed=seed)
     has_conf = bool(getattr(drafter, "dcfg", None) and drafter.dcfg.confidence_head)
     full = tr["full"]
-    if has_conf and sts_split:
-        out["sts_split"] = sts_before_after(res.traces, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
-                                            min_rounds=sts_min_rounds)
+    if traces_path is not None or (has_conf and sts_split):
+        from dspark_jax.traces import from_engine, save_traces
+
+        ts = from_engine(res.traces, drafter_kind=drafter.dcfg.kind, sampling=sampling, source="engine (eval)")
+        if traces_path is not None:
+            out["traces"] = str(save_traces(traces_path, ts))
+        if has_conf and sts_split:
+            out["sts_split"] = sts_before_after(ts, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
+                                                min_rounds=sts_min_rounds)
     if has_conf and full.any():
         from dspark_jax.calibration import calibration_report
 
@@ -315,12 +331,15 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
             lines += [f"{s} / {d}: {sp['n_fit']} fit / {sp['n_heldout']} held-out full-gamma rounds; mean over "
                       f"positions: ECE {f(sp['ece_before_mean'], True)} -> {f(sp['ece_after_mean'], True)}, Brier "
                       f"{f(sp['brier_before_mean'])} -> {f(sp['brier_after_mean'])}", "",
-                      "| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after | "
+                      "mean a_j before | mean a_j after | realised prefix rate |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            ms = [sp.get(k, [None] * len(sp["temperatures"]))
+                  for k in ("mean_survival_before", "mean_survival_after", "prefix_rate")]
             for j, t in enumerate(sp["temperatures"]):
                 lines.append(f"| {j + 1} | {t:.3g} | {f(r['ece_before'][j], True)} | {f(r['ece_after'][j], True)} | "
                              f"{f(r['brier_before'][j])} | {f(r['brier_after'][j])} | {f(r['auc_before'][j])} | "
-                             f"{f(r['auc_after'][j])} |")
+                             f"{f(r['auc_after'][j])} | {f(ms[0][j])} | {f(ms[1][j])} | {f(ms[2][j])} |")
             lines.append("")
     cals = [(s, d, r["calibration"]) for s, row in results.items() for d, r in row.items() if "calibration" in r]
     if cals:
@@ -352,6 +371,8 @@ def main(argv=None) -> int:
                          "(drafters with a confidence head; default on)")
     ap.add_argument("--sts-min-rounds", type=int, default=50,
                     help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
+    ap.add_argument("--traces-dir", default=None,
+                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax.calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
     from dspark_jax.drafter import registry
@@ -389,7 +410,8 @@ def main(argv=None) -> int:
             r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
                                  max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
-                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds)
+                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds,
+                                 traces_path=Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None)
             r["sts"] = temps is not None
             results[sname][dname] = r
             print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "

@@ -62,6 +62,11 @@ def test_sts_before_after_measures_on_the_held_out_half():
     assert np.all(np.asarray(temps) > 1.5)  # over-sharp logits are cooled
     assert out["ece_after_mean"] < 0.5 * out["ece_before_mean"]
     assert out["ece_after_mean"] == pytest.approx(np.mean(on_held["ece_after"]))
+    np.testing.assert_allclose(out["prefix_rate"], (held.accepted[:, None] > np.arange(4)).mean(0))
+    from dspark_jax.calibration import sigmoid
+
+    np.testing.assert_allclose(out["mean_survival_after"],
+                               np.cumprod(sigmoid(held.conf_logits / temps[None]), axis=1).mean(0), rtol=1e-6)
 
 
 def test_sts_before_after_too_few_rounds_says_why():
@@ -105,6 +110,7 @@ def test_report_end_to_end(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path)
         assert "full gamma" in sp["error"]
     else:
         assert sp["n_fit"] + sp["n_heldout"] == sp["n_rounds"] and len(sp["report"]["ece_after"]) == 4
+    assert "STS before / after" in (tmp_path / "report.md").read_text()
     meta = json.loads((tmp_path / "results.json").read_text())["meta"]
     assert meta["drafters"]["mine"]["kind"] == "dspark" and meta["drafters"]["mine"]["gamma"] == 4
     assert meta["sets"]["code"]["stdlib_heldout"] == 6
