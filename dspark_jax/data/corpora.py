@@ -112,23 +112,33 @@ def _stdlib_items() -> tuple:
         mod = _module_name(path.relative_to(root))
         if not mod or any(p.startswith("test") for p in mod.split(".")):
             continue
-        try:
-            src = path.read_text(encoding="utf-8")
-            tree = ast.parse(src)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        parsed = parse_top_level(path)
+        if parsed is None:
             continue
-        lines = src.splitlines(keepends=True)
-        mdoc = ast.get_docstring(tree)
+        mdoc, defs = parsed
         if mdoc:
             items.append((mod, "module", mod, "", mdoc))
-        for node in tree.body:
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                continue
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            seg = "".join(lines[start : node.end_lineno])
-            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+        for node, kind, seg in defs:
             items.append((mod, kind, node.name, seg, ast.get_docstring(node) or ""))
     return tuple(items)
+
+
+def parse_top_level(path):
+    """(module docstring, [(node, "function" | "class", source incl. decorators)]) of a Python
+    file's top-level definitions; None when the file does not parse."""
+    try:
+        src = Path(path).read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    lines = src.splitlines(keepends=True)
+    defs = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            defs.append((node, "class" if isinstance(node, ast.ClassDef) else "function",
+                         "".join(lines[start: node.end_lineno])))
+    return ast.get_docstring(tree), defs
 
 
 def _is_heldout(module: str) -> bool:

@@ -16,7 +16,6 @@ records them next to every result.
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import importlib.metadata
@@ -25,7 +24,7 @@ import os
 import random
 from pathlib import Path
 
-from dspark_jax.data.corpora import _SKIP_DIRS, _assistant, _truncate, _user, _stdlib_items
+from dspark_jax.data.corpora import _SKIP_DIRS, _assistant, _stdlib_items, _truncate, _user, parse_top_level
 
 PACKAGES = ("numpy", "jax", "flax", "optax")
 _DIST = {"numpy": "numpy", "jax": "jax", "flax": "flax", "optax": "optax"}
@@ -74,22 +73,14 @@ def package_items(packages: tuple[str, ...] = PACKAGES) -> tuple:
             rel = path.relative_to(root.parent).with_suffix("")
             parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
             mod = ".".join(parts)
-            try:
-                src = path.read_text(encoding="utf-8")
-                tree = ast.parse(src)
-            except (SyntaxError, UnicodeDecodeError, ValueError):
+            parsed = parse_top_level(path)
+            if parsed is None:
                 continue
-            lines = src.splitlines(keepends=True)
-            for node in tree.body:
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    continue
-                start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-                seg = "".join(lines[start: node.end_lineno])
+            for node, kind, seg in parsed[1]:
                 body = _truncate(seg)
                 if len(body.splitlines()) < MIN_LINES or body in stdlib_src or body in seen:
                     continue
                 seen.add(body)
-                kind = "class" if isinstance(node, ast.ClassDef) else "function"
                 items.append((mod, kind, node.name, seg))
     items.sort(key=lambda it: (hashlib.sha256(f"{it[0]}:{it[2]}".encode()).hexdigest(), it[0], it[2]))
     return tuple(items)
