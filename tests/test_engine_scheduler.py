@@ -123,3 +123,27 @@ def test_skip_drafting_inside_the_round(setup):
     st = eng.init_state()
     jaxpr = str(jax.make_jaxpr(lambda s: eng._round(eng.tp, eng.dp, s, eng.control(table=never)))(st))
     assert "cond[" in jaxpr
+
+
+def test_production_after_skipped_rounds_uses_default_capacity(setup):
+    """Rounds that skipped drafting have no survivals; two rounds later the production scheduler
+    must fall back to its default capacity, not read "nothing pays" from them."""
+    import jax
+
+    target, prompts, _ = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="production",
+                 skip_drafting=True)
+    never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)
+    pays = scheduler.make_table(**TABLE)
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
+    st = eng.prefill_slots(eng.init_state(), [0, 1, 2], prompts[:3], kd, [30] * 3)
+    for _ in range(2):
+        st, ro = eng.step(st, eng.control(GREEDY, table=never))
+        assert (np.asarray(ro.lengths) == 0).all()
+    st, ro = eng.step(st, eng.control(GREEDY, table=pays, default_k=5))
+    a = scheduler.prefix_survival_np(np.asarray(ro.z))
+    tab = scheduler.make_table(**TABLE, as_numpy=True)
+    ref = scheduler.schedule_production_np(a, np.ones(3, bool), None, False, tab, 5, mode="latency")[0]
+    np.testing.assert_array_equal(np.asarray(ro.lengths), ref)
+    assert ref.sum() == 5  # the default capacity, where stale zeros would have given 0

@@ -123,8 +123,10 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         else:
             pays = jnp.bool_(True)
             drafts, q, z, q_raw, dcache = run_draft()
-        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), 0.0)
-        stale_valid = st.step >= 2
+        # a skipped round has no survivals: -1 marks them, so two rounds later the production
+        # scheduler falls back to its default capacity instead of reading "nothing pays"
+        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), -1.0)
+        stale_valid = (st.step >= 2) & jnp.all(st.a_hist[1] >= 0.0)
         lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
         lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
         a_hist = jnp.stack([a, st.a_hist[0]])
