@@ -37,8 +37,10 @@ def parse_args(argv=None):
                     help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
     ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
                     help="price of B tokens between buckets (default: the policy's own)")
-    ap.add_argument("--skip-drafting", action="store_true",
-                    help="skip the drafter in rounds where the cost table says no speculation pays")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default=None, choices=("known", "best_case"),
+                    help="skip the drafter in rounds where the cost table says no speculation pays: 'known' "
+                         "(default) on the last known survivals, probing every 8 rounds; 'best_case' only when "
+                         "even perfect drafts would not pay")
     ap.add_argument("--calibrated", action="store_true",
                     help="use the STS temperatures stored with the drafter (python -m dspark_jax.calibrate)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
-            skip_drafting=args.skip_drafting)
+            skip_drafting=args.skip_drafting or False)
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -46,6 +46,7 @@ __all__ = [
     "schedule_threshold", "schedule_threshold_np",
     "schedule_fixed", "schedule_fixed_np",
     "speculation_pays", "speculation_pays_np",
+    "known_speculation_pays", "known_speculation_pays_np",
 ]
 
 
@@ -419,3 +420,28 @@ def speculation_pays_np(n_active, table: CostTable, max_tokens, mode="sps", cost
     th0 = n_active / verify_time_np(n_active, table, cost)
     return any(theta_np(n_active + k, n_active + k, table, mode, cost) > th0
                for k in range(1, max_tokens + 1))
+
+
+@partial(jax.jit, static_argnames=("mode", "cost"))
+def known_speculation_pays(a_known, active, table: CostTable, mode="latency", cost="step"):
+    """Whether, on survivals already known (an earlier round's), some admission count K >= 1
+    beats not drafting (``Theta_0 = n / T_verify(n)``, no draft time). Deciding from the past
+    only, it cannot bias the output; False => skip drafting this round."""
+    a, active, cand = _prep(a_known, active)
+    sorted_a, n_cand, _ = _order(a, cand)
+    n_act = jnp.sum(active).astype(jnp.int32)
+    th = _theta_path(sorted_a, n_act, table, mode, cost)
+    th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
+    n = n_act.astype(jnp.float32)
+    return jnp.max(th) > n / verify_time(n, table, cost)
+
+
+def known_speculation_pays_np(a_known, active, table: CostTable, mode="latency", cost="step"):
+    a, c = _cands_np(a_known, active)
+    n = int(np.sum(np.asarray(active, bool)))
+    th0 = n / verify_time_np(n, table, cost)
+    tau, best = float(n), -np.inf
+    for i, (na, _, _) in enumerate(c, start=1):
+        tau -= na
+        best = max(best, theta_np(tau, n + i, table, mode, cost))
+    return bool(best > th0)

@@ -22,9 +22,12 @@ Methods: target-only; MTP-1 (MTP traces, else a stated acceptance rate); fixed g
 (DFlash traces, DSpark traces); static threshold on the calibrated survival; DSpark with
 the early-stop (Algorithm 1), static-shape and production schedulers (the compiled JAX
 versions from ``dspark_jax.scheduler``, vmapped over rounds), optionally skipping the
-draft in rounds where the survivals of two rounds ago say no speculation beats
-target-only (``--skip stale``) or the best case does not (``--skip best_case``,
-``scheduler.speculation_pays``).
+draft by the engine's rules: ``--skip known`` (default; ``Engine(skip_drafting="known")``):
+skip when the best case does not pay or when the survivals of the last round that drafted
+say no admission count beats target-only, drafting every ``--probe-every`` rounds to refresh
+them; ``--skip best_case`` (``scheduler.speculation_pays``) only the first part. ``--skip
+stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
+even when that round skipped drafting (so produced none).
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ class Method:
     traces: str | None = "dspark"  # which trace set supplies acceptance: dspark | dflash | mtp1 | None
     gamma: int | None = None  # fixed-gamma length (default: the traces' gamma)
     threshold: float = 0.5
-    skip: str = "none"  # none | stale | best_case (scheduled kinds only)
+    skip: str = "none"  # none | known | best_case | stale (scheduled kinds only)
 
 
-def default_methods(threshold: float = 0.5, skip: str = "stale", have_dflash: bool = True) -> list[Method]:
+def default_methods(threshold: float = 0.5, skip: str = "known", have_dflash: bool = True) -> list[Method]:
     out = [Method("target-only", "ar", None), Method("MTP-1", "mtp1", "mtp1")]
     if have_dflash:
         out.append(Method("DFlash gamma=7", "fixed", "dflash", gamma=7))
@@ -148,9 +151,26 @@ def _stale_skip(a_stale, R, table_np, t_draft, charge):
     return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
 
 
+def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every):
+    """The engine's "known" rule, round by round: skip unless the best case pays and either this
+    is a probe round (every `probe_every`-th, or no survivals yet) or the survivals of the last
+    round that drafted say some admission count beats target-only."""
+    T = a.shape[0]
+    skip = np.zeros(T, bool)
+    known = None
+    for t in range(T):
+        if not best_case_pays:
+            skip[t] = True
+        elif known is not None and t % probe_every != 0:
+            skip[t] = bool(_stale_skip(known[None], R, table_np, t_draft, charge)[0])
+        if not skip[t]:
+            known = a[t]
+    return skip
+
+
 def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, n_rounds: int = 300, seed: int = 0,
                     mtp_accept: float = 0.85, mode: str = "latency", charge: str = "step", R_pad: int | None = None,
-                    keep_rounds: bool = False, turnover: int | None = 64) -> SimResult:
+                    keep_rounds: bool = False, turnover: int | None = 64, probe_every: int = 8) -> SimResult:
     """One method at concurrency R. ``traces``: {"dspark": TraceSet, "dflash": ..., "mtp1": ...}
     (full-gamma rounds); ``temps``: STS temperatures for the DSpark traces."""
     rng = np.random.default_rng([seed, R])
@@ -197,11 +217,14 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
             raise ValueError(f"unknown method kind {method.kind!r}")
     drafted = np.full(T, method.kind != "ar")
     if method.kind in SCHEDULED and method.skip != "none":
+        tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
+        best = scheduler.speculation_pays_np(R, tab, R * ts.gamma, mode=mode, cost="interp")
         if method.skip == "stale":
             skip = _stale_skip(a_stale, R, table_np, t_draft, charge)
         elif method.skip == "best_case":
-            tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
-            skip = np.full(T, not scheduler.speculation_pays_np(R, tab, R * ts.gamma, mode=mode, cost="interp"))
+            skip = np.full(T, not best)
+        elif method.skip == "known":
+            skip = _known_skip(a, best, R, table_np, t_draft, charge, probe_every)
         else:
             raise ValueError(f"unknown skip rule {method.skip!r}")
         drafted &= ~skip
@@ -339,7 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--threshold", type=float, default=0.5)
-    ap.add_argument("--skip", default="stale", choices=["none", "stale", "best_case"])
+    ap.add_argument("--skip", default="known", choices=["none", "known", "best_case", "stale"],
+                    help="when the scheduled variants skip drafting (module doc); 'known' is the engine's default")
+    ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: draft at least every N rounds")
     ap.add_argument("--theta", default="latency", choices=["latency", "sps"])
     ap.add_argument("--charge", default="step", choices=["step", "interp"])
     ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
@@ -365,14 +390,15 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
     results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
-                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover)
+                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
+                        probe_every=args.probe_every)
     files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
     hl = headline(results)
     matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
     summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
                "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
                "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
-               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "theta", "charge", "turnover", "seed")},
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "theta", "charge", "turnover", "seed")},
                "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
     Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")

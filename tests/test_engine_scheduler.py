@@ -147,3 +147,41 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
     ref = scheduler.schedule_production_np(a, np.ones(3, bool), None, False, tab, 5, mode="latency")[0]
     np.testing.assert_array_equal(np.asarray(ro.lengths), ref)
     assert ref.sum() == 5  # the default capacity, where stale zeros would have given 0
+
+
+def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
+    """With a table where perfect drafts would pay but these drafters' survivals do not (draft
+    time 0.6 of a step), the "known" rule drafts on probe rounds (every 4th engine round, and
+    while survivals are unknown) and skips the rest; "best_case" never skips; output unchanged."""
+    target, prompts, reference = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
+    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
+    assert scheduler.speculation_pays_np(3, tab_np, 9, mode="latency")
+    drafted = {}
+    for rule in ("best_case", "known"):
+        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
+                     skip_drafting=rule, probe_every=4)
+        res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True, table=table)
+        assert [r.tokens for r in res.results] == reference
+        tr = res.traces.arrays()
+        ran = {int(r) for r in np.unique(tr["round"]) if (tr["conf_logits"][tr["round"] == r] != 0).any()}
+        drafted[rule] = ran
+        n_rounds = len(np.unique(tr["round"]))
+    assert len(drafted["best_case"]) == n_rounds
+    assert {0, 4, 8}.issubset(drafted["known"]) and len(drafted["known"]) < n_rounds / 2
+
+
+def test_known_speculation_pays_matches_numpy():
+    rng = np.random.default_rng(3)
+    tab = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.4)
+    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.4, as_numpy=True)
+    seen = set()
+    for _ in range(60):
+        a = np.cumprod(rng.uniform(0, 1, (3, 3)) ** rng.uniform(0.2, 3), axis=1)
+        act = rng.random(3) < 0.8
+        for mode in ("sps", "latency"):
+            want = scheduler.known_speculation_pays_np(a, act, tab_np, mode=mode)
+            assert bool(scheduler.known_speculation_pays(a, act, tab, mode=mode)) == want
+            seen.add(want)
+    assert seen == {True, False}

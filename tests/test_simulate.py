@@ -128,3 +128,23 @@ def test_cli_synthetic(tmp_path):
     assert "SYNTHETIC" in s["traces"] and s["concurrency"] == [1, 256]
     for f in ("sweep.csv", "throughput_vs_per_user.png", "budget_vs_concurrency.png"):
         assert (tmp_path / "o" / f).stat().st_size > 0
+
+
+def test_known_skip_probes_and_matches_the_engine_rule():
+    """The simulator's "known" rule is the engine's: the same decision as
+    scheduler.known_speculation_pays on the last drafted round's survivals, drafting on probe
+    rounds; with survivals that never pay it drafts exactly every probe_every rounds."""
+    from dspark_jax import scheduler
+    from dspark_jax.simulate import _known_skip, _stale_skip
+
+    tab = scheduler.make_table([8, 16, 32, 64], t_verify=[1.0, 1.2, 2.0, 4.0], t_draft=0.5, as_numpy=True)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
+        assert bool(_stale_skip(a[None], 8, tab, 0.5, "step")[0]) == (
+            not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode="latency", cost="step"))
+    hopeless = np.full((40, 8, G), 0.01)
+    skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=8)
+    assert np.flatnonzero(~skip).tolist() == [0, 8, 16, 24, 32]
+    assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
+    assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()

@@ -40,8 +40,9 @@ class Spec:
     max_len: int
     policy: Callable
     verifier: str = "exact"  # "exact" | deliberately broken, for tests: "no_residual" | "unfiltered_q"
-    skip_drafting: bool = False  # skip the draft when the cost table says no speculation pays this round
+    skip_drafting: str | None = None  # None | "best_case" | "known": when to skip the draft (engine.py)
     theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
+    probe_every: int = 8  # "known" rule: draft at least every this many rounds to refresh the survivals
 
     @property
     def Gs(self) -> int:

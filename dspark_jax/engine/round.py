@@ -106,6 +106,24 @@ def _no_draft(run_draft, dcache):
     return (*zeros, dcache)
 
 
+def _known(a, act):
+    """Survivals exist (>= 0) for every active slot."""
+    return jnp.all((a >= 0.0) | ~act[:, None])
+
+
+def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
+    """"best_case": some admission count beats plain decoding even with every draft accepted.
+    "known": also on the last known survivals (past rounds only, so lossless), except every
+    `probe_every`-th round, which drafts to refresh them."""
+    pays = scheduler.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
+    if spec.skip_drafting == "known":
+        known = st.a_hist[0]
+        probe = (st.step % spec.probe_every == 0) | ~_known(known, act)
+        pays &= probe | scheduler.known_speculation_pays(jnp.maximum(known, 0.0), act, ctl.table, mode=spec.theta,
+                                                        cost="step")
+    return pays
+
+
 def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     """One speculative round for all R slots -> (DecodeState, RoundOut)."""
     r = st.anchor.shape[0]
@@ -118,15 +136,15 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     if G:
         run_draft = lambda: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)
         if spec.skip_drafting:
-            pays = scheduler.speculation_pays(jnp.sum(act), ctl.table, r * G, mode=spec.theta, cost="interp")
+            pays = _drafting_pays(spec, st, act, ctl, r * G)
             drafts, q, z, q_raw, dcache = jax.lax.cond(pays, run_draft, lambda: _no_draft(run_draft, st.dcache))
         else:
             pays = jnp.bool_(True)
             drafts, q, z, q_raw, dcache = run_draft()
-        # a skipped round has no survivals: -1 marks them, so two rounds later the production
-        # scheduler falls back to its default capacity instead of reading "nothing pays"
-        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), -1.0)
-        stale_valid = (st.step >= 2) & jnp.all(st.a_hist[1] >= 0.0)
+        # a skipped round has no survivals of its own: the last known ones are carried forward
+        # (-1 = none yet, then the production scheduler uses its default capacity)
+        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), st.a_hist[0])
+        stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
         lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
         lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
         a_hist = jnp.stack([a, st.a_hist[0]])

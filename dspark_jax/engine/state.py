@@ -35,7 +35,7 @@ class DecodeState(NamedTuple):
     n_gen: jax.Array  # [R] int32 tokens generated
     max_new: jax.Array  # [R] int32
     out: jax.Array  # [R, S] int32 generated tokens
-    a_hist: jax.Array  # [2, R, G'] prefix survivals of the last two rounds (production scheduler; -1 = drafting skipped)
+    a_hist: jax.Array  # [2, R, G'] prefix survivals of the last two rounds (carried through skipped rounds; -1 = none yet)
     step: jax.Array  # scalar int32 rounds run by the engine
 
 
