@@ -24,8 +24,8 @@ the early-stop (Algorithm 1), static-shape and production schedulers (the compil
 versions from ``dspark_jax.scheduler``, vmapped over rounds), optionally skipping the
 draft by the engine's rules: ``--skip known`` (default; ``Engine(skip_drafting="known")``):
 skip when the best case does not pay or when the survivals of the last round that drafted
-say no admission count beats target-only, drafting every ``--probe-every`` rounds to refresh
-them; ``--skip best_case`` (``scheduler.speculation_pays``) only the first part. ``--skip
+say no admission count beats target-only, drafting after ``--probe-every`` skipped rounds to
+refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no); ``--skip best_case`` (``scheduler.speculation_pays``) only the first part. ``--skip
 stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
 even when that round skipped drafting (so produced none).
 """
@@ -151,26 +151,33 @@ def _stale_skip(a_stale, R, table_np, t_draft, charge):
     return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
 
 
-def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every):
-    """The engine's "known" rule, round by round: skip unless the best case pays and either this
-    is a probe round (every `probe_every`-th, or no survivals yet) or the survivals of the last
-    round that drafted say some admission count beats target-only."""
+def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64):
+    """The engine's "known" rule, round by round: skip unless the best case pays and either the
+    survivals of the last round that drafted say some admission count beats target-only, or
+    there are none yet, or `gap` rounds have passed since that round (a probe). After each
+    drafted round the gap resets to `probe_every` if its survivals say drafting pays, else it
+    doubles, up to `probe_max`."""
     T = a.shape[0]
     skip = np.zeros(T, bool)
-    known = None
+    known_pays, since, gap = None, 0, probe_every
     for t in range(T):
         if not best_case_pays:
             skip[t] = True
-        elif known is not None and t % probe_every != 0:
-            skip[t] = bool(_stale_skip(known[None], R, table_np, t_draft, charge)[0])
-        if not skip[t]:
-            known = a[t]
+            since += 1
+            continue
+        skip[t] = known_pays is not None and not known_pays and since + 1 < gap
+        if skip[t]:
+            since += 1
+        else:
+            known_pays = not bool(_stale_skip(a[t][None], R, table_np, t_draft, charge)[0])
+            since, gap = 0, probe_every if known_pays else min(2 * gap, probe_max)
     return skip
 
 
 def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, n_rounds: int = 300, seed: int = 0,
                     mtp_accept: float = 0.85, mode: str = "latency", charge: str = "step", R_pad: int | None = None,
-                    keep_rounds: bool = False, turnover: int | None = 64, probe_every: int = 8) -> SimResult:
+                    keep_rounds: bool = False, turnover: int | None = 64, probe_every: int = 8,
+                    probe_max: int = 64) -> SimResult:
     """One method at concurrency R. ``traces``: {"dspark": TraceSet, "dflash": ..., "mtp1": ...}
     (full-gamma rounds); ``temps``: STS temperatures for the DSpark traces."""
     rng = np.random.default_rng([seed, R])
@@ -224,7 +231,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         elif method.skip == "best_case":
             skip = np.full(T, not best)
         elif method.skip == "known":
-            skip = _known_skip(a, best, R, table_np, t_draft, charge, probe_every)
+            skip = _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max)
         else:
             raise ValueError(f"unknown skip rule {method.skip!r}")
         drafted &= ~skip
@@ -364,7 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--skip", default="known", choices=["none", "known", "best_case", "stale"],
                     help="when the scheduled variants skip drafting (module doc); 'known' is the engine's default")
-    ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: draft at least every N rounds")
+    ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: first probe interval (rounds)")
+    ap.add_argument("--probe-max", type=int, default=64,
+                    help="'known' rule: the interval doubles up to this while probes say drafting does not pay")
     ap.add_argument("--theta", default="latency", choices=["latency", "sps"])
     ap.add_argument("--charge", default="step", choices=["step", "interp"])
     ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
@@ -391,14 +400,14 @@ def main(argv=None) -> int:
     methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
     results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
                         mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
-                        probe_every=args.probe_every)
+                        probe_every=args.probe_every, probe_max=args.probe_max)
     files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
     hl = headline(results)
     matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
     summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
                "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
                "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
-               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "theta", "charge", "turnover", "seed")},
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "probe_max", "theta", "charge", "turnover", "seed")},
                "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
     Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")

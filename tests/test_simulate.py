@@ -132,8 +132,8 @@ def test_cli_synthetic(tmp_path):
 
 def test_known_skip_probes_and_matches_the_engine_rule():
     """The simulator's "known" rule is the engine's: the same decision as
-    scheduler.known_speculation_pays on the last drafted round's survivals, drafting on probe
-    rounds; with survivals that never pay it drafts exactly every probe_every rounds."""
+    scheduler.known_speculation_pays on the last drafted round's survivals; with survivals that
+    never pay it probes at doubling intervals (probe_every, 2x, ... up to probe_max)."""
     from dspark_jax import scheduler
     from dspark_jax.simulate import _known_skip, _stale_skip
 
@@ -143,8 +143,8 @@ def test_known_skip_probes_and_matches_the_engine_rule():
         a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
         assert bool(_stale_skip(a[None], 8, tab, 0.5, "step")[0]) == (
             not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode="latency", cost="step"))
-    hopeless = np.full((40, 8, G), 0.01)
-    skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=8)
-    assert np.flatnonzero(~skip).tolist() == [0, 8, 16, 24, 32]
+    hopeless = np.full((200, 8, G), 0.01)
+    skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=4, probe_max=32)
+    assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
     assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
     assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()

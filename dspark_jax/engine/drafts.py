@@ -42,7 +42,8 @@ class Spec:
     verifier: str = "exact"  # "exact" | deliberately broken, for tests: "no_residual" | "unfiltered_q"
     skip_drafting: str | None = None  # None | "best_case" | "known": when to skip the draft (engine.py)
     theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
-    probe_every: int = 8  # "known" rule: draft at least every this many rounds to refresh the survivals
+    probe_every: int = 8  # "known" rule: first probe interval (rounds) to refresh the survivals ...
+    probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
 
     @property
     def Gs(self) -> int:

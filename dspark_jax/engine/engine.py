@@ -126,13 +126,14 @@ class Engine:
     compiled round): "best_case" skips when even perfect drafts could not beat plain
     decoding on the table (`scheduler.speculation_pays`); "known" (or True) also skips when
     the last known survivals say no admission pays (`scheduler.known_speculation_pays`),
-    drafting every `probe_every`-th round to refresh them. Both decide from the past only.
+    drafting after `probe_every` skipped rounds to refresh them (the interval doubles, up to
+    `probe_max`, while fresh survivals keep saying no). Both decide from the past only.
     """
 
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None, mesh=None,
                  verifier: str = "exact", theta: str = "latency", cost: str | None = None,
-                 skip_drafting: bool | str = False, probe_every: int = 8):
+                 skip_drafting: bool | str = False, probe_every: int = 8, probe_max: int = 64):
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.target, self.drafter, self.mesh = tmodel, drafter, mesh
         tcfg = tmodel.cfg
@@ -187,10 +188,10 @@ class Engine:
         skip = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
         if skip_drafting not in skip:
             raise EngineError(f"skip_drafting={skip_drafting!r}: use False, 'best_case' or 'known' (True = 'known')")
-        if probe_every < 1:
-            raise EngineError(f"probe_every must be >= 1, got {probe_every}")
+        if not 1 <= probe_every <= probe_max:
+            raise EngineError(f"need 1 <= probe_every <= probe_max, got {probe_every} and {probe_max}")
         self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, pol, verifier,
-                         skip[skip_drafting] if G > 0 else None, theta, int(probe_every))
+                         skip[skip_drafting] if G > 0 else None, theta, int(probe_every), int(probe_max))
         self.table = table if table is not None else scheduler.make_table(
             buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
         self.tp = target_arrays(tmodel)
@@ -232,7 +233,8 @@ class Engine:
         zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(KVCache.create(cfg, R, S, dt), dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
-                           jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0))
+                           jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0), jnp.int32(0),
+                           jnp.int32(self.spec.probe_every))
 
     def control(self, sampling: SamplingParams | None = None, gamma: int | None = None, threshold: float = 0.0,
                 stop_ids=(), sts=None, table=None, default_k: int | None = None) -> Control:

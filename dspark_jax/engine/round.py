@@ -111,17 +111,30 @@ def _known(a, act):
     return jnp.all((a >= 0.0) | ~act[:, None])
 
 
+def _known_pays(spec: Spec, a, act, ctl: Control):
+    return scheduler.known_speculation_pays(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+
+
 def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
     """"best_case": some admission count beats plain decoding even with every draft accepted.
-    "known": also on the last known survivals (past rounds only, so lossless), except every
-    `probe_every`-th round, which drafts to refresh them."""
+    "known": also on the last known survivals (past rounds only, so lossless), except after
+    `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them."""
     pays = scheduler.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
     if spec.skip_drafting == "known":
         known = st.a_hist[0]
-        probe = (st.step % spec.probe_every == 0) | ~_known(known, act)
-        pays &= probe | scheduler.known_speculation_pays(jnp.maximum(known, 0.0), act, ctl.table, mode=spec.theta,
-                                                        cost="step")
+        probe = (st.since_draft + 1 >= st.probe_gap) | ~_known(known, act)
+        pays &= probe | _known_pays(spec, known, act, ctl)
     return pays
+
+
+def _probe_schedule(spec: Spec, st: DecodeState, drafted, a, act, ctl: Control):
+    """(since_draft, probe_gap) after this round: the gap resets when fresh survivals say
+    speculation pays and doubles (up to `probe_max`) when they say it does not."""
+    if spec.skip_drafting != "known":
+        return st.since_draft, st.probe_gap
+    gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.minimum(2 * st.probe_gap, spec.probe_max))
+    return (jnp.where(drafted, 0, st.since_draft + 1).astype(jnp.int32),
+            jnp.where(drafted, gap, st.probe_gap).astype(jnp.int32))
 
 
 def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
@@ -148,11 +161,13 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
         lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
         a_hist = jnp.stack([a, st.a_hist[0]])
+        since_draft, probe_gap = _probe_schedule(spec, st, pays, a, act, ctl)
     else:
         drafts = jnp.zeros((r, 0), jnp.int32)
         z = jnp.zeros((r, 1), jnp.float32)
         lengths = jnp.zeros((r,), jnp.int32)
         dcache, a_hist, q, q_raw = st.dcache, st.a_hist, None, None
+        since_draft, probe_gap = st.since_draft, st.probe_gap
 
     # 3. bucket
     n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
@@ -202,7 +217,7 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     new = st._replace(
         cache=cache, dcache=dcache, last=last, anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
         active=act & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + jnp.where(act, acc, 0), n_gen=n_gen,
-        out=out_buf, a_hist=a_hist, step=st.step + 1)
+        out=out_buf, a_hist=a_hist, step=st.step + 1, since_draft=since_draft, probe_gap=probe_gap)
     return new, RoundOut(z[:, : spec.Gs], lengths, acc, n_keep, act, b_idx)
 
 

@@ -37,6 +37,8 @@ class DecodeState(NamedTuple):
     out: jax.Array  # [R, S] int32 generated tokens
     a_hist: jax.Array  # [2, R, G'] prefix survivals of the last two rounds (carried through skipped rounds; -1 = none yet)
     step: jax.Array  # scalar int32 rounds run by the engine
+    since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
+    probe_gap: jax.Array  # scalar int32 rounds between probes; doubles while fresh survivals say "no"
 
 
 class Control(NamedTuple):
