@@ -41,6 +41,10 @@ def parse_args(argv=None):
                     help="skip the drafter in rounds where the cost table says no speculation pays: 'known' "
                          "(default) on the last known survivals, probing every 8 rounds; 'best_case' only when "
                          "even perfect drafts would not pay")
+    ap.add_argument("--probe-every", type=int, default=8,
+                    help="--skip-drafting known: rounds skipped before drafting again to refresh the survivals")
+    ap.add_argument("--probe-max", type=int, default=64,
+                    help="--skip-drafting known: that interval doubles up to this while drafting does not pay")
     ap.add_argument("--calibrated", action="store_true",
                     help="use the STS temperatures stored with the drafter (python -m dspark_jax.calibrate)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -96,7 +100,7 @@ def load_models(target_dir=None, drafter_dir=None, mode=None):
 
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
                    policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
-                   sts=None, theta="latency", cost=None, skip_drafting=False):
+                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64):
     """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
 
     `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
@@ -109,7 +113,8 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
     buckets = None if table is None else [int(b) for b in table.buckets]
     eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
-                 buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting)
+                 buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
+                 probe_every=probe_every, probe_max=probe_max)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
@@ -157,7 +162,7 @@ def main(argv=None) -> int:
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
-            skip_drafting=args.skip_drafting or False)
+            skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max)
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)
