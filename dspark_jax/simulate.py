@@ -174,6 +174,30 @@ def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, pr
     return skip
 
 
+def _skip_rounds(rule, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every, probe_max):
+    """[T] bool: rounds in which a scheduled method does not draft, by `rule` (module doc)."""
+    T = a.shape[0]
+    if rule == "none":
+        return np.zeros(T, bool)
+    tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
+    best = scheduler.speculation_pays_np(R, tab, R * G, mode=mode, cost="interp")
+    if rule == "stale":
+        return _stale_skip(a_stale, R, table_np, t_draft, charge)
+    if rule == "best_case":
+        return np.full(T, not best)
+    if rule == "known":
+        return _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max)
+    raise ValueError(f"unknown skip rule {rule!r}")
+
+
+def _carried_stale(a_all, skip):
+    """The engine's stale input of round t: the survivals of the last round <= t - 2 that drafted.
+    a_all [T + 2, R, G] (the two leading rounds drafted); skip [T]."""
+    drafted = np.concatenate([[True, True], ~np.asarray(skip, bool)])
+    last = np.maximum.accumulate(np.where(drafted, np.arange(drafted.size), 0))
+    return a_all[last[: skip.shape[0]]]
+
+
 def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, n_rounds: int = 300, seed: int = 0,
                     mtp_accept: float = 0.85, mode: str = "latency", charge: str = "step", R_pad: int | None = None,
                     keep_rounds: bool = False, turnover: int | None = 64, probe_every: int = 8,
@@ -213,6 +237,10 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         elif method.kind in SCHEDULED:
             import jax.numpy as jnp
 
+            skip = _skip_rounds(method.skip, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every,
+                                probe_max)
+            if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
+                a_stale = _carried_stale(a_all, skip)
             Rp = max(R_pad or R, R)
             tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft)
             act = jnp.asarray(np.arange(Rp) < R)
@@ -223,17 +251,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         else:
             raise ValueError(f"unknown method kind {method.kind!r}")
     drafted = np.full(T, method.kind != "ar")
-    if method.kind in SCHEDULED and method.skip != "none":
-        tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
-        best = scheduler.speculation_pays_np(R, tab, R * ts.gamma, mode=mode, cost="interp")
-        if method.skip == "stale":
-            skip = _stale_skip(a_stale, R, table_np, t_draft, charge)
-        elif method.skip == "best_case":
-            skip = np.full(T, not best)
-        elif method.skip == "known":
-            skip = _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max)
-        else:
-            raise ValueError(f"unknown skip rule {method.skip!r}")
+    if method.kind in SCHEDULED:
         drafted &= ~skip
         l = np.where(skip[:, None], 0, l)
     acc = np.minimum(k, l)

@@ -148,3 +148,15 @@ def test_known_skip_probes_and_matches_the_engine_rule():
     assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
     assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
     assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()
+
+
+def test_carried_stale_is_the_engines_a_hist():
+    """Round t's stale survivals are those of the last drafted round <= t - 2 (the engine's
+    a_hist[1] with survivals carried through skipped rounds)."""
+    from dspark_jax.simulate import _carried_stale
+
+    a_all = np.arange(8, dtype=float)[:, None, None] * np.ones((8, 1, 1))  # round index as value
+    skip = np.array([False, True, True, False, True, True])  # rounds 0..5 (a_all rows 2..7)
+    got = _carried_stale(a_all, skip)[:, 0, 0].tolist()
+    # rows: t=0 -> row 0, t=1 -> 1, t=2 -> 2 (round 0 drafted), t=3 -> 2 (round 1 skipped), t=4 -> 2, t=5 -> 5
+    assert got == [0, 1, 2, 2, 2, 5]
