@@ -243,7 +243,7 @@ def _prefilled(engine, k: int, seed: int = 0):
 
 def engine_draft_timer(engine, sampling=None):
     """``draft_fn() -> seconds`` (one call): the round's draft part, i.e. the engine's own draft
-    function (`engine.drafts.draft`, the call the compiled round makes first) jitted on a state with all R
+    function (`Engine.draft`: the call the compiled round makes first, jitted alone) on a state with all R
     slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
     one number per round is exact; timing it apart (rather than as the difference of two rounds)
     keeps it from absorbing the round's other bucket-independent work, which `measure_table`
@@ -254,21 +254,11 @@ def engine_draft_timer(engine, sampling=None):
         return lambda: 0.0
     import jax
 
-    from dspark_jax.engine.drafts import draft
-    from dspark_jax.engine.round import row_round_keys
-
-    spec, st = engine.spec, _prefilled(engine, engine.R)
-    samp = engine.control(sampling).sampling
-
-    def part(dp, st, samp):
-        kd, _ = row_round_keys(st.keys, st.rounds)
-        return draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)[:3]
-
-    f = jax.jit(part)
+    st, ctl = _prefilled(engine, engine.R), engine.control(sampling)
 
     def draft_fn() -> float:
         t0 = time.perf_counter()
-        jax.block_until_ready(f(engine.dp, st, samp))
+        jax.block_until_ready(engine.draft(st, ctl))
         return time.perf_counter() - t0
 
     return draft_fn

@@ -89,3 +89,22 @@ def test_malformed_prompts_jsonl(tmp_path, capsys):
     f.write_text(json.dumps({"turns": ["hi"]}) + "\n" + "{not json\n")
     assert main(["--prompts", str(f), "--target", str(tmp_path / "none")]) == 2
     assert f"{f}:2" in capsys.readouterr().err
+
+
+def test_engine_draft_is_the_rounds_draft():
+    """Engine.draft (used by the cost tables) proposes exactly what the next round drafts."""
+    import jax
+
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine.testing import tiny_config, tiny_drafter, tiny_target
+    from dspark_jax.sampling import SamplingParams
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
+    eng = Engine(target, tiny_drafter("dspark", target, gamma=3), num_slots=2, max_len=24, prefill_buckets=(8,))
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), 2)))
+    st = eng.prefill_slots(eng.init_state(), [0, 1], [[1, 2, 3], [4, 5]], kd, [8, 8])
+    ctl = eng.control(SamplingParams(1.0, 0, 1.0))
+    toks, q, z = eng.draft(st, ctl)
+    assert toks.shape == (2, 3) and q.shape == (2, 3, 16)
+    _, ro = eng.step(st, ctl)
+    np.testing.assert_allclose(np.asarray(ro.z), np.asarray(z), rtol=1e-6)

@@ -31,7 +31,7 @@ from dspark_jax.drafter.model import Drafter, validate_layer_ids
 from dspark_jax.drafter.mtp import MTPDrafter
 from dspark_jax.engine.drafts import MODES, Spec
 from dspark_jax.engine.policy import get_policy
-from dspark_jax.engine.round import prefill, round_step, run_rounds
+from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.engine.traces import Traces
 from dspark_jax.engine.verify import target_arrays
@@ -211,6 +211,7 @@ class Engine:
         self._prefill = jax.jit(_prefill, donate_argnums=(2,))
         self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,))
         self._loop = jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,))
+        self._draft = jax.jit(functools.partial(draft_part, spec)) if G else None
         self.round_calls = 0
 
     # ------------------------------------------------------------ state / controls
@@ -283,6 +284,13 @@ class Engine:
         """One compiled round for the whole batch -> (state, RoundOut)."""
         self.round_calls += 1
         return self._round(self.tp, self.dp, st, ctl)
+
+    def draft(self, st: DecodeState, ctl: Control):
+        """What the next round would draft from `st`, alone (the state is not donated):
+        (tokens [R, G], q [R, G, V], z [R, G]). For cost tables and inspection."""
+        if self._draft is None:
+            raise EngineError("target-only engine: there is no drafter to run")
+        return self._draft(self.dp, st, ctl.sampling)
 
     def compiled_rounds(self) -> int:
         """How many round programs have been compiled (1 for any number of buckets / settings)."""

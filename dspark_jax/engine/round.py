@@ -21,7 +21,7 @@ from dspark_jax.engine.state import Control, DecodeState, RoundOut
 from dspark_jax.engine.verify import verify_packed
 from dspark_jax.sampling import sample, sampling_probs
 
-__all__ = ["prefill", "round_step", "run_rounds", "verify_row", "row_round_keys"]
+__all__ = ["prefill", "round_step", "run_rounds", "verify_row", "row_round_keys", "draft_part"]
 
 
 # ------------------------------------------------------------------ rejection per row
@@ -54,6 +54,12 @@ def row_round_keys(keys, rounds):
     """Per row and round: (draft key, verify key), from the request's key and its own round count."""
     k = jax.vmap(jax.random.fold_in)(keys, rounds.astype(jnp.uint32))
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 0), jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 1)
+
+
+def draft_part(spec: Spec, dp, st: DecodeState, sampling):
+    """The round's draft alone, with the round's own keys: (tokens [R, G], q [R, G, V], z [R, G])."""
+    kd, _ = row_round_keys(st.keys, st.rounds)
+    return draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, sampling)[:3]
 
 
 # ------------------------------------------------------------------ prefill
