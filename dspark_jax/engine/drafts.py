@@ -51,14 +51,6 @@ class Spec:
         return max(self.G, 1)
 
 
-def _row(cache: KVCache):
-    return KVCache(cache.k[:, None], cache.v[:, None], cache.lengths[None])
-
-
-def _rows_cache_axes():
-    return KVCache(1, 1, 0)
-
-
 # ------------------------------------------------------------------ prefill
 
 
@@ -113,24 +105,19 @@ def draft(spec: Spec, dp, dcache, last, anchor, pos, keys, sampling: SamplingPar
             logits = heads.base_logits(dp, h) + heads.head_bias_train(dp, h, prev)
             q_raw = jax.nn.softmax(logits, axis=-1)
         return toks, q, z, q_raw, dcache
-    if spec.mode == "eagle3":
-        def one(k, ck, cv, ln, lf, a_r, p_r, s_r):
-            t, q, c = e3.eagle3_draft(k, dp, KVCache(ck[:, None], cv[:, None], ln[None]), lf[None], a_r[None],
-                                      p_r[None], spec.G, s_r, cfg=spec.tcfg, path=path)
+    if spec.mode in ("eagle3", "mtp1"):
+        def draft_rows(k, c, lst, a, p, s):
+            if spec.mode == "eagle3":
+                return e3.eagle3_draft(k, dp, c, lst, a, p, spec.G, s, cfg=spec.tcfg, path=path)
+            return mtp1.mtp_draft(k, dp, c, lst, a, p, s, cfg=spec.tcfg, path=path)
+
+        def one(k, ck, cv, ln, l_r, a_r, p_r, s_r):
+            t, q, c = draft_rows(k, KVCache(ck[:, None], cv[:, None], ln[None]), l_r[None], a_r[None], p_r[None], s_r)
             return t[0], q[0], c.k[:, 0], c.v[:, 0], c.lengths[0]
 
         toks, q, k, v, ln = jax.vmap(one, in_axes=(0, 1, 1, 0, 0, 0, 0, 0), out_axes=(0, 0, 1, 1, 0))(
             keys, dcache.k, dcache.v, dcache.lengths, last, anchor, pos, sampling)
         return toks, q, jnp.zeros((r, spec.G), jnp.float32), None, KVCache(k, v, ln)
-    if spec.mode == "mtp1":
-        def one(k, ck, cv, ln, hl, a_r, p_r, s_r):
-            t, q, c = mtp1.mtp_draft(k, dp, KVCache(ck[:, None], cv[:, None], ln[None]), hl[None], a_r[None],
-                                     p_r[None], s_r, cfg=spec.tcfg, path=path)
-            return t[0], q[0], c.k[:, 0], c.v[:, 0], c.lengths[0]
-
-        toks, q, k, v, ln = jax.vmap(one, in_axes=(0, 1, 1, 0, 0, 0, 0, 0), out_axes=(0, 0, 1, 1, 0))(
-            keys, dcache.k, dcache.v, dcache.lengths, last, anchor, pos, sampling)
-        return toks, q, jnp.zeros((r, 1), jnp.float32), None, KVCache(k, v, ln)
     raise ValueError(f"no drafter in mode {spec.mode!r}")
 
 

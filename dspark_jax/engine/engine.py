@@ -41,6 +41,8 @@ from dspark_jax.sampling import SamplingParams
 __all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets", "drafter_mode"]
 
 MAX_STOP_IDS = 8
+# accepted `skip_drafting` values -> Spec.skip_drafting
+_SKIP_RULES = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
 
 
 class EngineError(ValueError):
@@ -185,13 +187,12 @@ class Engine:
             pol = get_policy(policy, theta, cost)
         except ValueError as e:
             raise EngineError(str(e)) from None
-        skip = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
-        if skip_drafting not in skip:
+        if skip_drafting not in _SKIP_RULES:
             raise EngineError(f"skip_drafting={skip_drafting!r}: use False, 'best_case' or 'known' (True = 'known')")
         if not 1 <= probe_every <= probe_max:
             raise EngineError(f"need 1 <= probe_every <= probe_max, got {probe_every} and {probe_max}")
         self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, pol, verifier,
-                         skip[skip_drafting] if G > 0 else None, theta, int(probe_every), int(probe_max))
+                         _SKIP_RULES[skip_drafting] if G > 0 else None, theta, int(probe_every), int(probe_max))
         self.table = table if table is not None else scheduler.make_table(
             buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
         self.tp = target_arrays(tmodel)
@@ -270,7 +271,8 @@ class Engine:
         plen = np.ones((self.R,), np.int32)
         join = np.zeros((self.R,), bool)
         mx = np.zeros((self.R,), np.int32)
-        kd = np.array(jax.random.key_data(st.keys))
+        old = jax.random.key_data(st.keys)  # only its shape: prefill keeps the keys of rows not joining
+        kd = np.zeros(old.shape, old.dtype)
         slots = np.asarray(slots, np.int64)
         for s, p in zip(slots, prompts):
             tok[s, : len(p)] = p
@@ -374,8 +376,7 @@ class Engine:
             finished = np.flatnonzero((slot_req >= 0) & ~active).tolist()
             if finished:
                 now = time.perf_counter()
-                n_gen, rounds, acc = (np.asarray(x) for x in (st.n_gen, st.rounds, st.acc_sum))
-                out = np.asarray(st.out)
+                n_gen, rounds, acc, out = jax.device_get((st.n_gen, st.rounds, st.acc_sum, st.out))
                 for s in finished:
                     i = int(slot_req[s])
                     results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),

@@ -83,16 +83,9 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
     return st._replace(
         cache=cache, dcache=dcache, last=last,
         anchor=jnp.where(join, anchor, st.anchor), pos=jnp.where(join, plen - 1, st.pos),
-        active=jnp.where(join, max_new > 0, st.active), keys=_select_keys(join, keys, st.keys),
+        active=jnp.where(join, max_new > 0, st.active), keys=jnp.where(join, keys, st.keys),
         rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen),
         max_new=jnp.where(join, max_new, st.max_new), out=jnp.where(join[:, None], 0, st.out))
-
-
-def _select_keys(mask, new, old):
-    nd = jax.random.key_data(new)
-    od = jax.random.key_data(old)
-    m = mask.reshape(mask.shape[0], *([1] * (nd.ndim - 1)))
-    return jax.random.wrap_key_data(jnp.where(m, nd, od), impl=jax.random.key_impl(old))
 
 
 # ------------------------------------------------------------------ one round
