@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.calibration import calibration_report, fit_sts, sigmoid
+from dspark_jax.calibration import calibration_report, fit_sts, make_grid, prefix_labels, survival
 from dspark_jax.traces import TraceSet, concat, load_traces, sampling_key, synthetic_traces
 
 __all__ = ["STS_FILE", "CalibrationMissingError", "make_grid", "split_by_request", "calibrate_traces",
-           "save_temperatures", "load_temperatures", "reliability_diagram", "main"]
+           "save_temperatures", "load_temperatures", "reliability_diagram", "report_table", "main"]
 
 STS_FILE = "sts.json"
 FORMAT = "dspark_sts/1"
@@ -39,14 +39,6 @@ FORMAT = "dspark_sts/1"
 
 class CalibrationMissingError(FileNotFoundError):
     """STS temperatures were requested but are not stored for this drafter / sampling setting."""
-
-
-def make_grid(size: int = 256, lo: float = 0.05, hi: float = 20.0, include_one: bool = True) -> np.ndarray:
-    """``size`` log-spaced temperatures in [lo, hi] (plus 1.0), ascending, unique."""
-    if size < 1 or not (0 < lo <= hi):
-        raise ValueError(f"bad STS grid: size {size} >= 1 and 0 < lo {lo} <= hi {hi} required")
-    g = np.geomspace(lo, hi, size)
-    return np.unique(np.concatenate([g, [1.0]]) if include_one else g)
 
 
 def split_by_request(ts: TraceSet, holdout: float, seed: int = 0) -> tuple[TraceSet, TraceSet]:
@@ -134,16 +126,15 @@ def reliability_diagram(conf_logits, accepted, temps, path, n_bins: int = 20, po
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    z = np.asarray(conf_logits, np.float64)
-    acc = np.asarray(accepted)
-    G = z.shape[1]
+    G = np.shape(conf_logits)[1]
     positions = list(range(G)) if positions is None else list(positions)
-    y = (acc[:, None] > np.arange(G)[None]).astype(np.float64)
+    y = prefix_labels(accepted, G)
     fig, axes = plt.subplots(1, len(positions), figsize=(3.0 * len(positions), 3.2), squeeze=False)
     edges = np.linspace(0, 1, n_bins + 1)
+    curves = [(tag, survival(conf_logits, t), style) for tag, t, style in (("before", None, "o--"), ("after", temps, "s-"))]
     for ax, j in zip(axes[0], positions):
-        for tag, t, style in (("before", np.ones(G), "o--"), ("after", np.asarray(temps, np.float64), "s-")):
-            a = np.cumprod(sigmoid(z / t[None]), axis=1)[:, j]
+        for tag, surv, style in curves:
+            a = surv[:, j]
             idx = np.clip(np.digitize(a, edges) - 1, 0, n_bins - 1)
             xs, ys = [], []
             for b in range(n_bins):
@@ -169,15 +160,22 @@ def reliability_diagram(conf_logits, accepted, temps, path, n_bins: int = 20, po
     return path
 
 
-def _table(res: dict) -> str:
-    r = res["report"]
-    lines = ["| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after |",
-             "|---|---|---|---|---|---|---|---|"]
-    f = lambda v, pct=False: "n/a" if v is None else (f"{100 * v:.1f} %" if pct else f"{v:.3f}")
+def fmt(v, pct: bool = False) -> str:
+    """A report number: "n/a" for a missing metric, else 3 decimals (or a percentage)."""
+    return "n/a" if v is None else (f"{100 * v:.1f} %" if pct else f"{v:.3f}")
+
+
+def report_table(res: dict, extra: dict | None = None) -> str:
+    """Markdown table of a fit's per-position temperatures and metrics; ``extra``: more
+    columns {header: [value per position]}."""
+    r, extra = res["report"], extra or {}
+    lines = ["| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after |"
+             + "".join(f" {h} |" for h in extra),
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for j, t in enumerate(res["temperatures"]):
-        lines.append(f"| {j + 1} | {t:.3g} | {f(r['ece_before'][j], True)} | {f(r['ece_after'][j], True)} | "
-                     f"{f(r['brier_before'][j])} | {f(r['brier_after'][j])} | {f(r['auc_before'][j])} | "
-                     f"{f(r['auc_after'][j])} |")
+        lines.append(f"| {j + 1} | {t:.3g} | {fmt(r['ece_before'][j], True)} | {fmt(r['ece_after'][j], True)} | "
+                     f"{fmt(r['brier_before'][j])} | {fmt(r['brier_after'][j])} | {fmt(r['auc_before'][j])} | "
+                     f"{fmt(r['auc_after'][j])} |" + "".join(f" {fmt(v[j])} |" for v in extra.values()))
     return "\n".join(lines)
 
 
@@ -212,7 +210,7 @@ def main(argv=None) -> int:
                                   n_bins=args.bins, title=f"{ts.meta.get('drafter_kind')} {key} ({ts.meta.get('source')})"[:120])
         summary[key] = res
         print(f"## sampling {key}: {res['n_fit']} fit / {res['n_heldout']} held-out full-gamma rounds; "
-              f"source: {res['source']}\n{_table(res)}\nsaved {path}; diagram {png}\n")
+              f"source: {res['source']}\n{report_table(res)}\nsaved {path}; diagram {png}\n")
     (out_dir / "calibration_report.json").write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["default_grid", "ece", "brier", "roc_auc", "fit_sts", "calibration_report", "sigmoid"]
+__all__ = ["make_grid", "default_grid", "ece", "brier", "roc_auc", "fit_sts", "calibration_report", "sigmoid",
+           "survival", "prefix_labels"]
 
 
 def sigmoid(z):
@@ -18,9 +19,24 @@ def sigmoid(z):
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free
 
 
+def survival(conf_logits, temps=None) -> np.ndarray:
+    """[N, G] predicted prefix survival a_j = prod_{i<=j} sigmoid(z_i / T_i) (T = 1 when ``temps`` is None)."""
+    z = np.asarray(conf_logits, np.float64)
+    t = np.ones(z.shape[1]) if temps is None else np.asarray(temps, np.float64)
+    return np.cumprod(sigmoid(z / t[None, :]), axis=1)
+
+
+def make_grid(size: int = 256, lo: float = 0.05, hi: float = 20.0, include_one: bool = True) -> np.ndarray:
+    """``size`` log-spaced temperatures in [lo, hi] (plus 1.0), ascending, unique."""
+    if size < 1 or not (0 < lo <= hi):
+        raise ValueError(f"bad STS grid: size {size} >= 1 and 0 < lo {lo} <= hi {hi} required")
+    g = np.geomspace(lo, hi, size)
+    return np.unique(np.concatenate([g, [1.0]]) if include_one else g)
+
+
 def default_grid() -> np.ndarray:
     """256 log-spaced temperatures in [0.05, 20] plus 1.0, ascending."""
-    return np.unique(np.concatenate([np.geomspace(0.05, 20.0, 256), [1.0]]))
+    return make_grid()
 
 
 def ece(probs, labels, n_bins: int = 20) -> float:
@@ -62,7 +78,8 @@ def roc_auc(scores, labels) -> float:
     return float(u / (n1 * n0))
 
 
-def _prefix_labels(accepted, G):
+def prefix_labels(accepted, G) -> np.ndarray:
+    """[N, G] float: the realised prefix acceptance label 1[accepted > j]."""
     acc = np.asarray(accepted).reshape(-1, 1)
     return (acc > np.arange(G)[None, :]).astype(np.float64)
 
@@ -73,7 +90,7 @@ def fit_sts(conf_logits, accepted, grid=None, n_bins: int = 20) -> np.ndarray:
     z = np.asarray(conf_logits, np.float64)
     N, G = z.shape
     grid = default_grid() if grid is None else np.asarray(grid, np.float64)
-    y = _prefix_labels(accepted, G)
+    y = prefix_labels(accepted, G)
     temps = np.ones(G)
     prefix = np.ones(N)
     for j in range(G):
@@ -92,11 +109,11 @@ def calibration_report(conf_logits, accepted, temps, n_bins: int = 20) -> dict:
     z = np.asarray(conf_logits, np.float64)
     N, G = z.shape
     acc = np.asarray(accepted)
-    y = _prefix_labels(acc, G)
+    y = prefix_labels(acc, G)
     out = {}
     for tag, t in (("before", np.ones(G)), ("after", np.asarray(temps, np.float64))):
         c = sigmoid(z / t[None, :])
-        a = np.cumprod(c, axis=1)
+        a = np.cumprod(c, axis=1)  # = survival(z, t); c is needed for the conditional AUC
         out[f"ece_{tag}"] = [ece(a[:, j], y[:, j], n_bins) for j in range(G)]
         out[f"brier_{tag}"] = [brier(a[:, j], y[:, j]) for j in range(G)]
         out[f"auc_{tag}"] = [roc_auc(c[acc >= j, j], y[acc >= j, j]) for j in range(G)]

@@ -79,9 +79,9 @@ def tau_by_group(accepted, rounds, groups, seed: int = 0) -> dict:
 def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) -> list[dict]:
     """Static thresholds on prefix survival, replayed exactly on full-gamma rounds: a round
     verifying l drafts accepts min(k, l) of them when k were accepted at full gamma."""
-    z = np.asarray(conf_logits, float)
-    t = np.ones(z.shape[1]) if temps is None else np.asarray(temps, float)
-    a = np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=1)
+    from dspark_jax.calibration import survival
+
+    a = survival(conf_logits, temps)
     acc = np.asarray(accepted)
     rows = []
     for th in thresholds:
@@ -159,11 +159,9 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
     ROC-AUC per position before (T = 1) and after on the other half (calibrate.calibrate_traces).
 
     Returns {"error": why} instead when there are too few full-gamma rounds."""
-    from dspark_jax.calibrate import calibrate_traces
+    from dspark_jax.calibrate import calibrate_traces, split_by_request
+    from dspark_jax.calibration import prefix_labels, survival
     from dspark_jax.traces import TraceSet, from_engine
-
-    from dspark_jax.calibrate import split_by_request
-    from dspark_jax.calibration import sigmoid
 
     ts = traces if isinstance(traces, TraceSet) else from_engine(traces, drafter_kind=drafter_kind, sampling=sampling)
     try:
@@ -171,11 +169,9 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
     except ValueError as e:
         return {"error": str(e)}
     _, held = split_by_request(ts.full_gamma(), holdout, seed)  # the half the report is measured on
-    G = ts.gamma
-    z = held.conf_logits.astype(np.float64)
-    means = {f"mean_survival_{tag}": np.cumprod(sigmoid(z / np.asarray(t, np.float64)[None]), axis=1).mean(0).tolist()
-             for tag, t in (("before", np.ones(G)), ("after", fit["temperatures"]))}
-    means["prefix_rate"] = (held.accepted[:, None] > np.arange(G)[None]).mean(0).tolist()
+    means = {f"mean_survival_{tag}": survival(held.conf_logits, t).mean(0).tolist()
+             for tag, t in (("before", None), ("after", fit["temperatures"]))}
+    means["prefix_rate"] = prefix_labels(held.accepted, ts.gamma).mean(0).tolist()
     rep = fit["report"]
     mean = lambda v: float(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
     summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc") for tag in ("before", "after")}
@@ -227,6 +223,15 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
 
 # ---------------------------------------------------------------------------- report
 
+def _save(fig, out: Path, name: str, files: list[str]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    files.append(name)
+
+
 def write_plots(results: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -251,10 +256,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
     ax.set_xticks([j + w * (len(drafters) - 1) / 2 for j in range(len(sets))], sets)
     ax.set_ylabel("accepted length tau (95 % CI)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "tau.png", dpi=120)
-    plt.close(fig)
-    files.append("tau.png")
+    _save(fig, out, "tau.png", files)
     fig, axes = plt.subplots(1, len(sets), figsize=(3.4 * len(sets), 3.2), squeeze=False)
     for ax, s in zip(axes[0], sets):
         for d in drafters:
@@ -267,10 +269,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("conditional acceptance")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "conditional_acceptance.png", dpi=120)
-    plt.close(fig)
-    files.append("conditional_acceptance.png")
+    _save(fig, out, "conditional_acceptance.png", files)
     sweeps = [(s, d, results[s][d]["threshold_sweep"]) for s in sets for d in drafters
               if results[s].get(d, {}).get("threshold_sweep")]
     if sweeps:
@@ -280,14 +279,17 @@ def write_plots(results: dict, out: Path) -> list[str]:
         ax.set_xlabel("static confidence threshold")
         ax.set_ylabel("share of verified tokens accepted")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "threshold_sweep.png", dpi=120)
-        plt.close(fig)
-        files.append("threshold_sweep.png")
+        _save(fig, out, "threshold_sweep.png", files)
     return files
 
 
+def _tau_cell(r) -> str:
+    return f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] (n={r['prompts']})" if r else ""
+
+
 def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path:
+    from dspark_jax.calibrate import fmt, report_table
+
     lines = ["# Drafter evaluation", "", f"Command: `{meta['command']}`", "",
              f"Target: `{meta['target']}`; sampling: temperature {meta['temperature']}, top-k {meta['top_k']}, "
              f"top-p {meta['top_p']}; {meta['max_new_tokens']} new tokens per prompt; seed {meta['seed']}.", "",
@@ -296,13 +298,11 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
     lines.append("| set | " + " | ".join(drafters) + " |")
     lines.append("|---|" + "---|" * len(drafters))
     for s, row in results.items():
-        cells = [f"{row[d]['tau']:.3f} [{row[d]['ci95'][0]:.3f}, {row[d]['ci95'][1]:.3f}] (n={row[d]['prompts']})"
-                 if d in row else "" for d in drafters]
+        cells = [_tau_cell(row.get(d)) for d in drafters]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
         labels = sorted({k for d in drafters for k in row.get(d, {}).get("by_source", {})})
         for label in labels:
-            cells = [(lambda b: f"{b['tau']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}] (n={b['prompts']})" if b else "")(
-                row.get(d, {}).get("by_source", {}).get(label)) for d in drafters]
+            cells = [_tau_cell(row.get(d, {}).get("by_source", {}).get(label)) for d in drafters]
             lines.append(f"| {s}: {label} | " + " | ".join(cells) + " |")
     if meta.get("sets"):
         lines += ["", "Prompt sources: " + "; ".join(f"{s}: {json.dumps(v)}" for s, v in meta["sets"].items())]
@@ -322,25 +322,18 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
     splits = [(s, d, r["sts_split"]) for s, row in results.items() for d, r in row.items() if "sts_split" in r]
     if splits:
         lines += ["", "## STS before / after (fitted on half of the requests, measured on the other half)", ""]
-        f = lambda v, pct=False: "n/a" if v is None else (f"{100 * v:.1f} %" if pct else f"{v:.3f}")
         for s, d, sp in splits:
             if "error" in sp:
                 lines += [f"- {s} / {d}: not fitted ({sp['error']})"]
                 continue
-            r = sp["report"]
             lines += [f"{s} / {d}: {sp['n_fit']} fit / {sp['n_heldout']} held-out full-gamma rounds; mean over "
-                      f"positions: ECE {f(sp['ece_before_mean'], True)} -> {f(sp['ece_after_mean'], True)}, Brier "
-                      f"{f(sp['brier_before_mean'])} -> {f(sp['brier_after_mean'])}", "",
-                      "| position | T_j | ECE before | ECE after | Brier before | Brier after | AUC before | AUC after | "
-                      "mean a_j before | mean a_j after | realised prefix rate |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
-            ms = [sp.get(k, [None] * len(sp["temperatures"]))
-                  for k in ("mean_survival_before", "mean_survival_after", "prefix_rate")]
-            for j, t in enumerate(sp["temperatures"]):
-                lines.append(f"| {j + 1} | {t:.3g} | {f(r['ece_before'][j], True)} | {f(r['ece_after'][j], True)} | "
-                             f"{f(r['brier_before'][j])} | {f(r['brier_after'][j])} | {f(r['auc_before'][j])} | "
-                             f"{f(r['auc_after'][j])} | {f(ms[0][j])} | {f(ms[1][j])} | {f(ms[2][j])} |")
-            lines.append("")
+                      f"positions: ECE {fmt(sp['ece_before_mean'], True)} -> {fmt(sp['ece_after_mean'], True)}, Brier "
+                      f"{fmt(sp['brier_before_mean'])} -> {fmt(sp['brier_after_mean'])}", ""]
+            none = [None] * len(sp["temperatures"])
+            extra = {h: sp.get(k, none) for h, k in (("mean a_j before", "mean_survival_before"),
+                                                      ("mean a_j after", "mean_survival_after"),
+                                                      ("realised prefix rate", "prefix_rate"))}
+            lines += [report_table(sp, extra), ""]
     cals = [(s, d, r["calibration"]) for s, row in results.items() for d, r in row.items() if "calibration" in r]
     if cals:
         lines += ["", "## Calibration of the confidence head (raw or STS temperatures)", ""]
@@ -375,11 +368,13 @@ def main(argv=None) -> int:
                     help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax.calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
+    from dspark_jax.calibrate import CalibrationMissingError, load_temperatures
     from dspark_jax.drafter import registry
     from dspark_jax.drafter.frozen import TargetMismatchError
     from dspark_jax.generate import load_models
     from dspark_jax.sampling import SamplingParams
 
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     try:
         target, _, _ = load_models(args.target, None, "ar")
         tok = target.require_tokenizer()
@@ -387,26 +382,22 @@ def main(argv=None) -> int:
         for spec in args.drafter:
             name, _, path = spec.rpartition("=")
             d = registry.load(path, target.model)
-            drafters[name or d.dcfg.kind] = (d, path)
+            try:  # stored STS temperatures for this sampling setting, if any
+                temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
+            except CalibrationMissingError:
+                temps = None
+            drafters[name or d.dcfg.kind] = (d, path, temps)
         info: dict = {}
         sets = load_prompt_sets(args.prompts, tok, target.chat_template, args.num_prompts, info=info)
     except (TargetMismatchError, EvalError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     for sname, prompts in sets.items():
         results[sname] = {}
-        for dname, (d, path) in drafters.items():
-            temps = None
-            try:
-                from dspark_jax.calibrate import load_temperatures
-
-                temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
-            except Exception:
-                temps = None
+        for dname, (d, path, temps) in drafters.items():
             r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
                                  max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
@@ -422,7 +413,7 @@ def main(argv=None) -> int:
             "sets": {k: v["sources"] for k, v in info.items()},
             "drafters": {n: {"path": str(path), **{k: getattr(d.dcfg, k, None) for k in
                                                    ("kind", "gamma", "num_layers", "confidence_head")}}
-                         for n, (d, path) in drafters.items()}}
+                         for n, (d, path, _) in drafters.items()}}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
     plots = write_plots(results, out)
     path = write_report(results, meta, out, plots)

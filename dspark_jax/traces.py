@@ -43,21 +43,19 @@ def sampling_key(sampling) -> str:
     ``"T1_k0_p1"``. STS temperatures are stored and looked up under this key."""
     if isinstance(sampling, str):
         return sampling
+    d = _sampling_dict(sampling)
+    return f"T{d['temperature']:g}_k{d['top_k']}_p{d['top_p']:g}"
+
+
+def _sampling_dict(sampling) -> dict:
+    """{temperature, top_k, top_p} as plain numbers (array leaves: their first entry)."""
+    if sampling is None:
+        return {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     if isinstance(sampling, dict):
         t, k, p = sampling.get("temperature", 1.0), sampling.get("top_k", 0), sampling.get("top_p", 1.0)
     else:
         t, k, p = tuple(sampling)[:3]
-    as_float = lambda v: float(np.asarray(v).reshape(-1)[0])
-    return f"T{as_float(t):g}_k{int(as_float(k))}_p{as_float(p):g}"
-
-
-def _sampling_dict(sampling) -> dict:
-    if sampling is None:
-        return {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    if isinstance(sampling, dict):
-        return {"temperature": float(sampling.get("temperature", 1.0)), "top_k": int(sampling.get("top_k", 0)),
-                "top_p": float(sampling.get("top_p", 1.0))}
-    t, k, p = (float(np.asarray(v).reshape(-1)[0]) for v in tuple(sampling)[:3])
+    t, k, p = (float(np.asarray(v).reshape(-1)[0]) for v in (t, k, p))
     return {"temperature": t, "top_k": int(k), "top_p": p}
 
 

@@ -84,3 +84,14 @@ def test_cli_writes_temperatures_report_and_diagram(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     rep = json.loads((tmp_path / "out" / "calibration_report.json").read_text())
     assert rep["T0.7_k20_p0.8"]["grid"]["size"] == 33 and rep["T0.7_k20_p0.8"]["n_bins"] == 10
+
+
+def test_report_table_extra_columns(synth):
+    from dspark_jax.calibrate import report_table
+
+    res = calibrate_traces(synth)
+    G = len(res["temperatures"])
+    lines = report_table(res, {"extra col": [0.5] * (G - 1) + [None]}).splitlines()
+    assert len(lines) == 2 + G and lines[0].endswith("| AUC after | extra col |") and lines[1].count("---") == 9
+    assert lines[2].endswith("| 0.500 |") and lines[-1].endswith("| n/a |")
+    assert report_table(res).splitlines()[0].endswith("| AUC after |")

@@ -65,3 +65,12 @@ def test_sts_fixes_known_miscalibration_and_keeps_ranking():
     y1 = (a_tr > 1).astype(float)
     best = ece(a_prev * sigmoid(z_tr[:, 1] / temps[1]), y1)
     assert all(best <= ece(a_prev * sigmoid(z_tr[:, 1] / t), y1) + 1e-12 for t in default_grid())
+
+
+def test_survival_and_prefix_labels_by_hand():
+    from dspark_jax.calibration import prefix_labels, survival
+
+    z = np.array([[0.0, 0.0], [np.log(3.0), -np.log(3.0)]])  # sigmoid: [.5, .5] and [.75, .25]
+    np.testing.assert_allclose(survival(z), [[0.5, 0.25], [0.75, 0.1875]])
+    np.testing.assert_allclose(survival(z, [1.0, 1e9]), [[0.5, 0.25], [0.75, 0.375]])  # T -> inf: c_2 -> 1/2
+    np.testing.assert_array_equal(prefix_labels([0, 1, 2], 2), [[0, 0], [1, 0], [1, 1]])

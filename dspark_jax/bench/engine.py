@@ -154,18 +154,9 @@ def bench_speed(target, drafter, prompts, args, out):
               f"T_verify {1e3 * t_verify:.2f} ms -> bound x{bound:.2f}")
 
 
-def _bootstrap(per_prompt, seed=0, n=2000):
-    """95 % interval of the round-weighted tau, resampling prompts."""
-    acc = np.asarray([a for a, _ in per_prompt], np.float64)
-    rounds = np.asarray([r for _, r in per_prompt], np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(acc), (n, len(acc)))
-    taus = (acc[idx].sum(1) + rounds[idx].sum(1)) / rounds[idx].sum(1)
-    return float(np.percentile(taus, 2.5)), float(np.percentile(taus, 97.5))
-
-
 def bench_tau(target, drafters, prompts, args, out, stop_ids):
     from dspark_jax.engine import Engine
+    from dspark_jax.eval import bootstrap_tau
     from dspark_jax.sampling import SamplingParams
 
     for name, d in drafters.items():
@@ -174,7 +165,7 @@ def bench_tau(target, drafters, prompts, args, out, stop_ids):
         eng = Engine(target, d, num_slots=8, max_len=S)
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
                            loop="while", stop_ids=stop_ids, seed=args.seed)
-        lo, hi = _bootstrap([(r.accepted, r.rounds) for r in res.results])
+        _, lo, hi = bootstrap_tau([r.accepted for r in res.results], [r.rounds for r in res.results])
         out[f"tau_{name}"] = {"tau": res.tau, "ci95": [lo, hi], "prompts": len(prompts)}
         print(f"[tau] {name}: {res.tau:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {len(prompts)} prompts")
 
@@ -190,6 +181,7 @@ def head_flop_share(H, V, r, G, L_draft, L_target, I_draft, I_target, R, S_ctx):
 
 def bench_head(target, prompts, args, out):
     from dspark_jax.engine import Engine
+    from dspark_jax.engine.round import round_step
     from dspark_jax.sampling import SamplingParams
 
     cfg = target.cfg
@@ -204,8 +196,7 @@ def bench_head(target, prompts, args, out):
                 eng = Engine(target, d, num_slots=R, max_len=S + G, buckets=(R * (G + 1),))
                 st = _started(eng, ps, 16)
                 ctl = eng.control(sp)
-                rnd = jax.jit(lambda tp, dp, st, ctl, _e=eng: __import__("dspark_jax.engine.round", fromlist=["r"])
-                              .round_step(_e.spec, tp, dp, st, ctl)[1])
+                rnd = jax.jit(lambda tp, dp, st, ctl, _e=eng: round_step(_e.spec, tp, dp, st, ctl)[1])
                 times[name] = _time(lambda: rnd(eng.tp, eng.dp, st, ctl), args.reps)
             meas = times["markov"] / times["none"] - 1
             ctx = int(np.mean([len(p) for p in ps]))

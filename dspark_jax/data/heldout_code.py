@@ -27,7 +27,6 @@ from pathlib import Path
 from dspark_jax.data.corpora import _SKIP_DIRS, _assistant, _stdlib_items, _truncate, _user, parse_top_level
 
 PACKAGES = ("numpy", "jax", "flax", "optax")
-_DIST = {"numpy": "numpy", "jax": "jax", "flax": "flax", "optax": "optax"}
 MIN_LINES = 3  # one-liners make degenerate "write X" prompts
 
 Conversation = list[dict]
@@ -38,7 +37,7 @@ def source_versions(packages=PACKAGES) -> dict[str, str | None]:
     out = {}
     for p in packages:
         try:
-            out[p] = importlib.metadata.version(_DIST.get(p, p))
+            out[p] = importlib.metadata.version(p)  # distribution name = import name here
         except importlib.metadata.PackageNotFoundError:
             out[p] = None
     return out
