@@ -118,6 +118,11 @@ def save_cost_file(path, buckets, t_verify, t_draft, *, backend: str, device_kin
     d = {"format": FORMAT, "backend": backend, "device_kind": device_kind,
          "buckets": [int(b) for b in buckets], "t_verify": [float(t) for t in t_verify], "t_draft": float(t_draft),
          "provenance": provenance, **extra}
+    return _write_checked(path, d)
+
+
+def _write_checked(path, d: dict) -> Path:
+    """Check a cost dict as loading will, then write it as JSON (parents created)."""
     _check(d, str(path))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,8 +312,7 @@ def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "media
     if warmup < 1 or repeats < 1:
         raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
     round_fn, plan, used = engine_round_timer(engine, sampling)
-    draft_fn = engine_draft_timer(engine, sampling) if engine.G else None
-    res = measure_table(round_fn, engine.buckets, draft_fn, repeats=repeats, warmup=warmup, stat=stat, log=log)
+    res = measure_table(round_fn, engine.buckets, engine_draft_timer(engine, sampling), repeats=repeats, warmup=warmup, stat=stat, log=log)
     res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
                    for b, (k, g) in sorted(plan.items())]
     res["buckets_used"] = {b: used[b] for b in res["buckets"]}
@@ -317,8 +321,6 @@ def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "media
 
 def draft_time(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None) -> float:
     """Seconds of the engine's draft part per round (0 without a drafter); see `engine_draft_timer`."""
-    if not engine.G:
-        return 0.0
     f = engine_draft_timer(engine, sampling)
     return _stat([f() for _ in range(warmup + repeats)][warmup:], stat)
 
@@ -438,11 +440,7 @@ def _cmd_measure(args) -> int:
 
 
 def _cmd_roofline(args) -> int:
-    path = Path(args.out)
-    d = roofline_table()
-    _check(d, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(d, indent=1))
+    path = _write_checked(args.out, roofline_table())
     print(f"wrote {path}")
     return 0
 

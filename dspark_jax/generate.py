@@ -109,7 +109,7 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
 
     tok = target.require_tokenizer()
     ids = [render_prompt(tok, c, target.chat_template) for c in convs]
-    G = gamma or (drafter.gamma if drafter is not None and hasattr(drafter, "gamma") else 0)
+    G = gamma or getattr(drafter, "gamma", 0)
     S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
     buckets = None if table is None else [int(b) for b in table.buckets]
     eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -23,9 +21,9 @@ from dspark_jax import safetensors_io
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import model as dmodel
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
-from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
+from dspark_jax.drafter.frozen import check_target, trainable_state
 from dspark_jax.drafter.mtp import MTPDrafter
-from dspark_jax.keymap import KeyRule, flatten, import_tensors
+from dspark_jax.keymap import flatten
 from dspark_jax.model.config import ModelConfig
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")

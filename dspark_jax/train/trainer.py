@@ -93,13 +93,14 @@ def copy_tree(src: Path, dst) -> None:
 
 
 def bootstrap_ratio(pairs: list[tuple[float, float]], n: int = 2000, seed: int = 0) -> list[float]:
-    """95 % percentile interval of sum(a) / sum(b) resampling the (a, b) pairs (held-out batches)."""
+    """95 % percentile interval of sum(a) / sum(b) resampling the (a, b) pairs (held-out batches):
+    `eval.bootstrap_tau` with a = accepted + rounds, b = rounds."""
+    from dspark_jax.eval import bootstrap_tau
+
     if len(pairs) < 2:
         return [float("nan"), float("nan")]
     a, b = np.asarray(pairs, float).T
-    idx = np.random.default_rng(seed).integers(0, len(a), (n, len(a)))
-    r = a[idx].sum(1) / np.maximum(b[idx].sum(1), 1e-9)
-    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+    return list(bootstrap_tau(a - b, b, n, seed)[1:])
 
 
 def check_vocabulary(ds, vocab_size: int, name: str) -> None:
@@ -235,14 +236,6 @@ class Trainer:
         self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
 
     # ------------------------------------------------------------------ evaluation
-    def load_params(self, drafter_dir) -> None:
-        """Evaluate an exported drafter: its Params replace the current ones (same config)."""
-        from dspark_jax.drafter import registry
-
-        d = registry.load(drafter_dir, self.target)
-        params = nnx.state(d, nnx.Param)
-        self.state = self.state._replace(params=jax.device_put(params, self.param_sh))
-
     def evaluate(self) -> dict:
         if self.heldout_ds is None or len(self.heldout_ds) == 0:
             return {}
