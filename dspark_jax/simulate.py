@@ -142,34 +142,33 @@ def _verify_cost(B, table_np, charge):
     return np.interp(B, bk, tv)
 
 
-def _stale_skip(a_stale, R, table_np, t_draft, charge):
-    """Per round: True where, on survivals two rounds old, no admission count K beats target-only."""
+def _stale_skip(a_stale, R, table_np, t_draft, charge, mode="latency"):
+    """Per round: True where, on the given survivals, no admission count K beats target-only
+    (the objective `mode` as in the engine: "latency" counts the draft time, "sps" does not)."""
     flat = -np.sort(-a_stale.reshape(a_stale.shape[0], -1), axis=1)  # [T, R*G] descending
     tau = R + np.concatenate([np.zeros((flat.shape[0], 1)), np.cumsum(flat, axis=1)], axis=1)
     B = R + np.arange(flat.shape[1] + 1)
-    th = tau / (t_draft + _verify_cost(B, table_np, charge))[None]
+    th = tau / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, charge))[None]
     return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
 
 
-def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64):
+def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency"):
     """The engine's "known" rule, round by round: skip unless the best case pays and either the
     survivals of the last round that drafted say some admission count beats target-only, or
     there are none yet, or `gap` rounds have passed since that round (a probe). After each
     drafted round the gap resets to `probe_every` if its survivals say drafting pays, else it
     doubles, up to `probe_max`."""
     T = a.shape[0]
+    if not best_case_pays:
+        return np.ones(T, bool)
     skip = np.zeros(T, bool)
     known_pays, since, gap = None, 0, probe_every
     for t in range(T):
-        if not best_case_pays:
-            skip[t] = True
-            since += 1
-            continue
         skip[t] = known_pays is not None and not known_pays and since + 1 < gap
         if skip[t]:
             since += 1
         else:
-            known_pays = not bool(_stale_skip(a[t][None], R, table_np, t_draft, charge)[0])
+            known_pays = not bool(_stale_skip(a[t][None], R, table_np, t_draft, charge, mode)[0])
             since, gap = 0, probe_every if known_pays else min(2 * gap, probe_max)
     return skip
 
@@ -179,14 +178,14 @@ def _skip_rounds(rule, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, 
     T = a.shape[0]
     if rule == "none":
         return np.zeros(T, bool)
+    if rule == "stale":
+        return _stale_skip(a_stale, R, table_np, t_draft, charge, mode)
     tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
     best = scheduler.speculation_pays_np(R, tab, R * G, mode=mode, cost="interp")
-    if rule == "stale":
-        return _stale_skip(a_stale, R, table_np, t_draft, charge)
     if rule == "best_case":
         return np.full(T, not best)
     if rule == "known":
-        return _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max)
+        return _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max, mode)
     raise ValueError(f"unknown skip rule {rule!r}")
 
 

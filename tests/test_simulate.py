@@ -141,8 +141,9 @@ def test_known_skip_probes_and_matches_the_engine_rule():
     rng = np.random.default_rng(0)
     for _ in range(30):
         a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
-        assert bool(_stale_skip(a[None], 8, tab, 0.5, "step")[0]) == (
-            not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode="latency", cost="step"))
+        for mode in ("latency", "sps"):
+            assert bool(_stale_skip(a[None], 8, tab, 0.5, "step", mode)[0]) == (
+                not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
     hopeless = np.full((200, 8, G), 0.01)
     skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=4, probe_max=32)
     assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
