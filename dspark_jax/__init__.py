@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy so `import dspark_jax` stays cheap (no jax import) for CLIs that only print --help.
     if name == "load_target":
-        from dspark_jax.hf_import import load_target
+        from dspark_jax.io.hf import load_target
 
         return load_target
     raise AttributeError(name)

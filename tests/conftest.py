@@ -41,8 +41,8 @@ def micro_cfg():
 def micro_target(micro_cfg):
     from flax import nnx
 
-    from dspark_jax.model import TargetModel
-    from dspark_jax.sharding import create_model
+    from dspark_jax.target import TargetModel
+    from dspark_jax.parallel.sharding import create_model
 
     return create_model(lambda: TargetModel(micro_cfg.target.model, rngs=nnx.Rngs(0)))
 
@@ -94,7 +94,7 @@ def hf_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_tiny_dir():
     """The tiny embedded target (about a minute to build on a fresh cache, then cached)."""
-    from dspark_jax.embedded import embedded_target_dir
+    from dspark_jax.embedded.target import embedded_target_dir
 
     return embedded_target_dir(preset="tiny", progress=False)
 
@@ -109,8 +109,8 @@ def tiny_dspark_drafter_dir(embedded_tiny_dir, tmp_path_factory):
     from dspark_jax.config import DrafterSection
     from dspark_jax.drafter import registry
     from dspark_jax.drafter.frozen import attach_target
-    from dspark_jax.hf_import import load_target
-    from dspark_jax.sharding import create_model
+    from dspark_jax.io.hf import load_target
+    from dspark_jax.parallel.sharding import create_model
 
     t = load_target(embedded_tiny_dir)
     dcfg = DrafterSection(kind="dspark", num_layers=1, gamma=4, markov_rank=16, target_layer_ids=(1, 3, 5),

@@ -30,7 +30,7 @@ def test_quickstart_notebook(embedded_tiny_dir, tmp_path, monkeypatch):
     assert res["tau"] >= 1.0 and res["measured_tau"] >= 1.0
     assert (tmp_path / "q" / "acceptance.png").is_file()
     from dspark_jax.drafter import registry
-    from dspark_jax.hf_import import load_target
+    from dspark_jax.io.hf import load_target
 
     registry.load(res["drafter"], load_target(embedded_tiny_dir).model)  # the checkpoint loads
 

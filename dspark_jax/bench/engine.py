@@ -73,7 +73,7 @@ def _random_drafter(target, gamma, markov_rank, seed=0):
     from dspark_jax.config import DrafterSection
     from dspark_jax.drafter.frozen import attach_target
     from dspark_jax.drafter.model import Drafter
-    from dspark_jax.sharding import create_model
+    from dspark_jax.parallel.sharding import create_model
 
     tok = target.tokenizer
     L = target.cfg.num_layers
@@ -112,7 +112,7 @@ def _started(eng, prompts, max_new):
 
 def bench_loop(target, drafter, prompts, args, out):
     from dspark_jax.engine import Engine
-    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.decoding.sampling import SamplingParams
 
     S = max(len(p) for p in prompts[:8]) + args.max_new_tokens + drafter.gamma + 2
     for name, d in (("ar", None), ("dspark", drafter)):
@@ -129,7 +129,7 @@ def bench_loop(target, drafter, prompts, args, out):
 
 def bench_speed(target, drafter, prompts, args, out):
     from dspark_jax.engine import Engine
-    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.decoding.sampling import SamplingParams
 
     sp = SamplingParams(1.0, 0, 1.0)
     for R in (1, 8):
@@ -156,8 +156,8 @@ def bench_speed(target, drafter, prompts, args, out):
 
 def bench_tau(target, drafters, prompts, args, out, stop_ids):
     from dspark_jax.engine import Engine
-    from dspark_jax.eval import bootstrap_tau
-    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.eval.evaluate import bootstrap_tau
+    from dspark_jax.decoding.sampling import SamplingParams
 
     for name, d in drafters.items():
         gamma = getattr(d, "gamma", None) or d.dcfg.gamma
@@ -182,7 +182,7 @@ def head_flop_share(H, V, r, G, L_draft, L_target, I_draft, I_target, R, S_ctx):
 def bench_head(target, prompts, args, out):
     from dspark_jax.engine import Engine
     from dspark_jax.engine.round import round_step
-    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.decoding.sampling import SamplingParams
 
     cfg = target.cfg
     sp = SamplingParams(1.0, 0, 1.0)
@@ -212,7 +212,7 @@ def bench_head(target, prompts, args, out):
 def main(argv=None) -> int:
     args = _args(argv)
     from dspark_jax.drafter.registry import load as load_drafter
-    from dspark_jax.generate import load_models
+    from dspark_jax.engine.generate import load_models
 
     target, drafter, _ = load_models(args.target, None, "ar")
     prompts, tok = _prompts(target, args)

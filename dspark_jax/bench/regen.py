@@ -18,7 +18,7 @@ import numpy as np
 
 def _prompts(tok, template, n: int, prompt_len: int):
     from dspark_jax.data.chat import render_prompt
-    from dspark_jax.regenerate import default_prompts, prompt_messages
+    from dspark_jax.data.regenerate import default_prompts, prompt_messages
 
     convs = default_prompts()
     toks = np.full((n, prompt_len), tok.pad_id, np.int32)
@@ -42,9 +42,9 @@ def _timed(fn, repeats: int):
 
 
 def main(argv=None) -> int:
-    from dspark_jax.generation import generate, generate_host_loop
-    from dspark_jax.hf_import import load_target
-    from dspark_jax.regenerate import DEFAULT_SAMPLING
+    from dspark_jax.target.generation import generate, generate_host_loop
+    from dspark_jax.io.hf import load_target
+    from dspark_jax.data.regenerate import DEFAULT_SAMPLING
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench regen", description=__doc__)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.target is None:
-        from dspark_jax.embedded import embedded_target_dir
+        from dspark_jax.embedded.target import embedded_target_dir
 
         a.target = embedded_target_dir(preset=a.preset)
     lt = load_target(a.target)

@@ -23,10 +23,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
-from dspark_jax.model.transformer import finish_layer, project_qkv
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = [
     "fuse_context", "context_kv", "block_embed", "context_mask", "training_mask", "block_attention",

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.drafter.frozen import Frozen, attach_target  # noqa: F401  (re-exported)
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
-from dspark_jax.model.transformer import INIT_STD, finish_layer, layer_param_shapes
-from dspark_jax.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
 __all__ = [
     "Eagle3Drafter", "attach_target", "eagle3_layer_shapes", "ttt_mask", "eagle3_train_hidden",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
-from dspark_jax.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
 __all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]
 

@@ -28,15 +28,15 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dspark_jax import safetensors_io
+from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import backbone, confidence, heads
 from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
-from dspark_jax.keymap import KeyRule, flatten, import_tensors
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.transformer import DecoderStack
-from dspark_jax.sampling import SamplingParams
+from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.transformer import DecoderStack
+from dspark_jax.decoding.sampling import SamplingParams
 
 INIT_STD = 0.02
 FORMAT = "dspark_jax.drafter/1"
@@ -276,7 +276,7 @@ def build_drafter(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.fl
 def fill_drafter(factory, tmodel, params: dict, param_dtype=jnp.float32, mesh=None, source: str = "drafter params"):
     """Build the module `factory` makes without random init, fill its Params from `params`
     (every mismatch reported at once), attach the target's frozen weights."""
-    from dspark_jax.sharding import state_shardings
+    from dspark_jax.parallel.sharding import state_shardings
 
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(factory)

@@ -27,11 +27,11 @@ from flax import nnx
 
 from dspark_jax.drafter.eagle3 import _Layer, _cast, _frozen_head, _normal, _rope, cached_attention, create_cache
 from dspark_jax.drafter.frozen import attach_target  # noqa: F401  (re-exported)
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.layers import attention, rms_norm
-from dspark_jax.model.transformer import finish_layer, layer_param_shapes, project_qkv
-from dspark_jax.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import attention, rms_norm
+from dspark_jax.target.transformer import finish_layer, layer_param_shapes, project_qkv
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
 __all__ = ["MTPDrafter", "attach_target", "mtp_train_logits", "mtp_loss", "mtp_update", "mtp_prefill",
            "mtp_draft_logits", "mtp_draft", "create_cache"]

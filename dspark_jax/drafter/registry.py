@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import safetensors_io
+from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import model as dmodel
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.frozen import check_target, trainable_state
 from dspark_jax.drafter.mtp import MTPDrafter
-from dspark_jax.keymap import flatten
-from dspark_jax.model.config import ModelConfig
+from dspark_jax.io.keymap import flatten
+from dspark_jax.target.config import ModelConfig
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 

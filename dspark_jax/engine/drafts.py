@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter import eagle3 as e3
 from dspark_jax.drafter import mtp as mtp1
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.sampling import SamplingParams, sampling_path
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.decoding.sampling import SamplingParams, sampling_path
 
 MODES = ("ar", "dspark", "dflash", "eagle3", "mtp1")
 

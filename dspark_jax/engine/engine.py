@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import scheduler
+from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.eagle3 import create_cache as e3_cache
 from dspark_jax.drafter.frozen import TargetMismatchError, check_target
@@ -35,8 +35,8 @@ from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.engine.traces import Traces
 from dspark_jax.engine.verify import target_arrays
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.sampling import SamplingParams
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets", "drafter_mode"]
 

@@ -20,7 +20,7 @@ import functools
 
 import jax.numpy as jnp
 
-from dspark_jax import scheduler
+from dspark_jax.scheduler import prefix as scheduler
 
 __all__ = ["POLICIES", "SCHEDULED", "THETA_MODES", "COSTS", "get_policy", "fixed", "threshold", "early_stop",
            "static", "production"]

@@ -15,11 +15,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import rejection, scheduler
+from dspark_jax.decoding import rejection
+from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.engine.drafts import Spec, draft, prefill_drafter, update_drafter
 from dspark_jax.engine.state import Control, DecodeState, RoundOut
 from dspark_jax.engine.verify import verify_packed
-from dspark_jax.sampling import sample, sampling_probs
+from dspark_jax.decoding.sampling import sample, sampling_probs
 
 __all__ = ["prefill", "round_step", "run_rounds", "verify_row", "row_round_keys", "draft_part"]
 

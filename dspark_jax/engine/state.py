@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.sampling import SamplingParams
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["DecodeState", "Control", "RoundOut"]
 

@@ -1,6 +1,6 @@
 """Per round and request records: raw confidence logits, chosen length, accepted count, full-gamma flag.
 
-Layout matches dspark_jax.calibration: `conf_logits [N, G]`, `accepted [N]`; `full [N]`
+Layout matches dspark_jax.calibration.sts: `conf_logits [N, G]`, `accepted [N]`; `full [N]`
 marks rounds verified at the compiled block size G (only those carry uncensored labels).
 """
 

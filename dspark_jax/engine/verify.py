@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.model.config import ModelConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.layers import attention, rms_norm, rope_cos_sin, rope_inv_freq
-from dspark_jax.model.transformer import finish_layer, project_qkv
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import attention, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = ["Packing", "pack", "verify_packed", "target_arrays"]
 

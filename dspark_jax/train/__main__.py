@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0
     from dspark_jax.config import from_cli
-    from dspark_jax.configlib import ConfigError
+    from dspark_jax.config.loader import ConfigError
 
     try:
         cfg = from_cli(argv)

@@ -1,5 +1,6 @@
-"""Orbax checkpoints of a training run: parameters, optimiser state, step, data-iterator
-state and the config, saved asynchronously every N steps, keeping the last K.
+"""Orbax checkpoints of a training run: any pytree of arrays (parameters, optimiser state,
+step), the data-iterator state and a JSON `meta`, saved asynchronously every N steps,
+keeping the last K. The drafter trainer and the embedded target build both use it.
 
 Preemption (SIGTERM on Cloud TPU): the handler only sets a flag; the loop then asks
 orbax for a step at which every host agrees to stop, saves there, waits for the write
@@ -40,7 +41,7 @@ class PreemptionFlag:
 
 
 class Checkpointer:
-    def __init__(self, directory, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory, every: int = 0, keep: int = 2, async_save: bool = True):
         # local paths or epath.Path("gs://...") (orbax writes GCS through tensorstore)
         self.directory = directory if "://" in str(directory) else Path(directory).absolute()
         self.every = every
@@ -74,7 +75,9 @@ class Checkpointer:
         if wait:
             self.manager.wait_until_finished()
 
-    def restore(self, step: int, abstract_state, data_iter=None):
+    def restore(self, step: int, abstract_state=None, data_iter=None):
+        """(state, meta) saved at `step`; `abstract_state` (shapes / shardings, or a concrete
+        tree of the same structure) lays the arrays out."""
         items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iter)

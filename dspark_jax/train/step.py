@@ -16,7 +16,8 @@ import optax
 from flax import nnx
 
 from dspark_jax.drafter import backbone, confidence, heads
-from dspark_jax.train.loss import LossCoefs, LossSums, combine, dspark_loss_sums
+from dspark_jax.train.optim import adamw, warmup_cosine_schedule
+from dspark_jax.losses.dspark import LossCoefs, LossSums, combine, dspark_loss_sums
 
 
 class TrainState(NamedTuple):
@@ -27,12 +28,11 @@ class TrainState(NamedTuple):
 
 def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, b1: float = 0.9, b2: float = 0.999,
                    weight_decay: float = 0.0, clip_norm: float = 1.0):
-    """AdamW, linear warm-up over `warmup_frac` of the steps, cosine to 0, global-norm clip."""
+    """The drafter's optimiser: warm-up over round(`warmup_frac` * steps) (at least 1 when the
+    fraction is positive), cosine to 0, AdamW after global-norm clipping."""
     warmup = max(1, int(round(warmup_frac * total_steps))) if warmup_frac > 0 else 0
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=0.0) if warmup else \
-        optax.cosine_decay_schedule(lr, max(total_steps, 1), alpha=0.0)
-    tx = optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
-    return tx, sched
+    sched = warmup_cosine_schedule(lr, max(total_steps, 1), min(warmup, max(total_steps, 1)))
+    return adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay, clip_norm=clip_norm), sched
 
 
 def _gather_rows(x, idx):

@@ -18,13 +18,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.config import Config
-from dspark_jax.configlib import to_dict
+from dspark_jax.config.loader import to_dict
 from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter import registry
-from dspark_jax.sharding import create_model, make_mesh, state_shardings
+from dspark_jax.parallel.sharding import create_model, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
-from dspark_jax.train.data import RecordSpec, check_dataset, make_pipeline
-from dspark_jax.train.loss import LossCoefs
+from dspark_jax.train.metrics import MetricsLogger, progress_bar
+from dspark_jax.data.pipeline import RecordSpec, check_dataset, make_pipeline
+from dspark_jax.losses.dspark import LossCoefs
 from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
 
 
@@ -95,7 +96,7 @@ def copy_tree(src: Path, dst) -> None:
 def bootstrap_ratio(pairs: list[tuple[float, float]], n: int = 2000, seed: int = 0) -> list[float]:
     """95 % percentile interval of sum(a) / sum(b) resampling the (a, b) pairs (held-out batches):
     `eval.bootstrap_tau` with a = accepted + rounds, b = rounds."""
-    from dspark_jax.eval import bootstrap_tau
+    from dspark_jax.eval.evaluate import bootstrap_tau
 
     if len(pairs) < 2:
         return [float("nan"), float("nan")]
@@ -291,20 +292,21 @@ class Trainer:
         return export
 
     def fit(self) -> dict:
-        from dspark_jax.train.runlog import RunLogger
-
         tc = self.cfg.train
         self.data_iter = self._new_iter()
         start = self.maybe_resume()
         self._saved.add(start)
-        logger = RunLogger(self.local_out, enabled=jax.process_index() == 0)
+        main = jax.process_index() == 0
+        logger = MetricsLogger(self.local_out / "log.jsonl" if main else None,
+                               self.local_out / "tensorboard" if main else None)
+        scalars = lambda step, values: values and logger.log({"step": step, **values})
         flag = PreemptionFlag()
         tokens_per_step = tc.batch_size * self.cfg.data.seq_len
         last_good = start
         step = start
         stop_at = self.total_steps if tc.stop_after_steps is None else min(self.total_steps, start + tc.stop_after_steps)
         preempted = False
-        bar = logger.progress(total=self.total_steps, initial=start, disable=not self.progress)
+        bar = progress_bar(total=self.total_steps, initial=start, desc="train", unit="step", enabled=self.progress)
         t_last, n_last = time.perf_counter(), step
         try:
             with self.phases("training"):
@@ -316,12 +318,12 @@ class Trainer:
                         m = self._step_metrics(step, metrics, last_good, tokens_per_step * (step - n_last),
                                                time.perf_counter() - t_last)
                         t_last, n_last = time.perf_counter(), step
-                        logger.scalars(step, m)
+                        scalars(step, m)
                         bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
                     if tc.eval_every and step % tc.eval_every == 0 and step < stop_at:
                         with self.phases("evaluation"):
-                            logger.scalars(step, self.evaluate())
+                            scalars(step, self.evaluate())
                     if self.ckpt.should_save(step):
                         self.save(step)
                         last_good = step
@@ -338,7 +340,7 @@ class Trainer:
         self.ckpt.wait()
         with self.phases("evaluation"):
             final_eval = self.evaluate()
-        logger.scalars(step, final_eval)
+        scalars(step, final_eval)
         logger.close()
         export = self._export()
         return {"step": step, "total_steps": self.total_steps, "preempted": preempted,

@@ -1,0 +1,1 @@
+"""`python -m dspark_jax.calibrate`: fit STS on engine traces (the code lives in `dspark_jax.calibration.calibrate`)."""

@@ -1,0 +1,5 @@
+import sys
+
+from dspark_jax.calibration.calibrate import main
+
+sys.exit(main())

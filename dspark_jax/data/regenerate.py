@@ -1,0 +1,230 @@
+"""Regenerate the assistant turns of a prompt set with the target and write the training dataset.
+
+DSpark trains drafters on responses sampled from the target itself (spec section 4), at
+the reference's settings by default: temperature 0.7, top-p 0.8, top-k 20. For each
+conversation the prompt is every message before its first assistant message, rendered
+with the target's chat template (generation header included); later turns are dropped.
+Each record is ``prompt tokens + generated tokens + template tail`` with the loss mask on
+exactly the generated tokens (a final stop token included), matching ``encode_chat``.
+A response cut by ``max_new_tokens`` gets an unmasked end-of-turn so the record stays
+well formed. Prompts longer than ``max_prompt_len`` keep their last tokens.
+
+Sample i uses the key ``fold_in(key(seed), i)`` and every batch has the same static
+shape (fixed batch size, prompt length and cache length; the last batch is padded with
+rows that generate nothing), so a resumed run (``resume=True`` continues after the
+``len(writer)`` records already stored) neither duplicates nor loses samples and writes
+the same records as an uninterrupted one.
+
+CLI: ``python -m dspark_jax.regenerate --out DIR [--target DIR] [--prompts FILE.jsonl] ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.decoding.sampling import SamplingParams
+
+DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+_SETTINGS_KEYS = ("seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_len", "target_config_sha256")
+
+
+def prompt_messages(conv) -> list[dict]:
+    """Messages before the first assistant message (the whole conversation if it has none)."""
+    out = []
+    for m in conv:
+        if m["role"] == "assistant":
+            break
+        out.append(m)
+    if not out:
+        raise ValueError("conversation starts with an assistant message: there is no prompt to regenerate from")
+    return out
+
+
+def template_tail(template: str | None) -> str:
+    """Text a chat template puts after an assistant message's end-of-turn token (ChatML: newline)."""
+    from dspark_jax.data.chat import END_OF_TURN, render_text
+
+    mark = "\x00DSPARK\x00"
+    text = render_text([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}], template)
+    at = text.find(mark + END_OF_TURN)
+    return "" if at < 0 else text[at + len(mark) + len(END_OF_TURN):]
+
+
+def distinct_ngram_ratio(seqs, n: int = 4) -> float:
+    """Distinct n-grams / all n-grams, pooled over ``seqs`` (1.0 = no repetition at all)."""
+    grams, total = set(), 0
+    for s in seqs:
+        s = [int(t) for t in s]
+        for i in range(len(s) - n + 1):
+            grams.add(tuple(s[i:i + n]))
+            total += 1
+    return len(grams) / total if total else 1.0
+
+
+def _load(target):
+    from dspark_jax.io.hf import LoadedTarget, load_target
+
+    if isinstance(target, LoadedTarget):
+        return target
+    if target is None:
+        from dspark_jax.embedded.target import embedded_target_dir
+
+        target = embedded_target_dir()
+    return load_target(target)
+
+
+def _existing_settings(out: Path) -> dict | None:
+    for f in (out.with_name(out.name + ".partial") / "meta.partial.json", out / "meta.json"):
+        if f.is_file():
+            return json.loads(f.read_text()).get("info", {}).get("regenerate")
+    return None
+
+
+def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_size: int = 16,
+               max_new_tokens: int = 128, max_prompt_len: int = 128,
+               sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, resume: bool = False,
+               overwrite: bool = False, progress: bool = True, on_record=None, verbose: bool = True) -> dict:
+    """Write ``num`` regenerated records to ``out_dir`` (a ``DatasetWriter`` dataset); returns stats.
+
+    ``target``: a directory, a ``LoadedTarget``, or None for the embedded default.
+    ``on_record(i, tokens, loss_mask)`` is called after each record is stored.
+    """
+    import jax
+
+    from dspark_jax.train.metrics import progress_bar
+    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.data.dataset import DatasetWriter
+    from dspark_jax.target.generation import generate
+
+    lt = _load(target)
+    tok = lt.require_tokenizer()
+    template = lt.chat_template
+    n_avail = len(conversations)
+    num = n_avail if num is None else int(num)
+    if not 0 <= num <= n_avail:
+        raise ValueError(f"num={num} but only {n_avail} prompts are available: pass --num <= {n_avail} or more prompts")
+    if batch_size < 1 or max_new_tokens < 1 or max_prompt_len < 1:
+        raise ValueError("batch_size, max_new_tokens and max_prompt_len must be >= 1")
+    ctx = lt.cfg.max_position_embeddings
+    if max_prompt_len + max_new_tokens > ctx and verbose:
+        print(f"[regenerate] warning: max_prompt_len + max_new_tokens = {max_prompt_len + max_new_tokens} exceeds "
+              f"the target's max_position_embeddings ({ctx})", file=sys.stderr)
+    out_dir = Path(out_dir)
+    cfg_file = Path(lt.path) / "config.json"
+    settings = {"seed": int(seed), "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
+                "top_p": float(sampling.top_p), "max_new_tokens": int(max_new_tokens),
+                "max_prompt_len": int(max_prompt_len),
+                "target_config_sha256": hashlib.sha256(cfg_file.read_bytes()).hexdigest() if cfg_file.is_file() else None,
+                "target": str(lt.path)}
+    if resume:
+        old = _existing_settings(out_dir)
+        if old is not None:
+            diff = [k for k in _SETTINGS_KEYS if old.get(k) != settings[k]]
+            if diff:
+                raise ValueError(f"cannot resume {out_dir}: settings {diff} differ from the interrupted run "
+                                 f"({ {k: old.get(k) for k in diff} }); rerun with the same settings or --overwrite")
+    stop_ids = tok.stop_ids
+    tail = tok.encode(template_tail(template))
+    sp = SamplingParams(*(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)))
+    stats = {"records": 0, "generated_tokens": 0, "truncated_prompts": 0, "stopped": 0, "seconds": 0.0}
+
+    with DatasetWriter(out_dir, resume=resume, overwrite=overwrite, vocab_size=tok.vocab_size,
+                       tokenizer_hash=tok.fingerprint, info={"regenerate": settings}) as writer:
+        start = len(writer)
+        bar = progress_bar(total=num, initial=min(start, num), desc="regenerate", enabled=progress,
+                                    unit="sample")
+        t0 = time.time()
+        for b0 in range(start, num, batch_size):
+            idx = list(range(b0, min(b0 + batch_size, num)))
+            prompts = np.full((batch_size, max_prompt_len), tok.pad_id, np.int32)
+            lens = np.ones((batch_size,), np.int32)
+            max_new = np.zeros((batch_size,), np.int32)  # padding rows generate nothing
+            plist = []
+            for r, i in enumerate(idx):
+                ids = render_prompt(tok, prompt_messages(conversations[i]), template)
+                if len(ids) > max_prompt_len:
+                    stats["truncated_prompts"] += 1
+                    ids = ids[-max_prompt_len:]
+                prompts[r, :len(ids)] = ids
+                lens[r] = len(ids)
+                max_new[r] = max_new_tokens
+                plist.append(ids)
+            sample_index = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])]).astype(np.int64)
+            out = generate(lt.model, prompts, lens, max_new_tokens=max_new_tokens, sampling=sp, seed=seed,
+                           sample_index=sample_index, max_new=max_new, stop_ids=stop_ids, pad_id=tok.pad_id)
+            toks, glen = jax.device_get((out.tokens, out.lengths))
+            for r, i in enumerate(idx):
+                gen = [int(t) for t in toks[r, :glen[r]]]
+                ended = bool(gen) and gen[-1] in stop_ids
+                rest = tail if ended else [tok.eos_id] + tail
+                record = np.asarray(plist[r] + gen + rest, np.int32)
+                mask = np.zeros(len(record), bool)
+                mask[len(plist[r]):len(plist[r]) + len(gen)] = True
+                writer.add(record, mask)
+                stats["records"] += 1
+                stats["generated_tokens"] += len(gen)
+                stats["stopped"] += int(ended)
+                if on_record is not None:
+                    on_record(i, record, mask)
+            bar.update(len(idx))
+            el = time.time() - t0
+            bar.set_postfix(tok_s=f"{stats['generated_tokens'] / max(el, 1e-9):.0f}")
+        bar.close()
+        stats["seconds"] = time.time() - t0
+    stats["tokens_per_s"] = stats["generated_tokens"] / max(stats["seconds"], 1e-9)
+    stats["total_records"] = num
+    if verbose:
+        print(f"[regenerate] {stats['records']} records ({stats['generated_tokens']} tokens, "
+              f"{stats['stopped']} ended by a stop token) in {stats['seconds']:.1f} s: "
+              f"{stats['tokens_per_s']:.1f} tokens/s (first batch includes compilation) -> {out_dir}")
+    return stats
+
+
+def default_prompts(seed: int = 0) -> list:
+    """Prompts of the embedded corpora's train split (the target's own training prompts)."""
+    from dspark_jax.data.corpora import build_corpus
+
+    return build_corpus("train", seed, n_code=1000, n_math=1000, n_prose=1000)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.regenerate",
+                                 description="Regenerate assistant turns with the target and write a training dataset.")
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap.add_argument("--prompts", default=None,
+                    help='jsonl of {"conversations": [...]} or {"turns": [...]} (default: embedded corpora train split)')
+    ap.add_argument("--out", required=True, help="output dataset directory")
+    ap.add_argument("--num", type=int, default=None, help="number of prompts (default: all)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=DEFAULT_SAMPLING.temperature)
+    ap.add_argument("--top-k", type=int, default=DEFAULT_SAMPLING.top_k)
+    ap.add_argument("--top-p", type=float, default=DEFAULT_SAMPLING.top_p)
+    ap.add_argument("--seed", type=int, default=0)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="continue an interrupted (or extend a finished) run")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    if a.prompts:
+        from dspark_jax.data.corpora import load_jsonl
+
+        convs = load_jsonl(a.prompts)
+    else:
+        convs = default_prompts(a.seed)
+    regenerate(a.target, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=a.max_new_tokens,
+               max_prompt_len=a.max_prompt_len, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
+               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

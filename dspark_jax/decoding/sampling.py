@@ -1,0 +1,120 @@
+"""The one place that turns logits + (temperature, top_k, top_p) into the distribution sampled from.
+
+Both sides of speculative decoding go through :func:`sampling_probs`: the drafter's q_j is
+the exact distribution its tokens are sampled from, and the target's p_j receives the same
+transform, so rejection sampling (``dspark_jax.decoding.rejection``) stays exact (spec 2.2, 5).
+
+Order of the transforms (all on fp32):
+
+1. temperature: ``temperature <= 0`` means greedy = one-hot of argmax (first index on ties);
+   otherwise logits / temperature.
+2. top-k: ``top_k <= 0`` or ``top_k >= V`` is off. Otherwise keep exactly the k largest
+   tempered logits; ties are broken by the LOWER vocabulary index (a stable descending
+   sort), so exactly k tokens survive even when logits tie.
+3. top-p: ``top_p >= 1`` is off. Otherwise, on the (stable) descending-sorted distribution
+   after top-k, keep the smallest prefix whose mass reaches top_p (token i is kept iff the
+   mass strictly before it is < top_p); at least one token is always kept.
+4. renormalise.
+
+Every parameter may be a python scalar, a traced jnp scalar, or a per-row array
+broadcastable to ``logits.shape[:-1]``. :class:`SamplingParams` is a NamedTuple, hence a
+pytree: pass it into ``jax.jit`` and its fields are traced (no recompilation per setting).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "probs_from_params"]
+
+
+class SamplingParams(NamedTuple):
+    """Sampling settings (a pytree: every field is a leaf, traced under jit)."""
+
+    temperature: Any = 1.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+
+
+# Top-k settings up to this many tokens take a path that sorts only the top TOPK_CAP logits.
+TOPK_CAP = 64
+
+
+def _truncate_sorted(s_logits, k, k_on, tp):
+    """Top-k then top-p on logits sorted descending along the last axis -> probs (same order)."""
+    rank = jnp.arange(s_logits.shape[-1], dtype=jnp.int32)
+    keep_k = jnp.where(k_on[..., None], rank < k[..., None], True)
+    s_logits = jnp.where(keep_k, s_logits, -jnp.inf)
+    s_probs = jax.nn.softmax(s_logits, axis=-1)
+    mass_before = jnp.cumsum(s_probs, axis=-1) - s_probs
+    keep_p = (mass_before < tp[..., None]) | (rank == 0) | (tp >= 1.0)[..., None]
+    s_probs = jnp.where(keep_p, s_probs, 0.0)
+    return s_probs / jnp.sum(s_probs, axis=-1, keepdims=True)
+
+
+def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
+    """Which of `sampling_probs`' paths serves every given row: 0 plain, 1 top-k <= TOPK_CAP, 2 full sort.
+
+    Pass it as `path=` when `sampling_probs` runs under a per-row `vmap`: computed there, the
+    index would be batched and `lax.switch` would run all three paths for every row."""
+    k = jnp.asarray(top_k, jnp.int32)
+    tp = jnp.asarray(top_p, jnp.float32)
+    k_on = (k > 0) & (k < vocab_size)
+    no_trunc = jnp.all(~k_on & (tp >= 1.0))
+    small = jnp.all(k_on & (k <= min(TOPK_CAP, vocab_size)))
+    return jnp.where(no_trunc, 0, jnp.where(small, 1, 2)).astype(jnp.int32)
+
+
+def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=None) -> jax.Array:
+    """fp32 probabilities ``[..., V]`` of the distribution that is sampled from (see module doc).
+
+    Three paths with the same result, chosen at run time (the settings are traced): no
+    truncation (a plain softmax, no sort); top-k <= TOPK_CAP (`lax.top_k`, which orders
+    ties by lower index, then top-p inside those k); otherwise a full stable sort.
+    `path`: the index from `sampling_path` over the whole batch (default: these rows').
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    batch_shape, V = logits.shape[:-1], logits.shape[-1]
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch_shape)
+    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch_shape)
+    tp = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch_shape)
+    greedy = t <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t)[..., None]
+    k_on = (k > 0) & (k < V)
+    cap = min(TOPK_CAP, V)
+
+    def plain(_):
+        return jax.nn.softmax(scaled, axis=-1)
+
+    def small_k(_):
+        vals, idx = jax.lax.top_k(scaled, cap)
+        s_probs = _truncate_sorted(vals, k, k_on, tp)
+        return jnp.put_along_axis(jnp.zeros_like(scaled), idx, s_probs, axis=-1, inplace=False)
+
+    def full_sort(_):
+        order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties keep the lower index first
+        s_probs = _truncate_sorted(jnp.take_along_axis(scaled, order, axis=-1), k, k_on, tp)
+        return jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
+
+    branch = sampling_path(t, k, tp, V) if path is None else path
+    probs = jax.lax.switch(branch, (plain, small_k, full_sort), None)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(greedy[..., None], one_hot, probs)
+
+
+def probs_from_params(logits: jax.Array, params: SamplingParams, path=None) -> jax.Array:
+    """``sampling_probs(logits, *params, path=path)``."""
+    return sampling_probs(logits, params.temperature, params.top_k, params.top_p, path=path)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Token ids ``[...]`` drawn exactly from ``probs[..., V]`` (Gumbel-max on log-probs).
+
+    Zero-probability tokens have log-prob -inf and are never drawn, so a one-hot row
+    (greedy) always yields its argmax, independent of the key.
+    """
+    logp = jnp.log(jnp.asarray(probs, jnp.float32))
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)

@@ -1,0 +1,186 @@
+"""`python -m dspark_jax.generate`: speculative (or target-only) generation from the command line.
+
+    python -m dspark_jax.generate --prompts prompts.jsonl --drafter runs/dspark/drafter --mode dspark
+    echo "What is 12 + 7?" | python -m dspark_jax.generate --mode ar
+
+Prompts: a jsonl file (`{"turns": [...]}` or `{"conversations": [...]}` lines) or, without
+`--prompts`, one user message per non-empty stdin line. They are rendered with the target's
+chat template (generation prompt appended). Prints each completion and per-request
+statistics (rounds, mean accepted length tau, tokens/s), then a summary line.
+Python API: `dspark_jax.engine.Engine`, `load_models`, `generate_texts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+MODES = ("ar", "dspark", "dflash", "eagle3", "mtp1")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap.add_argument("--drafter", default=None, help="drafter directory written by save_drafter / the train command")
+    ap.add_argument("--mode", default=None, choices=MODES, help="default: the drafter's kind, or ar without a drafter")
+    ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
+    ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
+    ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"),
+                    help="verification-length policy: fixed gamma, a static confidence threshold, or the prefix "
+                         "scheduler (Algorithm 1 / static-shape / production; need --costs)")
+    ap.add_argument("--threshold", type=float, default=0.0, help="static confidence threshold (--policy threshold)")
+    ap.add_argument("--costs", default=None,
+                    help="cost table JSON from `python -m dspark_jax.costs measure` (its buckets become the engine's)")
+    ap.add_argument("--theta", default="latency", choices=("sps", "latency"),
+                    help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
+    ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
+                    help="price of B tokens between buckets (default: the policy's own)")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default=None, choices=("known", "best_case"),
+                    help="skip the drafter in rounds where the cost table says no speculation pays: 'known' "
+                         "(default) on the last known survivals, probing every 8 rounds; 'best_case' only when "
+                         "even perfect drafts would not pay")
+    ap.add_argument("--probe-every", type=int, default=8,
+                    help="--skip-drafting known: rounds skipped before drafting again to refresh the survivals")
+    ap.add_argument("--probe-max", type=int, default=64,
+                    help="--skip-drafting known: that interval doubles up to this while drafting does not pay")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="use the STS temperatures stored with the drafter (python -m dspark_jax.calibrate)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="request slots decoded together")
+    ap.add_argument("--max-len", type=int, default=None, help="KV length per slot (default: longest prompt + max new + gamma + 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loop", default="host", choices=("host", "while"))
+    ap.add_argument("--traces", default=None, help="write per-round traces (.jsonl or .npz)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
+    return ap.parse_args(argv)
+
+
+def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
+    """Conversations from a jsonl file (line numbers in errors) or plain stdin lines."""
+    from dspark_jax.data.corpora import load_jsonl
+
+    if path:
+        convs = load_jsonl(path)
+    else:
+        stream = stream or sys.stdin
+        convs = [[{"role": "user", "content": line.rstrip("\n")}] for line in stream if line.strip()]
+    if not convs:
+        raise ValueError(f"no prompts in {path or 'stdin'}")
+    return convs
+
+
+def load_models(target_dir=None, drafter_dir=None, mode=None):
+    """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer."""
+    from dspark_jax.drafter.registry import load as load_drafter
+    from dspark_jax.io.hf import load_target
+
+    if target_dir is None:
+        from dspark_jax.embedded.target import embedded_target_dir
+
+        target_dir = embedded_target_dir(build=True, progress=True)
+    target = load_target(target_dir)
+    drafter = None
+    if drafter_dir:
+        drafter = load_drafter(drafter_dir, target)
+    kind = drafter.dcfg.kind if drafter is not None else "ar"
+    mode = mode or kind
+    if mode == "ar":
+        drafter = None
+    elif drafter is None:
+        raise ValueError(f"--mode {mode} needs --drafter DIR (a drafter trained with python -m dspark_jax.train)")
+    elif kind != mode:
+        raise ValueError(f"--mode {mode} but the drafter in {drafter_dir} is a {kind} drafter")
+    return target, drafter, mode
+
+
+def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
+                   policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
+                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64):
+    """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
+
+    `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
+    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.engine import Engine
+
+    tok = target.require_tokenizer()
+    ids = [render_prompt(tok, c, target.chat_template) for c in convs]
+    G = gamma or getattr(drafter, "gamma", 0)
+    S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
+    buckets = None if table is None else [int(b) for b in table.buckets]
+    eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
+                 buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
+                 probe_every=probe_every, probe_max=probe_max)
+    res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
+                       stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
+    texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
+    return res, ids, texts
+
+
+def scheduling_inputs(args, sampling):
+    """(cost table or None, STS temperatures or None) from --costs / --calibrated, checked before
+    any model is loaded: a table from another backend and missing temperatures fail here."""
+    import jax
+
+    from dspark_jax.calibration.calibrate import load_temperatures
+    from dspark_jax.scheduler.costs import load_cost_table
+
+    scheduled = args.policy in ("early_stop", "static", "production")
+    if scheduled and not args.costs:
+        raise ValueError(f"--policy {args.policy} needs --costs TABLE.json (measure one with "
+                         "`python -m dspark_jax.costs measure`, or pass a table shaped like your accelerator's)")
+    if args.skip_drafting and not args.costs:
+        raise ValueError("--skip-drafting needs --costs TABLE.json: the table decides when drafting pays")
+    table = load_cost_table(args.costs, expect_backend=jax.default_backend()) if args.costs else None
+    sts = None
+    if args.calibrated:
+        if not args.drafter:
+            raise ValueError("--calibrated needs --drafter DIR (the STS temperatures are stored with the drafter)")
+        sts = load_temperatures(args.drafter, sampling)
+    return table, sts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.engine import EngineError
+    from dspark_jax.decoding.sampling import SamplingParams
+
+    from dspark_jax.calibration.calibrate import CalibrationMissingError
+    from dspark_jax.scheduler.costs import CostTableError
+
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+        convs = read_prompts(args.prompts)
+        table, sts = scheduling_inputs(args, sampling)
+        target, drafter, mode = load_models(args.target, args.drafter, args.mode)
+        res, ids, texts = generate_texts(
+            target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
+            gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
+            loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
+            skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max)
+    except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
+            CalibrationMissingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, (r, text) in enumerate(zip(res.results, texts)):
+        stats = {"request": i, "prompt_tokens": len(ids[i]), "new_tokens": len(r.tokens), "rounds": r.rounds,
+                 "tau": round(r.tau, 3), "tokens_per_s": round(r.tokens_per_s, 1)}
+        if args.json:
+            print(json.dumps({**stats, "completion": text}))
+        else:
+            print(f"=== request {i} ===\n{text}\n--- {json.dumps(stats)}")
+    if args.traces and res.traces is not None:
+        res.traces.save(Path(args.traces))
+    print(json.dumps({"mode": mode, "requests": len(res.results), "tau": round(res.tau, 3),
+                      "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
+                      "round_calls": res.round_calls}), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

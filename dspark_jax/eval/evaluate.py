@@ -1,0 +1,425 @@
+"""`python -m dspark_jax.eval`: judge drafters on prompt sets with real speculative decoding.
+
+For every prompt set and drafter: accepted length tau with a 95 % bootstrap interval
+(over requests), conditional acceptance per draft position (the paper's Figure 2
+metric), a static confidence-threshold sweep (share of verified tokens accepted, and
+tau) and calibration metrics. For drafters with a confidence head, STS is also fitted on
+half of each set's requests (full-gamma rounds of the same run, no extra generation) and
+ECE / Brier / ROC-AUC are reported before and after on the other half. Writes report.md,
+PNG plots and results.json.
+
+Prompt sets are jsonl files in the reference's `{"turns": [...]}` format (first turn) or
+`{"conversations": [...]}`; without --prompts, the embedded corpora's held-out code,
+math and prose prompts are used. The stdlib hold-out has only ~108 code functions, so the
+code set is filled up to --num-prompts from the installed numpy / jax / flax / optax
+sources (`dspark_jax.data.heldout_code`, unseen by the target and the drafters; their
+versions are recorded in results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class EvalError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------- metrics (pure)
+
+def bootstrap_tau(accepted: np.ndarray, rounds: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """tau = (sum accepted + sum rounds) / sum rounds over requests, and its 95 % percentile interval."""
+    accepted, rounds = np.asarray(accepted, float), np.asarray(rounds, float)
+    tau = (accepted.sum() + rounds.sum()) / max(rounds.sum(), 1.0)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(rounds), (n, len(rounds)))
+    a, r = accepted[idx].sum(1), rounds[idx].sum(1)
+    boot = (a + r) / np.maximum(r, 1.0)
+    return float(tau), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def conditional_acceptance(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
+    """[G]: position k = j+1: #(accepted >= k) / #(accepted >= k-1 and length >= k)."""
+    accepted, length = np.asarray(accepted), np.asarray(length)
+    out = np.full((G,), np.nan)
+    den = conditional_support(accepted, length, G)
+    for k in range(1, G + 1):
+        if den[k - 1]:
+            out[k - 1] = np.sum(accepted >= k) / den[k - 1]
+    return out
+
+
+def conditional_support(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
+    """[G] int: the denominators of `conditional_acceptance` (rounds that reached position k),
+    so plots can tell a measured rate from one resting on a handful of rounds."""
+    accepted, length = np.asarray(accepted), np.asarray(length)
+    return np.asarray([int(np.sum((accepted >= k - 1) & (length >= k))) for k in range(1, G + 1)], np.int64)
+
+
+def tau_by_group(accepted, rounds, groups, seed: int = 0) -> dict:
+    """{label: {"tau", "ci95", "prompts"}} over the requests of each group label (in first-seen order)."""
+    acc, rnd, g = np.asarray(accepted), np.asarray(rounds), np.asarray(groups)
+    if not (len(acc) == len(rnd) == len(g)):
+        raise ValueError(f"one group label per request needed: {len(g)} labels for {len(acc)} requests")
+    out = {}
+    for label in dict.fromkeys(g.tolist()):
+        m = g == label
+        t, lo, hi = bootstrap_tau(acc[m], rnd[m], seed=seed)
+        out[label] = {"tau": t, "ci95": [lo, hi], "prompts": int(m.sum())}
+    return out
+
+
+def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) -> list[dict]:
+    """Static thresholds on prefix survival, replayed exactly on full-gamma rounds: a round
+    verifying l drafts accepts min(k, l) of them when k were accepted at full gamma."""
+    from dspark_jax.calibration.sts import survival
+
+    a = survival(conf_logits, temps)
+    acc = np.asarray(accepted)
+    rows = []
+    for th in thresholds:
+        l = np.sum(np.cumprod(a >= th, axis=1), axis=1)
+        got = np.minimum(acc, l)
+        rows.append({"threshold": float(th), "verified_per_round": float(l.mean()),
+                     "accepted_share": float(got.sum() / max(l.sum(), 1)), "tau": float((got + 1).mean())})
+    return rows
+
+
+# ---------------------------------------------------------------------------- running
+
+def default_conversations(num: int, seed: int = 0) -> tuple[dict[str, list], dict[str, list[str]], dict]:
+    """The embedded held-out sets: ({set: conversations}, {set: source label per prompt}, {set: provenance}).
+
+    code = all stdlib held-out functions, then functions of installed dependencies up to ``num``."""
+    from dspark_jax.data import heldout_code
+    from dspark_jax.data.corpora import HELDOUT_MODULES, build_corpus
+
+    held = build_corpus("heldout", seed, n_code=num + 8, n_math=num + 8, n_prose=num + 8)
+    sets = {d: [c for c in held if _domain(c) == d][:num] for d in ("code", "math", "prose")}
+    groups = {d: ["stdlib_heldout"] * len(v) for d, v in sets.items()}
+    info = {d: {"stdlib_heldout": len(v), "heldout_modules": list(HELDOUT_MODULES)} for d, v in sets.items()}
+    info["math"] = {"synthetic_heldout": len(sets["math"])}
+    missing = num - len(sets["code"])
+    if missing > 0:
+        extra = heldout_code.code_conversations(missing, seed, exclude_prompts={c[0]["content"] for c in sets["code"]})
+        sets["code"] += extra
+        groups["code"] += ["dependencies"] * len(extra)
+        info["code"].update({"dependencies": len(extra), "dependency_packages": heldout_code.source_versions()})
+    return sets, groups, info
+
+
+def load_prompt_sets(paths, tokenizer, template, num: int, info: dict | None = None) -> dict[str, list[list[int]]]:
+    """{set name: prompt token ids}. ``info`` (optional, filled in place): per set its
+    provenance ("sources") and the source label of every kept prompt ("groups")."""
+    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.data.corpora import load_jsonl
+    from dspark_jax.data.regenerate import prompt_messages
+
+    sets, groups, prov = {}, {}, {}
+    if paths:
+        for p in paths:
+            path = Path(p)
+            if not path.is_file():
+                raise EvalError(f"prompt set '{p}' does not exist: pass a jsonl file of {{\"turns\": [...]}} lines")
+            convs = load_jsonl(path)
+            sets[path.stem] = convs[:num]
+            groups[path.stem] = [path.stem] * len(sets[path.stem])
+            prov[path.stem] = {"file": str(path), path.stem: len(sets[path.stem])}
+    else:
+        sets, groups, prov = default_conversations(num)
+    out = {}
+    for name, convs in sets.items():
+        ids = [render_prompt(tokenizer, prompt_messages(c), template) for c in convs]
+        keep = [i for i, x in enumerate(ids) if len(x) >= 2]
+        out[name] = [ids[i] for i in keep]
+        if info is not None:
+            info[name] = {"sources": prov[name], "groups": [groups[name][i] for i in keep]}
+    return out
+
+
+def _domain(conv) -> str:
+    user = conv[0]["content"]
+    if user.startswith(("Write the Python", "Complete this code")):
+        return "code"
+    if user.startswith("Explain"):
+        return "prose"
+    return "math"
+
+
+def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, holdout: float = 0.5,
+                     min_rounds: int = 50) -> dict:
+    """STS fitted on the full-gamma rounds of one half of the requests, ECE / Brier /
+    ROC-AUC per position before (T = 1) and after on the other half (calibrate.calibrate_traces).
+
+    Returns {"error": why} instead when there are too few full-gamma rounds."""
+    from dspark_jax.calibration.calibrate import calibrate_traces, split_by_request
+    from dspark_jax.calibration.sts import prefix_labels, survival
+    from dspark_jax.calibration.traces import TraceSet, from_engine
+
+    ts = traces if isinstance(traces, TraceSet) else from_engine(traces, drafter_kind=drafter_kind, sampling=sampling)
+    try:
+        fit = calibrate_traces(ts, holdout=holdout, seed=seed, min_rounds=min_rounds)
+    except ValueError as e:
+        return {"error": str(e)}
+    _, held = split_by_request(ts.full_gamma(), holdout, seed)  # the half the report is measured on
+    means = {f"mean_survival_{tag}": survival(held.conf_logits, t).mean(0).tolist()
+             for tag, t in (("before", None), ("after", fit["temperatures"]))}
+    means["prefix_rate"] = prefix_labels(held.accepted, ts.gamma).mean(0).tolist()
+    rep = fit["report"]
+    mean = lambda v: float(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
+    summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc") for tag in ("before", "after")}
+    return {"split": "by request", "holdout": holdout, "seed": seed, **summary, **means,
+            **{k: fit[k] for k in ("temperatures", "n_rounds", "n_fit", "n_heldout", "n_bins", "grid", "report")}}
+
+
+def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
+                     max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50,
+                     traces_path=None):
+    from dspark_jax.engine import Engine
+
+    G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
+    if max_prompt_len:
+        prompts = [p[-max_prompt_len:] for p in prompts]
+    S = max(len(p) for p in prompts) + max_new_tokens + G + 2
+    eng = Engine(target, drafter, num_slots=min(num_slots, len(prompts)), max_len=S)
+    res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids,
+                       traces=True)
+    acc = np.asarray([r.accepted for r in res.results])
+    rounds = np.asarray([r.rounds for r in res.results])
+    tau, lo, hi = bootstrap_tau(acc, rounds, seed=seed)
+    tr = res.traces.arrays()
+    out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
+           "conditional_acceptance": conditional_acceptance(tr["accepted"], tr["length"], G).tolist(),
+           "conditional_support": conditional_support(tr["accepted"], tr["length"], G).tolist(),
+           "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
+    if groups is not None and len(set(groups)) > 1:
+        out["by_source"] = tau_by_group(acc, rounds, groups, seed=seed)
+    has_conf = bool(getattr(drafter, "dcfg", None) and drafter.dcfg.confidence_head)
+    full = tr["full"]
+    if traces_path is not None or (has_conf and sts_split):
+        from dspark_jax.calibration.traces import from_engine, save_traces
+
+        ts = from_engine(res.traces, drafter_kind=drafter.dcfg.kind, sampling=sampling, source="engine (eval)")
+        if traces_path is not None:
+            out["traces"] = str(save_traces(traces_path, ts))
+        if has_conf and sts_split:
+            out["sts_split"] = sts_before_after(ts, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
+                                                min_rounds=sts_min_rounds)
+    if has_conf and full.any():
+        from dspark_jax.calibration.sts import calibration_report
+
+        out["threshold_sweep"] = threshold_sweep(tr["conf_logits"][full], tr["accepted"][full], temps)
+        rep = calibration_report(tr["conf_logits"][full], tr["accepted"][full], np.ones(G) if temps is None else temps)
+        out["calibration"] = json.loads(json.dumps(rep, default=lambda x: np.asarray(x).tolist()))
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+def _save(fig, out: Path, name: str, files: list[str]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    files.append(name)
+
+
+def write_plots(results: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    sets = list(results)
+    drafters = sorted({d for s in results.values() for d in s})
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(sets), 3.6))
+    w = 0.8 / max(len(drafters), 1)
+    for i, d in enumerate(drafters):
+        xs, ys, err = [], [], [[], []]
+        for j, s in enumerate(sets):
+            r = results[s].get(d)
+            if r:
+                xs.append(j + i * w)
+                ys.append(r["tau"])
+                err[0].append(r["tau"] - r["ci95"][0])
+                err[1].append(r["ci95"][1] - r["tau"])
+        ax.bar(xs, ys, w, yerr=err, capsize=3, label=d)
+    ax.set_xticks([j + w * (len(drafters) - 1) / 2 for j in range(len(sets))], sets)
+    ax.set_ylabel("accepted length tau (95 % CI)")
+    ax.legend(fontsize=8)
+    _save(fig, out, "tau.png", files)
+    fig, axes = plt.subplots(1, len(sets), figsize=(3.4 * len(sets), 3.2), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        for d in drafters:
+            r = results[s].get(d)
+            if r:
+                ca = r["conditional_acceptance"]
+                ax.plot(range(1, len(ca) + 1), ca, marker="o", label=d)
+        ax.set_title(s)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("conditional acceptance")
+    axes[0][-1].legend(fontsize=8)
+    _save(fig, out, "conditional_acceptance.png", files)
+    sweeps = [(s, d, results[s][d]["threshold_sweep"]) for s in sets for d in drafters
+              if results[s].get(d, {}).get("threshold_sweep")]
+    if sweeps:
+        fig, ax = plt.subplots(figsize=(4.4, 3.4))
+        for s, d, sw in sweeps:
+            ax.plot([r["threshold"] for r in sw], [r["accepted_share"] for r in sw], marker=".", label=f"{d} / {s}")
+        ax.set_xlabel("static confidence threshold")
+        ax.set_ylabel("share of verified tokens accepted")
+        ax.legend(fontsize=7)
+        _save(fig, out, "threshold_sweep.png", files)
+    return files
+
+
+def _tau_cell(r) -> str:
+    return f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] (n={r['prompts']})" if r else ""
+
+
+def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path:
+    from dspark_jax.calibration.calibrate import fmt, report_table
+
+    lines = ["# Drafter evaluation", "", f"Command: `{meta['command']}`", "",
+             f"Target: `{meta['target']}`; sampling: temperature {meta['temperature']}, top-k {meta['top_k']}, "
+             f"top-p {meta['top_p']}; {meta['max_new_tokens']} new tokens per prompt; seed {meta['seed']}.", "",
+             "## Accepted length tau (95 % bootstrap interval over requests)", ""]
+    drafters = sorted({d for s in results.values() for d in s})
+    lines.append("| set | " + " | ".join(drafters) + " |")
+    lines.append("|---|" + "---|" * len(drafters))
+    for s, row in results.items():
+        cells = [_tau_cell(row.get(d)) for d in drafters]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        labels = sorted({k for d in drafters for k in row.get(d, {}).get("by_source", {})})
+        for label in labels:
+            cells = [_tau_cell(row.get(d, {}).get("by_source", {}).get(label)) for d in drafters]
+            lines.append(f"| {s}: {label} | " + " | ".join(cells) + " |")
+    if meta.get("sets"):
+        lines += ["", "Prompt sources: " + "; ".join(f"{s}: {json.dumps(v)}" for s, v in meta["sets"].items())]
+    lines += ["", "## Conditional acceptance per draft position", ""]
+    for s, row in results.items():
+        for d, r in row.items():
+            ca = ", ".join("nan" if np.isnan(x) else f"{x:.3f}" for x in np.asarray(r["conditional_acceptance"], float))
+            lines.append(f"- {s} / {d}: {ca}")
+    sweeps = [(s, d, r["threshold_sweep"]) for s, row in results.items() for d, r in row.items() if "threshold_sweep" in r]
+    if sweeps:
+        lines += ["", "## Static threshold sweep (replayed on full-gamma rounds)", "",
+                  "| set / drafter | threshold | verified / round | accepted share | tau |", "|---|---|---|---|---|"]
+        for s, d, sw in sweeps:
+            for r in sw:
+                lines.append(f"| {s} / {d} | {r['threshold']:.1f} | {r['verified_per_round']:.2f} | "
+                             f"{r['accepted_share']:.3f} | {r['tau']:.3f} |")
+    splits = [(s, d, r["sts_split"]) for s, row in results.items() for d, r in row.items() if "sts_split" in r]
+    if splits:
+        lines += ["", "## STS before / after (fitted on half of the requests, measured on the other half)", ""]
+        for s, d, sp in splits:
+            if "error" in sp:
+                lines += [f"- {s} / {d}: not fitted ({sp['error']})"]
+                continue
+            lines += [f"{s} / {d}: {sp['n_fit']} fit / {sp['n_heldout']} held-out full-gamma rounds; mean over "
+                      f"positions: ECE {fmt(sp['ece_before_mean'], True)} -> {fmt(sp['ece_after_mean'], True)}, Brier "
+                      f"{fmt(sp['brier_before_mean'])} -> {fmt(sp['brier_after_mean'])}", ""]
+            none = [None] * len(sp["temperatures"])
+            extra = {h: sp.get(k, none) for h, k in (("mean a_j before", "mean_survival_before"),
+                                                      ("mean a_j after", "mean_survival_after"),
+                                                      ("realised prefix rate", "prefix_rate"))}
+            lines += [report_table(sp, extra), ""]
+    cals = [(s, d, r["calibration"]) for s, row in results.items() for d, r in row.items() if "calibration" in r]
+    if cals:
+        lines += ["", "## Calibration of the confidence head (raw or STS temperatures)", ""]
+        for s, d, c in cals:
+            lines.append(f"- {s} / {d}: `{json.dumps(c)[:600]}`")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]DIR",
+                    help="a trained drafter directory; repeat for several (NAME defaults to its kind)")
+    ap.add_argument("--prompts", nargs="*", default=None, help="prompt set jsonl files (default: embedded held-out code/math/prose)")
+    ap.add_argument("--num-prompts", type=int, default=200, help="prompts per set (default 200)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-len", type=int, default=None, help="keep only the last N prompt tokens")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sts-split", action=argparse.BooleanOptionalAction, default=True,
+                    help="fit STS on half of each set's requests, report calibration before/after on the other half "
+                         "(drafters with a confidence head; default on)")
+    ap.add_argument("--sts-min-rounds", type=int, default=50,
+                    help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
+    ap.add_argument("--traces-dir", default=None,
+                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax.calibrate)")
+    ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
+    args = ap.parse_args(argv)
+    from dspark_jax.calibration.calibrate import CalibrationMissingError, load_temperatures
+    from dspark_jax.drafter import registry
+    from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.engine.generate import load_models
+    from dspark_jax.decoding.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    try:
+        target, _, _ = load_models(args.target, None, "ar")
+        tok = target.require_tokenizer()
+        drafters = {}
+        for spec in args.drafter:
+            name, _, path = spec.rpartition("=")
+            d = registry.load(path, target.model)
+            try:  # stored STS temperatures for this sampling setting, if any
+                temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
+            except CalibrationMissingError:
+                temps = None
+            drafters[name or d.dcfg.kind] = (d, path, temps)
+        info: dict = {}
+        sets = load_prompt_sets(args.prompts, tok, target.chat_template, args.num_prompts, info=info)
+    except (TargetMismatchError, EvalError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for sname, prompts in sets.items():
+        results[sname] = {}
+        for dname, (d, path, temps) in drafters.items():
+            r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
+                                 max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
+                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds,
+                                 traces_path=Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None)
+            r["sts"] = temps is not None
+            results[sname][dname] = r
+            print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "
+                  f"over {r['prompts']} prompts")
+    meta = {"command": "python -m dspark_jax.eval " + " ".join(sys.argv[1:] if argv is None else argv),
+            "target": str(target.path), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "sets": {k: v["sources"] for k, v in info.items()},
+            "drafters": {n: {"path": str(path), **{k: getattr(d.dcfg, k, None) for k in
+                                                   ("kind", "gamma", "num_layers", "confidence_head")}}
+                         for n, (d, path, _) in drafters.items()}}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
+    plots = write_plots(results, out)
+    path = write_report(results, meta, out, plots)
+    print(f"[eval] report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from dspark_jax.engine.generate import main
+
+sys.exit(main())

@@ -1,7 +1,0 @@
-"""The frozen target LLM (Qwen3 / Llama-3 dense decoders) in Flax NNX."""
-
-from dspark_jax.model.config import ModelConfig, RopeConfig
-from dspark_jax.model.kv_cache import KVCache
-from dspark_jax.model.transformer import ForwardOut, TargetModel
-
-__all__ = ["ModelConfig", "RopeConfig", "KVCache", "TargetModel", "ForwardOut"]

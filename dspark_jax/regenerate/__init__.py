@@ -1,0 +1,1 @@
+"""`python -m dspark_jax.regenerate`: regenerate assistant turns with the target (the code lives in `dspark_jax.data.regenerate`)."""

@@ -1,0 +1,452 @@
+"""Serving simulation: many concurrent requests, round times from a cost table, acceptance from traces.
+
+    python -m dspark_jax.simulate --costs configs/costs/accelerator_synthetic.json --synthetic-traces \
+        --out-dir docs/figures/sim_accel
+    python -m dspark_jax.simulate --costs T.json --traces dspark.npz --dflash-traces dflash.npz \
+        --mtp-traces mtp.npz --drafter-dir ckpt/drafter --out-dir out/
+
+Model (steady state, every slot busy). At concurrency R each simulated request replays a
+recorded request's full-gamma rounds in order (starting at a random round, wrapping), so
+per-request difficulty persists as it does in real traffic; every ``--turnover`` rounds a
+slot moves on to a newly drawn request (churn). A round that verifies l draft
+tokens of a trace row with accepted count k (at full gamma) accepts ``min(k, l)`` drafts:
+exact under the prefix property of rejection sampling (the first l slots are accepted with
+the same coins whether or not later slots are verified). The scheduler sees the row's
+calibrated survival ``a = cumprod(sigmoid(z / T))`` (STS temperatures from the drafter's
+``sts.json``, else fitted on the traces). One round costs ``T_draft(kind, R) +
+T_verify(B)`` with ``B = sum_r (1 + l_r)``; ``--charge step`` (default) charges the bucket
+B rounds up to (what the static-shape engine runs), ``interp`` the exact-B cost (a ragged
+engine). Each round commits ``sum_r (min(k_r, l_r) + 1)`` tokens.
+
+Methods: target-only; MTP-1 (MTP traces, else a stated acceptance rate); fixed gamma
+(DFlash traces, DSpark traces); static threshold on the calibrated survival; DSpark with
+the early-stop (Algorithm 1), static-shape and production schedulers (the compiled JAX
+versions from ``dspark_jax.scheduler.prefix``, vmapped over rounds), optionally skipping the
+draft by the engine's rules: ``--skip known`` (default; ``Engine(skip_drafting="known")``):
+skip when the best case does not pay or when the survivals of the last round that drafted
+say no admission count beats target-only, drafting after ``--probe-every`` skipped rounds to
+refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no); ``--skip best_case`` (``scheduler.speculation_pays``) only the first part. ``--skip
+stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
+even when that round skipped drafting (so produced none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler.costs import draft_time_for, load_cost_file
+from dspark_jax.calibration.traces import TraceSet, load_traces, synthetic_traces
+
+__all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
+           "matched_throughput", "headline", "write_outputs", "main"]
+
+SCHEDULED = ("early_stop", "static", "production")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # ar | mtp1 | fixed | threshold | early_stop | static | production
+    traces: str | None = "dspark"  # which trace set supplies acceptance: dspark | dflash | mtp1 | None
+    gamma: int | None = None  # fixed-gamma length (default: the traces' gamma)
+    threshold: float = 0.5
+    skip: str = "none"  # none | known | best_case | stale (scheduled kinds only)
+
+
+def default_methods(threshold: float = 0.5, skip: str = "known", have_dflash: bool = True) -> list[Method]:
+    out = [Method("target-only", "ar", None), Method("MTP-1", "mtp1", "mtp1")]
+    if have_dflash:
+        out.append(Method("DFlash gamma=7", "fixed", "dflash", gamma=7))
+    out += [Method("DSpark gamma=7", "fixed", "dspark", gamma=7),
+            Method(f"DSpark threshold {threshold:g}", "threshold", "dspark", threshold=threshold),
+            Method("DSpark early-stop", "early_stop", "dspark", skip=skip),
+            Method("DSpark static-shape", "static", "dspark", skip=skip),
+            Method("DSpark production", "production", "dspark", skip=skip)]
+    return out
+
+
+@dataclass
+class SimResult:
+    method: str
+    concurrency: int
+    total_tps: float  # tokens / s, all requests
+    per_user_tps: float
+    budget: float  # mean verified tokens per request per round (1 + l)
+    tau: float  # mean committed tokens per request per round
+    skip_frac: float  # rounds without drafting
+    round_ms: float
+    rounds: dict = field(default_factory=dict, repr=False)  # per-round arrays when keep_rounds
+
+
+# ------------------------------------------------------------------ acceptance replay
+
+
+def replay_rows(ts: TraceSet, n_requests: int, n_rounds: int, rng, turnover: int | None = 64) -> np.ndarray:
+    """Row indices [n_rounds, n_requests] into ``ts``: each simulated slot replays one recorded
+    request's rounds in order from a random start (wrapping), and switches to a freshly drawn
+    request every ``turnover`` rounds (request churn; None = never)."""
+    order = np.lexsort((ts.round, ts.request))
+    req = ts.request[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(req)) + 1]
+    lens = np.diff(np.r_[starts, len(req)])
+    L = n_rounds if not turnover else int(turnover)
+    n_seg = -(-n_rounds // L)
+    g = rng.integers(0, len(starts), (n_seg, n_requests))
+    off = rng.integers(0, lens[g])
+    t = np.arange(n_rounds)[:, None]
+    seg = t[:, 0] // L
+    return order[starts[g[seg]] + (off[seg] + t) % lens[g[seg]]]
+
+
+# ------------------------------------------------------------------ compiled schedulers
+
+
+@lru_cache(maxsize=None)
+def _sched_fn(kind: str, mode: str):
+    import jax
+
+    if kind == "early_stop":
+        f = lambda a, s, act, tab, dk: scheduler.schedule_early_stop(a, act, tab, mode=mode, cost="interp")
+    elif kind == "static":
+        f = lambda a, s, act, tab, dk: scheduler.schedule_static(a, act, tab, mode=mode)[0]
+    elif kind == "production":
+        f = lambda a, s, act, tab, dk: scheduler.schedule_production(a, act, s, True, tab, dk, mode=mode, cost="step")[0]
+    else:
+        raise ValueError(kind)
+    return jax.jit(jax.vmap(f, in_axes=(0, 0, None, None, None)))
+
+
+def _pad_rows(x, R_pad):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, R_pad - x.shape[1])
+    return np.pad(x, pad)
+
+
+def _verify_cost(B, table_np, charge):
+    bk = np.asarray(table_np.buckets, np.float64)
+    tv = np.asarray(table_np.t_verify, np.float64)
+    B = np.asarray(B, np.float64)
+    if np.any(B > bk[-1]):
+        return np.where(B > bk[-1], np.inf, 0.0) + _verify_cost(np.minimum(B, bk[-1]), table_np, charge)
+    if charge == "step":
+        return tv[np.searchsorted(bk, B, side="left")]
+    return np.interp(B, bk, tv)
+
+
+def _stale_skip(a_stale, R, table_np, t_draft, charge, mode="latency"):
+    """Per round: True where, on the given survivals, no admission count K beats target-only
+    (the objective `mode` as in the engine: "latency" counts the draft time, "sps" does not)."""
+    flat = -np.sort(-a_stale.reshape(a_stale.shape[0], -1), axis=1)  # [T, R*G] descending
+    tau = R + np.concatenate([np.zeros((flat.shape[0], 1)), np.cumsum(flat, axis=1)], axis=1)
+    B = R + np.arange(flat.shape[1] + 1)
+    th = tau / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, charge))[None]
+    return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
+
+
+def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency"):
+    """The engine's "known" rule, round by round: skip unless the best case pays and either the
+    survivals of the last round that drafted say some admission count beats target-only, or
+    there are none yet, or `gap` rounds have passed since that round (a probe). After each
+    drafted round the gap resets to `probe_every` if its survivals say drafting pays, else it
+    doubles, up to `probe_max`."""
+    T = a.shape[0]
+    if not best_case_pays:
+        return np.ones(T, bool)
+    skip = np.zeros(T, bool)
+    known_pays, since, gap = None, 0, probe_every
+    for t in range(T):
+        skip[t] = known_pays is not None and not known_pays and since + 1 < gap
+        if skip[t]:
+            since += 1
+        else:
+            known_pays = not bool(_stale_skip(a[t][None], R, table_np, t_draft, charge, mode)[0])
+            since, gap = 0, probe_every if known_pays else min(2 * gap, probe_max)
+    return skip
+
+
+def _skip_rounds(rule, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every, probe_max):
+    """[T] bool: rounds in which a scheduled method does not draft, by `rule` (module doc)."""
+    T = a.shape[0]
+    if rule == "none":
+        return np.zeros(T, bool)
+    if rule == "stale":
+        return _stale_skip(a_stale, R, table_np, t_draft, charge, mode)
+    tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
+    best = scheduler.speculation_pays_np(R, tab, R * G, mode=mode, cost="interp")
+    if rule == "best_case":
+        return np.full(T, not best)
+    if rule == "known":
+        return _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max, mode)
+    raise ValueError(f"unknown skip rule {rule!r}")
+
+
+def _carried_stale(a_all, skip):
+    """The engine's stale input of round t: the survivals of the last round <= t - 2 that drafted.
+    a_all [T + 2, R, G] (the two leading rounds drafted); skip [T]."""
+    drafted = np.concatenate([[True, True], ~np.asarray(skip, bool)])
+    last = np.maximum.accumulate(np.where(drafted, np.arange(drafted.size), 0))
+    return a_all[last[: skip.shape[0]]]
+
+
+def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, n_rounds: int = 300, seed: int = 0,
+                    mtp_accept: float = 0.85, mode: str = "latency", charge: str = "step", R_pad: int | None = None,
+                    keep_rounds: bool = False, turnover: int | None = 64, probe_every: int = 8,
+                    probe_max: int = 64) -> SimResult:
+    """One method at concurrency R. ``traces``: {"dspark": TraceSet, "dflash": ..., "mtp1": ...}
+    (full-gamma rounds); ``temps``: STS temperatures for the DSpark traces."""
+    rng = np.random.default_rng([seed, R])
+    table_np = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
+    draft_kind = {"ar": "ar", "mtp1": "mtp1"}.get(method.kind, method.traces or "dspark")
+    t_draft = draft_time_for(cost, R, draft_kind)
+    T = n_rounds
+    if method.kind == "ar":
+        l = np.zeros((T, R), np.int64)
+        k = np.zeros((T, R), np.int64)
+    elif method.kind == "mtp1":
+        ts = traces.get("mtp1")
+        if ts is not None:
+            k = np.minimum(ts.accepted[replay_rows(ts, R, T, rng, turnover)], 1)
+        else:
+            k = (rng.random((T, R)) < mtp_accept).astype(np.int64)
+        l = np.ones((T, R), np.int64)
+    else:
+        ts = traces.get(method.traces)
+        if ts is None:
+            raise ValueError(f"method {method.name!r} needs {method.traces} traces")
+        G = ts.gamma
+        rows = replay_rows(ts, R, T + 2, rng, turnover)  # two extra leading rounds: the production scheduler's stale input
+        k_all = ts.accepted[rows]
+        z = ts.conf_logits[rows].astype(np.float64)
+        t = np.ones(G) if temps is None or method.traces != "dspark" else np.asarray(temps, np.float64)
+        a_all = np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=-1)  # [T+2, R, G]
+        a, a_stale, k = a_all[2:], a_all[:-2], k_all[2:]
+        if method.kind == "fixed":
+            l = np.full((T, R), G if method.gamma is None else min(method.gamma, G), np.int64)
+        elif method.kind == "threshold":
+            l = np.cumprod(a >= method.threshold, axis=-1).sum(-1)
+        elif method.kind in SCHEDULED:
+            import jax.numpy as jnp
+
+            skip = _skip_rounds(method.skip, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every,
+                                probe_max)
+            if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
+                a_stale = _carried_stale(a_all, skip)
+            Rp = max(R_pad or R, R)
+            tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft)
+            act = jnp.asarray(np.arange(Rp) < R)
+            dk = jnp.int32(R * G)
+            l = np.asarray(_sched_fn(method.kind, mode)(jnp.asarray(_pad_rows(a, Rp), jnp.float32),
+                                                         jnp.asarray(_pad_rows(a_stale, Rp), jnp.float32),
+                                                         act, tab, dk))[:, :R].astype(np.int64)
+        else:
+            raise ValueError(f"unknown method kind {method.kind!r}")
+    drafted = np.full(T, method.kind != "ar")
+    if method.kind in SCHEDULED:
+        drafted &= ~skip
+        l = np.where(skip[:, None], 0, l)
+    acc = np.minimum(k, l)
+    B = np.sum(1 + l, axis=1)
+    times = np.where(drafted, t_draft, 0.0) + _verify_cost(B, table_np, charge)
+    tokens = np.sum(acc + 1, axis=1)
+    total = float(tokens.sum() / times.sum()) if np.all(np.isfinite(times)) else float("nan")
+    res = SimResult(method.name, R, total, total / R, float(np.mean(1 + l)), float(np.mean(acc + 1)),
+                    float(1.0 - drafted.mean()), float(1e3 * times.mean()))
+    if keep_rounds:
+        res.rounds = {"lengths": l, "k": k, "accepted": acc, "B": B, "times": times, "tokens": tokens, "drafted": drafted}
+    return res
+
+
+def run_sweep(methods, concurrency, cost: dict, traces: dict, temps, **kw) -> list[SimResult]:
+    Rp = max(concurrency)
+    return [simulate_method(m, R, cost, traces, temps, R_pad=Rp, **kw) for m in methods for R in concurrency]
+
+
+# ------------------------------------------------------------------ comparisons
+
+
+def _curve(results, name):
+    pts = sorted((r.concurrency, r.total_tps, r.per_user_tps) for r in results if r.method == name)
+    return np.asarray([p[1] for p in pts]), np.asarray([p[2] for p in pts])
+
+
+def matched_throughput(results, method: str, baseline: str) -> list[dict]:
+    """For each baseline point, ``method``'s per-user speed at the same total throughput
+    (log-log interpolation along its concurrency curve; best crossing) and the ratio."""
+    tx, ux = _curve(results, method)
+    out = []
+    for R, tb, ub in sorted((r.concurrency, r.total_tps, r.per_user_tps) for r in results if r.method == baseline):
+        best = None
+        for i in range(len(tx) - 1):
+            lo, hi = sorted((tx[i], tx[i + 1]))
+            if lo <= tb <= hi and tx[i] != tx[i + 1]:
+                w = (np.log(tb) - np.log(tx[i])) / (np.log(tx[i + 1]) - np.log(tx[i]))
+                u = float(np.exp(np.log(ux[i]) + w * (np.log(ux[i + 1]) - np.log(ux[i]))))
+                best = u if best is None else max(best, u)
+        if best is not None:
+            out.append({"baseline_concurrency": R, "total_tps": float(tb), "baseline_per_user": float(ub),
+                        "per_user": best, "gain": best / ub - 1.0})
+    return out
+
+
+def headline(results, target_only: str = "target-only") -> dict:
+    """Throughput relative to target-only at every concurrency, and its minimum per method."""
+    base = {r.concurrency: r.total_tps for r in results if r.method == target_only}
+    rel: dict[str, dict[int, float]] = {}
+    for r in results:
+        rel.setdefault(r.method, {})[r.concurrency] = r.total_tps / base[r.concurrency]
+    R_max = max(base)
+    return {"relative_to_target_only": rel, "at_max_concurrency": {m: v[R_max] for m, v in rel.items()},
+            "min_over_concurrency": {m: min(v.values()) for m, v in rel.items()}, "max_concurrency": R_max}
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def write_outputs(results, out_dir, title: str = "") -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "sweep.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "concurrency", "total_tokens_per_s", "per_user_tokens_per_s", "verify_budget_tokens",
+                    "tau", "skip_frac", "round_ms"])
+        for r in results:
+            w.writerow([r.method, r.concurrency, f"{r.total_tps:.4g}", f"{r.per_user_tps:.4g}", f"{r.budget:.4g}",
+                        f"{r.tau:.4g}", f"{r.skip_frac:.3f}", f"{r.round_ms:.4g}"])
+    names = list(dict.fromkeys(r.method for r in results))
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for n in names:
+        pts = sorted((r.concurrency, r.total_tps, r.per_user_tps) for r in results if r.method == n)
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=n,
+                ls="--" if n in ("target-only", "MTP-1") else "-")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("total throughput (tokens/s)")
+    ax.set_ylabel("per-user speed (tokens/s)")
+    ax.set_title((title + "\n" if title else "") + "points: concurrency 1 (left) ... max (right)", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_per_user.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for n in names:
+        pts = sorted((r.concurrency, r.budget) for r in results if r.method == n)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (requests)")
+    ax.set_ylabel("verified tokens per request per round (1 + l)")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "budget_vs_concurrency.png", dpi=110)
+    plt.close(fig)
+    return {"csv": str(out / "sweep.csv"), "png": [str(out / "throughput_vs_per_user.png"),
+                                                   str(out / "budget_vs_concurrency.png")]}
+
+
+def _load_temps(args, ts: TraceSet):
+    if args.drafter_dir:
+        from dspark_jax.calibration.calibrate import load_temperatures
+
+        return np.asarray(load_temperatures(args.drafter_dir, ts.sampling, ts.gamma)), f"sts.json in {args.drafter_dir}"
+    if args.no_calibration:
+        return None, "none (T = 1)"
+    from dspark_jax.calibration.sts import fit_sts
+
+    full = ts.full_gamma()
+    return fit_sts(full.conf_logits, full.accepted), "fitted on the simulation's own traces"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--costs", required=True, help="cost table JSON (dspark_jax.scheduler.costs)")
+    ap.add_argument("--traces", default=None, help="DSpark trace file (.npz); the default acceptance source")
+    ap.add_argument("--dflash-traces", default=None)
+    ap.add_argument("--mtp-traces", default=None)
+    ap.add_argument("--synthetic-traces", action="store_true", help="parametric traces (traces.synthetic_traces)")
+    ap.add_argument("--mtp-accept", type=float, default=0.85,
+                    help="MTP-1 acceptance when no MTP traces (DeepSeek-V3 reports 85-90 %%)")
+    ap.add_argument("--drafter-dir", default=None, help="read STS temperatures from <dir>/sts.json")
+    ap.add_argument("--no-calibration", action="store_true")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--skip", default="known", choices=["none", "known", "best_case", "stale"],
+                    help="when the scheduled variants skip drafting (module doc); 'known' is the engine's default")
+    ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: first probe interval (rounds)")
+    ap.add_argument("--probe-max", type=int, default=64,
+                    help="'known' rule: the interval doubles up to this while probes say drafting does not pay")
+    ap.add_argument("--theta", default="latency", choices=["latency", "sps"])
+    ap.add_argument("--charge", default="step", choices=["step", "interp"])
+    ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args(argv)
+    cost = load_cost_file(args.costs)
+    if args.traces:
+        traces = {"dspark": load_traces(args.traces).full_gamma()}
+        for k, p in (("dflash", args.dflash_traces), ("mtp1", args.mtp_traces)):
+            if p:
+                traces[k] = load_traces(p).full_gamma()
+        source = f"real traces: {args.traces}" + "".join(f", {k}: {p}" for k, p in (
+            ("dflash", args.dflash_traces), ("mtp1", args.mtp_traces)) if p)
+    elif args.synthetic_traces:
+        traces = {k: synthetic_traces(256, 64, 7, kind=k, seed=args.seed + i)
+                  for i, k in enumerate(("dspark", "dflash", "mtp1"))}
+        source = "SYNTHETIC traces (traces.synthetic_traces presets: " + "; ".join(
+            f"{k}: tau {t.tau():.2f}" for k, t in traces.items()) + ")"
+    else:
+        ap.error("give --traces FILE (real) or --synthetic-traces")
+    temps, temps_src = _load_temps(args, traces["dspark"])
+    conc = [int(c) for c in args.concurrency.split(",")]
+    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
+    results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
+                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
+                        probe_every=args.probe_every, probe_max=args.probe_max)
+    files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
+    hl = headline(results)
+    matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
+    summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
+               "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
+               "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "probe_max", "theta", "charge", "turnover", "seed")},
+               "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
+    Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")
+    print(f"{'method':28s} " + " ".join(f"{'R=' + str(c):>9s}" for c in conc) + "   (total tokens/s)")
+    for m in methods:
+        row = {r.concurrency: r for r in results if r.method == m.name}
+        print(f"{m.name:28s} " + " ".join(f"{row[c].total_tps:9.0f}" for c in conc))
+    print("budget (1 + l) per request:")
+    for m in methods:
+        row = {r.concurrency: r for r in results if r.method == m.name}
+        print(f"{m.name:28s} " + " ".join(f"{row[c].budget:9.2f}" for c in conc))
+    print("throughput / target-only at max concurrency: " + ", ".join(
+        f"{m}: {v:.3f}" for m, v in hl["at_max_concurrency"].items()))
+    print("min over concurrency of throughput / target-only: " + ", ".join(
+        f"{m}: {v:.3f}" for m, v in hl["min_over_concurrency"].items()))
+    for name, pts in matched.items():
+        if pts:
+            print(f"{name} vs MTP-1 at matched total throughput: per-user gain " + ", ".join(
+                f"R_mtp={p['baseline_concurrency']}: {100 * p['gain']:+.0f} %" for p in pts))
+    print(f"wrote {files['csv']}, {', '.join(files['png'])}, summary.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from dspark_jax.scheduler.simulate import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""Pure building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.target.config import RopeConfig
+
+# A large finite negative, so a fully masked row gives a uniform (finite) softmax, not NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm in float32, cast back to the input dtype (as Hugging Face Qwen3/Llama do)."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * x32.astype(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
+    """Inverse frequencies, including Llama-3 frequency-dependent scaling."""
+    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if rope.type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_cos_sin(positions, inv_freq):
+    """positions [...] int -> cos, sin [..., head_dim] in float32 (halves repeated, HF layout)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """x [..., T, N, D]; cos/sin [..., T, D]. Rotate-half convention of Hugging Face."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[..., None, :] + rot * sin[..., None, :]
+    return out.astype(dtype)
+
+
+def swiglu(x, gate, up, down):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def attention(q, k, v, mask):
+    """Grouped-query attention.
+
+    q [B, T, Nq, D]; k, v [B, S, Nkv, D]; mask [B, T, S] bool (True = may attend).
+    Scores and softmax in float32; fully masked rows stay finite.
+    """
+    b, t, nq, d = q.shape
+    nkv = k.shape[2]
+    g = nq // nkv
+    qg = q.reshape(b, t, nkv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, nq, d)

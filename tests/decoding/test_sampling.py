@@ -1,0 +1,126 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample, sampling_probs
+from tests._reference import chi2_test, ref_sampling_probs
+
+_TRACES = {"n": 0}
+
+
+def _probs_fn(logits, params):
+    _TRACES["n"] += 1
+    return probs_from_params(logits, params)
+
+
+probs_jit = jax.jit(_probs_fn)
+sample_jit = jax.jit(sample)
+
+
+def _ref_rows(logits, t, k, p):
+    return np.stack([ref_sampling_probs(logits[i], t[i], k[i], p[i]) for i in range(len(logits))])
+
+
+def test_matches_reference_per_row_params_with_ties():
+    rng = np.random.default_rng(0)
+    V, N = 12, 256
+    # integer logits => many exact ties; a few huge gaps
+    logits = rng.integers(-3, 4, size=(N, V)).astype(np.float32)
+    t = rng.choice([0.0, -1.0, 0.3, 0.7, 1.0, 2.0], N).astype(np.float32)
+    k = rng.choice([0, -1, 1, 2, 3, 5, 11, 12, 20], N).astype(np.int32)
+    p = rng.choice([1.0, 1.5, 0.0, 0.1, 0.5, 0.8, 0.95], N).astype(np.float32)
+    got = np.asarray(probs_jit(jnp.asarray(logits), SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p))))
+    ref = _ref_rows(logits, t, k, p)
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    # scalar params and leading batch dims, traced: no retrace for new values
+    n0 = _TRACES["n"]
+    lg = jnp.asarray(logits.reshape(16, 16, V))
+    for (tt, kk, pp) in [(0.7, 20, 0.8), (1.3, 3, 0.6)]:
+        got = np.asarray(probs_jit(lg, SamplingParams(jnp.float32(tt), jnp.int32(kk), jnp.float32(pp))))
+        ref = _ref_rows(logits, [tt] * N, [kk] * N, [pp] * N).reshape(16, 16, V)
+        np.testing.assert_allclose(got, ref, atol=2e-6)
+    assert _TRACES["n"] - n0 <= 1
+
+
+def test_top_k_ties_keep_lower_index_and_top_p_boundaries():
+    lg = jnp.asarray([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    pr = np.asarray(sampling_probs(lg, 1.0, 2, 1.0))[0]
+    assert (pr > 0).tolist() == [False, True, True, False, False]
+    np.testing.assert_allclose(pr[1:3], [0.5, 0.5], atol=1e-6)
+    lg = jnp.log(jnp.asarray([[0.125, 0.5, 0.25, 0.125]]))
+    assert (np.asarray(sampling_probs(lg, 1.0, 0, 0.74))[0] > 0).tolist() == [False, True, True, False]
+    assert (np.asarray(sampling_probs(lg, 1.0, 0, 0.76))[0] > 0).tolist() == [True, True, True, False]
+    assert (np.asarray(sampling_probs(lg, 1.0, 0, 0.3))[0] > 0).tolist() == [False, True, False, False]
+    assert (np.asarray(sampling_probs(lg, 1.0, 0, 0.0))[0] > 0).tolist() == [False, True, False, False]
+    np.testing.assert_allclose(np.asarray(sampling_probs(lg, 1.0, 0, 1.0))[0], [0.125, 0.5, 0.25, 0.125], atol=1e-6)
+    # greedy: first index on ties, independent of top-k/top-p
+    g = np.asarray(sampling_probs(jnp.asarray([[0.0, 3.0, 3.0]]), 0.0, 1, 0.1))[0]
+    assert g.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_sample_exact_distribution_and_greedy_determinism():
+    V, N = 8, 200_000
+    probs = jnp.asarray(ref_sampling_probs(np.linspace(-1, 1.5, V) ** 2, 1.0, 6, 0.97), jnp.float32)
+    toks = np.asarray(sample_jit(jax.random.PRNGKey(1), jnp.broadcast_to(probs, (N, V))))
+    counts = np.bincount(toks, minlength=V)
+    _, _, pval = chi2_test(counts, np.asarray(probs))
+    assert pval > 1e-3
+    # a wrong sampler (uniform over the support) is rejected at this N
+    wrong = np.asarray(probs) > 0
+    _, _, pval_w = chi2_test(counts, wrong / wrong.sum())
+    assert pval_w < 1e-3
+    one_hot = jax.nn.one_hot(jnp.asarray([3, 0, 7]), V)
+    for s in range(5):
+        assert np.asarray(sample_jit(jax.random.PRNGKey(s), one_hot)).tolist() == [3, 0, 7]
+
+
+@pytest.mark.parametrize("k, p", [(0, 1.0), (3, 1.0), (20, 0.8), (64, 0.9), (65, 0.9), (0, 0.6), (300, 0.95)])
+def test_each_fast_path_matches_reference(k, p):
+    """Uniform settings take the no-sort, top_k (<= TOPK_CAP) or full-sort path; all equal the reference."""
+    from tests._reference import ref_sampling_probs
+
+    rng = np.random.default_rng(k)
+    logits = np.round(rng.normal(size=(32, 300)) * 2) / 2  # many exact ties
+    got = np.asarray(sampling_probs(jnp.asarray(logits, jnp.float32), 0.7, k, p))
+    want = np.stack([ref_sampling_probs(row, 0.7, k, p) for row in logits])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_batch_path_keeps_one_branch_under_per_row_vmap():
+    """Under a per-row vmap the path index is batched and `lax.switch` becomes a select over all
+    three paths (the full sort included); a batch-level `sampling_path` keeps a real switch with
+    the same probabilities."""
+    from dspark_jax.decoding.sampling import sampling_path
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 50)), jnp.float32)
+    t, k, p = jnp.asarray([1.0, 0.7, 1.0, 0.5]), jnp.asarray([0, 0, 0, 0]), jnp.asarray([1.0, 1.0, 1.0, 1.0])
+
+    def per_row(path):
+        return jax.vmap(lambda lg, t_, k_, p_: sampling_probs(lg, t_, k_, p_, path=path))
+
+    def batched_path(lg, t_, k_, p_):
+        return per_row(sampling_path(t_, k_, p_, lg.shape[-1]))(lg, t_, k_, p_)
+
+    assert "cond[" not in str(jax.make_jaxpr(per_row(None))(logits, t, k, p))  # the problem
+    assert "cond[" in str(jax.make_jaxpr(batched_path)(logits, t, k, p))
+    np.testing.assert_allclose(batched_path(logits, t, k, p), sampling_probs(logits, t, k, p), atol=1e-6)
+    assert int(sampling_path(t, k, p, 50)) == 0
+    assert int(sampling_path(t, jnp.asarray([0, 5, 0, 0]), p, 50)) == 2  # mixed rows: the path that serves all
+    assert int(sampling_path(t, jnp.asarray([3, 5, 7, 9]), p, 50)) == 1
+
+
+def test_engine_draft_keeps_one_sampling_branch():
+    from dspark_jax.engine import Engine
+    from dspark_jax.engine.drafts import draft
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
+    for kind in ("dspark", "mtp1"):
+        eng = Engine(target, tiny_drafter(kind, target, gamma=2), num_slots=2, max_len=16,
+                     **({"gamma": 1} if kind == "mtp1" else {}))
+        st = eng.init_state()
+        samp = eng.control().sampling
+        jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s.dcache, s.last, s.anchor, s.pos, s.keys, samp))(st)
+        assert "cond[" in str(jaxpr), kind

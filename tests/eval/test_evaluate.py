@@ -1,0 +1,163 @@
+"""The evaluation command: metrics against hand-computed values, the report, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax.eval.evaluate import (bootstrap_tau, conditional_acceptance, conditional_support, main, sts_before_after,
+                             tau_by_group, threshold_sweep)
+
+
+def test_conditional_acceptance_by_hand():
+    # rounds: (accepted, verified length)
+    acc = np.array([0, 1, 2, 2, 3])
+    length = np.array([3, 3, 3, 2, 3])
+    ca = conditional_acceptance(acc, length, 3)
+    # k=1: #(acc>=1)=4 / #(acc>=0 & l>=1)=5; k=2: #(acc>=2)=3 / #(acc>=1 & l>=2)=4;
+    # k=3: #(acc>=3)=1 / #(acc>=2 & l>=3)=2 (the round verified at length 2 cannot count)
+    np.testing.assert_allclose(ca, [0.8, 0.75, 0.5])
+    np.testing.assert_array_equal(conditional_support(acc, length, 3), [5, 4, 2])
+
+
+def test_tau_by_group_splits_requests():
+    acc, rounds = np.array([4, 0, 2, 0]), np.array([2, 2, 2, 2])
+    out = tau_by_group(acc, rounds, ["a", "b", "a", "b"])
+    assert list(out) == ["a", "b"]
+    assert out["a"]["tau"] == (6 + 4) / 4 and out["b"]["tau"] == 1.0 and out["a"]["prompts"] == 2
+    with pytest.raises(ValueError, match="one group label per request"):
+        tau_by_group(acc, rounds, ["a"])
+
+
+def _overconfident_traces(n_req=80, rounds=12, G=4, seed=0):
+    """Engine-style trace arrays whose confidence logits are 4x too sharp (STS should cool them)."""
+    rng = np.random.default_rng(seed)
+    logit = rng.normal(0.3, 1.2, (n_req * rounds, G))
+    c = 1 / (1 + np.exp(-logit))
+    ok = rng.random(c.shape) < c
+    acc = np.where(ok.all(1), G, np.argmin(ok, 1))
+    full = rng.random(len(acc)) < 0.9
+    return {"conf_logits": 4.0 * logit, "accepted": np.where(full, acc, np.minimum(acc, 2)),
+            "length": np.where(full, G, 2), "full": full, "request": np.repeat(np.arange(n_req), rounds),
+            "round": np.tile(np.arange(rounds), n_req)}
+
+
+def test_sts_before_after_measures_on_the_held_out_half():
+    from dspark_jax.calibration.calibrate import split_by_request
+    from dspark_jax.calibration.sts import calibration_report, fit_sts
+    from dspark_jax.calibration.traces import from_engine
+
+    tr = _overconfident_traces()
+    out = sts_before_after(tr, drafter_kind="dspark", sampling=(1.0, 0, 1.0), seed=3)
+    full = from_engine(tr, drafter_kind="dspark").full_gamma()
+    fit, held = split_by_request(full, 0.5, 3)
+    assert not set(fit.request) & set(held.request)  # split by request, not by round
+    assert (out["n_fit"], out["n_heldout"]) == (len(fit), len(held)) and out["n_rounds"] == int(tr["full"].sum())
+    temps = fit_sts(fit.conf_logits, fit.accepted)
+    np.testing.assert_allclose(out["temperatures"], temps)
+    on_held = calibration_report(held.conf_logits, held.accepted, temps)
+    on_fit = calibration_report(fit.conf_logits, fit.accepted, temps)
+    np.testing.assert_allclose(out["report"]["ece_after"], on_held["ece_after"])
+    assert not np.allclose(out["report"]["ece_after"], on_fit["ece_after"])  # really the other half
+    assert np.all(np.asarray(temps) > 1.5)  # over-sharp logits are cooled
+    assert out["ece_after_mean"] < 0.5 * out["ece_before_mean"]
+    assert out["ece_after_mean"] == pytest.approx(np.mean(on_held["ece_after"]))
+    np.testing.assert_allclose(out["prefix_rate"], (held.accepted[:, None] > np.arange(4)).mean(0))
+    from dspark_jax.calibration.sts import sigmoid
+
+    np.testing.assert_allclose(out["mean_survival_after"],
+                               np.cumprod(sigmoid(held.conf_logits / temps[None]), axis=1).mean(0), rtol=1e-6)
+
+
+def test_sts_before_after_too_few_rounds_says_why():
+    tr = {k: v[:30] for k, v in _overconfident_traces().items()}
+    out = sts_before_after(tr, drafter_kind="dspark", sampling=(1.0, 0, 1.0))
+    assert set(out) == {"error"} and "need >= 50" in out["error"]
+
+
+def test_threshold_sweep_replays_prefixes():
+    z = np.array([[10.0, 10.0, -10.0], [10.0, -10.0, 10.0]])  # survival ~ [1,1,0], [1,0,0]
+    acc = np.array([3, 1])
+    rows = {r["threshold"]: r for r in threshold_sweep(z, acc, thresholds=(0.0, 0.5))}
+    assert rows[0.0]["verified_per_round"] == 3 and rows[0.0]["tau"] == 3.0  # (3+1 + 1+1) / 2
+    # threshold 0.5 verifies 2 and 1 drafts, accepting min(3,2)=2 and min(1,1)=1: share 3/3, tau 2.5
+    assert rows[0.5]["verified_per_round"] == 1.5
+    assert rows[0.5]["accepted_share"] == 1.0 and rows[0.5]["tau"] == 2.5
+
+
+def test_bootstrap_tau_interval_contains_estimate_and_shrinks():
+    rng = np.random.default_rng(0)
+    rounds = rng.integers(5, 20, 400)
+    acc = rng.binomial(rounds * 3, 0.5)
+    tau, lo, hi = bootstrap_tau(acc, rounds)
+    assert lo < tau < hi
+    _, lo2, hi2 = bootstrap_tau(acc[:40], rounds[:40])
+    assert hi2 - lo2 > hi - lo
+
+
+def test_report_end_to_end(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", f"mine={tiny_dspark_drafter_dir}", "--num-prompts", "6",
+               "--max-new-tokens", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert set(res) == {"code", "math", "prose"}
+    r = res["math"]["mine"]
+    assert 1.0 <= r["tau"] <= 5.0 and r["ci95"][0] <= r["tau"] <= r["ci95"][1]
+    assert len(r["conditional_acceptance"]) == 4 and "threshold_sweep" in r
+    assert len(r["conditional_support"]) == 4 and r["conditional_support"][0] >= r["conditional_support"][-1]
+    sp = r["sts_split"]  # fitted on half of the requests, or the reason it could not be
+    if "error" in sp:
+        assert "full gamma" in sp["error"]
+    else:
+        assert sp["n_fit"] + sp["n_heldout"] == sp["n_rounds"] and len(sp["report"]["ece_after"]) == 4
+    assert "STS before / after" in (tmp_path / "report.md").read_text()
+    meta = json.loads((tmp_path / "results.json").read_text())["meta"]
+    assert meta["drafters"]["mine"]["kind"] == "dspark" and meta["drafters"]["mine"]["gamma"] == 4
+    assert meta["sets"]["code"]["stdlib_heldout"] == 6
+    assert (tmp_path / "report.md").read_text().startswith("# Drafter evaluation")
+    assert (tmp_path / "tau.png").stat().st_size > 1000
+
+
+def test_bad_prompts_file_names_the_line(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"turns": ["hi"]}\n{"turn": ["oops"]}\n')
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir), "--prompts", str(bad),
+               "--out", str(tmp_path / "o")])
+    assert rc == 2 and ":2:" in capsys.readouterr().err
+    notjson = tmp_path / "q.jsonl"
+    notjson.write_text("turns: [a]\n")
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir), "--prompts", str(notjson),
+               "--out", str(tmp_path / "o")])
+    assert rc == 2 and ":1:" in capsys.readouterr().err
+
+
+def test_missing_prompt_set(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path, capsys):
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir), "--prompts",
+               str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_drafter_for_another_target(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path, capsys):
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir), "--drafter",
+               str(_foreign_drafter(tmp_path)), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "different target" in err
+
+
+def _foreign_drafter(tmp_path):
+    """A drafter saved for a random micro target (another vocabulary and fingerprint)."""
+    from flax import nnx
+
+    from dspark_jax.config import from_cli
+    from dspark_jax.drafter import registry
+    from dspark_jax.drafter.frozen import attach_target
+    from dspark_jax.target import TargetModel
+    from dspark_jax.parallel.sharding import create_model
+
+    cfg = from_cli(["micro"])
+    t = create_model(lambda: TargetModel(cfg.target.model, rngs=nnx.Rngs(0)))
+    d = create_model(lambda: registry.build(cfg.target.model, cfg.drafter, rngs=nnx.Rngs(1)))
+    attach_target(d, t)
+    out = tmp_path / "foreign"
+    registry.save(d, out)
+    return out

@@ -1,0 +1,140 @@
+"""Hugging Face import: parity with transformers, and one clear error per bad input."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import load_target
+from dspark_jax.io.hf import NotACheckpointError, save_target
+from dspark_jax.io.keymap import CheckpointMismatchError
+from dspark_jax.target.config import UnsupportedModelError
+from dspark_jax.io.safetensors_io import CorruptCheckpointError
+
+
+def _hf_forward(model, ids):
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids), output_hidden_states=True)
+    return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
+
+
+@pytest.mark.parametrize("name", ["qwen3_f32", "llama_f32"])
+def test_float32_parity_with_transformers(hf_checkpoints, name):
+    path, hf_model = hf_checkpoints[name]
+    t = load_target(path)
+    assert t.cfg.arch == ("qwen3" if name.startswith("qwen") else "llama")
+    ids = np.random.default_rng(1).integers(0, 160, (2, 40))
+    ref_logits, ref_hidden = _hf_forward(hf_model, ids)
+    out = t.model(jnp.asarray(ids), feature_layers=(0, 1, 2))
+    np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-4, rtol=0)
+    for s, i in enumerate((0, 1, 2)):  # layer id i = HF hidden_states[i + 1]
+        np.testing.assert_allclose(np.asarray(out.features[:, :, s]), ref_hidden[i + 1], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint(hf_checkpoints):
+    path, hf_model = hf_checkpoints["qwen3_bf16"]
+    t = load_target(path, dtype="bfloat16")
+    assert t.model.embed[...].dtype == jnp.bfloat16
+    ids = np.random.default_rng(2).integers(0, 160, (1, 24))
+    ref_logits, _ = _hf_forward(hf_model, ids)
+    out = t.model(jnp.asarray(ids))
+    # bf16 arithmetic differs in rounding order; the argmax and the bulk must agree
+    got = np.asarray(out.logits)
+    assert np.mean(np.abs(got - ref_logits)) < 0.05
+    assert np.mean(got.argmax(-1) == ref_logits.argmax(-1)) > 0.9
+    # the same weights loaded as float32 stay close to the bf16 reference
+    t32 = load_target(path, dtype="float32")
+    np.testing.assert_allclose(t32.model.embed[...], np.asarray(t.model.embed[...], np.float32))
+
+
+def test_save_then_load_roundtrip(hf_checkpoints, tmp_path):
+    path, _ = hf_checkpoints["qwen3_f32"]
+    t = load_target(path)
+    save_target(t.model, tmp_path / "out")
+    t2 = load_target(tmp_path / "out")
+    ids = jnp.arange(12)[None]
+    np.testing.assert_array_equal(np.asarray(t.model(ids).logits), np.asarray(t2.model(ids).logits))
+
+
+def test_sharded_checkpoint_with_index(hf_checkpoints, tmp_path):
+    path, hf_model = hf_checkpoints["qwen3_f32"]
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a = load_target(path).model(jnp.arange(8)[None]).logits
+    b = load_target(tmp_path / "sharded").model(jnp.arange(8)[None]).logits
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- bad input -------------------------------------------------------------------
+
+def test_not_a_checkpoint_dir(tmp_path):
+    with pytest.raises(NotACheckpointError, match="has no config.json"):
+        load_target(tmp_path)
+    with pytest.raises(NotACheckpointError, match="is not a directory"):
+        load_target(tmp_path / "nope")
+
+
+def test_moe_architecture_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'Qwen3MoeForCausalLM'"):
+        load_target(tmp_path)
+
+
+def test_dtype_typo(hf_checkpoints):
+    with pytest.raises(ValueError, match="unknown dtype 'bfloat61'; choose one of: float32, bfloat16"):
+        load_target(hf_checkpoints["qwen3_f32"][0], dtype="bfloat61")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors(hf_checkpoints, tmp_path):
+    d = _copy(hf_checkpoints["qwen3_f32"][0], tmp_path / "c")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt safetensors"):
+        load_target(d)
+    f.write_bytes(b"\x05")
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt"):
+        load_target(d)
+
+
+def test_missing_unexpected_and_misshaped_keys_listed_together(hf_checkpoints, tmp_path):
+    from dspark_jax.io import safetensors_io
+
+    d = _copy(hf_checkpoints["qwen3_f32"][0], tmp_path / "c")
+    tensors = dict(safetensors_io.load_file(d / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.extra.weight"] = np.zeros(3, np.float32)
+    tensors["model.norm.weight"] = np.zeros(7, np.float32)
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    safetensors_io.save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointMismatchError) as e:
+        load_target(d)
+    msg = str(e.value)
+    assert "missing keys (1): model.layers.1.mlp.up_proj.weight" in msg
+    assert "unexpected keys (1): model.layers.0.extra.weight" in msg
+    assert "model.norm.weight: shape (7,), expected (64,)" in msg
+
+
+def test_tokenizer_required_message(hf_checkpoints):
+    t = load_target(hf_checkpoints["qwen3_f32"][0])
+    assert t.tokenizer is None
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json, and this command needs a tokenizer"):
+        t.require_tokenizer()
+
+
+def test_pickle_weights_never_loaded(tmp_path, hf_checkpoints):
+    d = tmp_path / "c"
+    d.mkdir()
+    shutil.copy(hf_checkpoints["qwen3_f32"][0] / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(NotACheckpointError, match="pickled weights are never loaded"):
+        load_target(d)

@@ -1,0 +1,179 @@
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax.scheduler.costs import (MEASURED_ON, CostTableError, MeasureError, bucket_plan, draft_time_at, draft_time_for,
+                              load_cost_file, load_cost_table, measure_engine, measure_table, roofline_table,
+                              save_cost_file, time_call, verify_gamma_policy)
+
+BK = [4, 8, 16]
+
+
+def _save(tmp_path, **over):
+    kw = dict(backend="cpu", device_kind="cpu", provenance="test")
+    kw.update(over)
+    tv = kw.pop("t_verify", [1e-3, 1.5e-3, 3e-3])
+    td = kw.pop("t_draft", 5e-4)
+    bk = kw.pop("buckets", BK)
+    return save_cost_file(tmp_path / "c.json", bk, tv, td, **kw)
+
+
+def test_round_trip_and_expectations(tmp_path):
+    p = _save(tmp_path)
+    t = load_cost_table(p, expect_backend="cpu", expect_buckets=[16, 8, 4])
+    np.testing.assert_array_equal(np.asarray(t.buckets), BK)
+    np.testing.assert_allclose(np.asarray(t.t_verify), [1e-3, 1.5e-3, 3e-3], rtol=1e-6)
+    assert float(t.t_draft) == pytest.approx(5e-4)
+    tn = load_cost_table(p, as_numpy=True)
+    assert isinstance(tn.buckets, np.ndarray)
+
+
+def test_other_backend_or_buckets_rejected(tmp_path):
+    p = _save(tmp_path, backend="tpu", device_kind="TPU v5 lite")
+    with pytest.raises(CostTableError, match=r"measured on backend 'tpu' \(TPU v5 lite\), this run is on 'cpu'"):
+        load_cost_table(p, expect_backend="cpu")
+    with pytest.raises(CostTableError, match=r"buckets \[4, 8, 16\], the engine compiles \[4, 8, 32\]"):
+        load_cost_table(p, expect_buckets=[4, 8, 32])
+    load_cost_table(p)  # fine for simulation when nothing is expected
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("t_verify", [1e-3, 0.0, 3e-3], "t_verify has non-positive"),
+    ("t_verify", [1e-3, -2e-3, 3e-3], "t_verify has non-positive"),
+    ("t_verify", [1e-3, float("nan"), 3e-3], "non-finite"),
+    ("t_draft", -1e-3, "t_draft has non-positive"),
+    ("buckets", [4, 4, 16], "strictly increasing"),
+])
+def test_bad_times_and_buckets(tmp_path, field, value, msg):
+    with pytest.raises(CostTableError, match=msg):
+        _save(tmp_path, **{field: value})  # refused on save
+    good = json.loads(_save(tmp_path).read_text())
+    good[field] = value
+    (tmp_path / "bad.json").write_text(json.dumps(good))
+    with pytest.raises(CostTableError, match=msg):  # and on load (hand-edited files)
+        load_cost_table(tmp_path / "bad.json")
+
+
+def test_not_a_table(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"buckets": BK}))
+    with pytest.raises(CostTableError, match="not a cost table"):
+        load_cost_file(tmp_path / "x.json")
+    with pytest.raises(CostTableError, match="does not exist"):
+        load_cost_file(tmp_path / "missing.json")
+
+
+def test_measure_table_pairs_draft_and_round():
+    calls = []
+    # per bucket window: 1 warm-up + 2 paired draft samples; bucket 8's window runs under extra load (+1 ms)
+    draft = iter([2e-3, 2e-3, 2.5e-3] + [3e-3, 3e-3, 3e-3] + [2e-3, 2e-3, 2e-3])
+
+    def round_fn(b):
+        calls.append(b)
+        return 2e-3 + 1e-4 * b + (1e-3 if b == 8 else 0.0)
+
+    res = measure_table(round_fn, [16, 4, 8], lambda: next(draft), repeats=2, warmup=1, stat="min")
+    assert calls == [4] * 3 + [8] * 3 + [16] * 3 and res["buckets"] == [4, 8, 16] and res["clipped"] == []
+    np.testing.assert_allclose(res["t_verify"], [4e-4, 8e-4, 16e-4])  # the window's own draft is subtracted
+    np.testing.assert_allclose(res["t_round"], [2.4e-3, 3.8e-3, 3.6e-3])
+    np.testing.assert_allclose(res["t_draft_paired"], [2e-3, 3e-3, 2e-3])
+    assert res["t_draft"] == pytest.approx(2e-3)
+    n = []
+    assert time_call(lambda: n.append(1), repeats=3, warmup=2) >= 0 and len(n) == 5
+
+
+def test_measure_table_clips_noise_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="bucket 8: round .* <= draft .* clipped"):
+        res = measure_table(lambda b: {4: 3e-3, 8: 1.9e-3}[b], [4, 8], lambda: 2e-3, floor=1e-6)
+    assert res["clipped"] == [8]
+    np.testing.assert_allclose(res["t_verify"], [1e-3, 1e-6])
+
+
+def test_bucket_plan_lands_in_each_bucket():
+    R, G = 4, 3
+    bk = [1, 2, 3, 4, 8, 12, 16]
+    plan = bucket_plan(bk, R, G)
+    lo = 0
+    for b in bk:
+        k, g = plan[b]
+        assert 1 <= k <= R and 0 <= g <= G and lo < k * (1 + g) <= b
+        lo = b
+    assert plan[16] == (4, 3) and plan[8] == (4, 1)  # fullest count, then most slots
+    with pytest.raises(MeasureError, match=r"bucket\(s\) \[5, 32\] on an engine with num_slots 4 and gamma 3"
+                                           r".*--buckets"):
+        bucket_plan([4, 5, 16, 32], R, G)  # 5: no k * (1 + g) in (4, 5]; 32: above R * (G + 1) = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from dspark_jax.engine import Engine
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config())
+    drafter = tiny_drafter("dspark", target, gamma=2)
+    return Engine(target, drafter, num_slots=2, max_len=16, buckets=[1, 2, 3, 4, 6], policy=verify_gamma_policy)
+
+
+@pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")  # timing noise, not under test here
+def test_measure_engine_times_each_bucket_on_the_round(tiny_engine):
+    res = measure_engine(tiny_engine, repeats=2, warmup=1)
+    assert res["buckets"] == [1, 2, 3, 4, 6]
+    assert len(res["t_verify"]) == 5 and all(t > 0 for t in res["t_verify"]) and res["t_draft"] > 0
+    for i, b in enumerate(res["buckets"]):  # every timed round (warm-up included) ran in its own bucket
+        assert res["buckets_used"][b] == [i] * 3
+    assert [(p["active_slots"], p["verify_len"]) for p in res["plan"]] == [(1, 0), (2, 0), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")
+def test_measure_engine_refuses_a_round_in_another_bucket(tiny_engine):
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import Engine
+
+    def never_verify(a, active, ctl, a_stale, stale_valid):  # ignores ctl.gamma: every round packs 1 token / slot
+        return jnp.zeros(active.shape, jnp.int32)
+
+    eng = Engine(tiny_engine.target, tiny_engine.drafter, num_slots=2, max_len=16, buckets=[2, 6], policy=never_verify)
+    with pytest.raises(MeasureError, match=r"bucket 6 .* ran in bucket 2: the engine's policy "
+                                           r"'never_verify'.*policy=dspark_jax.scheduler.costs.verify_gamma_policy"):
+        measure_engine(eng, repeats=1, warmup=1)
+
+
+def test_accelerator_shape_and_draft_curves(tmp_path):
+    d = roofline_table()
+    p = tmp_path / "a.json"
+    p.write_text(json.dumps(d))
+    d = load_cost_file(p)
+    b, t = np.asarray(d["buckets"]), np.asarray(d["t_verify"])
+    assert np.all(np.diff(t) >= 0)
+    assert t[b == 32][0] / t[0] < 1.01  # flat at small batches (weight-read bound)
+    assert t[-1] / t[b == 256][0] > 6.0  # then rising ~linearly (compute bound)
+    assert draft_time_at(d, 1) < draft_time_at(d, 256)
+    assert draft_time_for(d, 256, "mtp1") < draft_time_for(d, 256, "dspark")
+    assert draft_time_for(d, 7, "ar") == 0.0
+    plain = json.loads(_save(tmp_path).read_text())
+    assert draft_time_for(plain, 64, "mtp1") == pytest.approx(0.5 * plain["t_draft"])
+
+
+def test_shipped_accelerator_table_is_the_documented_model():
+    from pathlib import Path
+
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "configs/costs/accelerator_synthetic.json").read_text())
+    ref = roofline_table()
+    assert shipped["buckets"] == ref["buckets"] and "SYNTHETIC" in shipped["provenance"]
+    np.testing.assert_allclose(shipped["t_verify"], ref["t_verify"], rtol=1e-9)
+
+
+def test_measure_cli_on_the_engine(tmp_path):
+    """End to end, target-only (G = 0: rounds of k slots x 1 token, no draft): JSON from the compiled round."""
+    import jax
+
+    from dspark_jax.scheduler.costs import main
+
+    out = tmp_path / "m.json"
+    assert main(["measure", "--model", "tiny", "--drafter", "none", "--num-slots", "2", "--max-len", "16",
+                 "--buckets", "1,2", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+    d = load_cost_file(out, expect_backend=jax.default_backend(), expect_buckets=[1, 2])
+    assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 0 and d["t_draft"] == 0
+    assert d["measured_on"] == MEASURED_ON and [p["active_slots"] for p in d["plan"]] == [1, 2]
+    assert d["device_kind"] == jax.devices()[0].device_kind

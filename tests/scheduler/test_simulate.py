@@ -1,0 +1,163 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_jax.calibration.sts import fit_sts
+from dspark_jax.scheduler.costs import load_cost_file, roofline_table
+from dspark_jax.scheduler.simulate import (Method, SimResult, default_methods, headline, matched_throughput, replay_rows,
+                                 run_sweep, simulate_method)
+from dspark_jax.calibration.traces import TraceSet, synthetic_traces
+
+G = 7
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def synth():
+    tr = {k: synthetic_traces(64, 32, G, kind=k, seed=i) for i, k in enumerate(("dspark", "dflash", "mtp1"))}
+    d = tr["dspark"]
+    return tr, fit_sts(d.conf_logits, d.accepted)
+
+
+@pytest.fixture(scope="module")
+def accel():
+    return load_cost_file(ROOT / "configs/costs/accelerator_synthetic.json")
+
+
+def flat_cost(t=1e-2, top=2048):
+    return {"buckets": [1, top], "t_verify": [t, t], "t_draft": 1e-3}
+
+
+def test_replay_rows_walks_one_request_in_order():
+    ts = synthetic_traces(5, 9, 3, seed=0)
+    perm = np.random.default_rng(0).permutation(len(ts))
+    ts = ts.select(perm)  # storage order must not matter
+    rows = replay_rows(ts, 4, 20, np.random.default_rng(1), turnover=None)
+    for c in range(4):
+        assert len(set(ts.request[rows[:, c]])) == 1
+        assert np.all(np.diff(ts.round[rows[:, c]]) % 9 == 1)  # consecutive rounds, wrapping
+    rows = replay_rows(ts, 64, 20, np.random.default_rng(1), turnover=5)
+    for seg in range(4):  # churn: a new request every 5 rounds, walked in order
+        blk = rows[5 * seg: 5 * seg + 5]
+        assert all(len(set(ts.request[blk[:, c]])) == 1 for c in range(64))
+        assert np.all(np.diff(ts.round[blk], axis=0) % 9 == 1)
+    assert np.mean(ts.request[rows[0]] != ts.request[rows[5]]) > 0.5
+
+
+def test_target_only_one_token_per_round(synth, accel):
+    tr, temps = synth
+    r = simulate_method(Method("ar", "ar", None), 16, accel, tr, temps, n_rounds=10, keep_rounds=True)
+    assert np.all(r.rounds["tokens"] == 16) and np.all(r.rounds["lengths"] == 0) and r.tau == 1.0
+    t16 = np.interp(16, accel["buckets"], accel["t_verify"])
+    assert r.per_user_tps == pytest.approx(1.0 / t16) and r.budget == 1.0
+
+
+def test_accepts_min_k_l_and_fixed_lengths(synth, accel):
+    tr, temps = synth
+    for m in (Method("f3", "fixed", "dspark", gamma=3), Method("th", "threshold", "dspark", threshold=0.6)):
+        r = simulate_method(m, 8, accel, tr, temps, n_rounds=20, keep_rounds=True)
+        ro = r.rounds
+        np.testing.assert_array_equal(ro["accepted"], np.minimum(ro["k"], ro["lengths"]))
+        np.testing.assert_array_equal(ro["tokens"], (ro["accepted"] + 1).sum(1))
+        np.testing.assert_array_equal(ro["B"], (1 + ro["lengths"]).sum(1))
+    assert np.all(simulate_method(Method("f3", "fixed", "dspark", gamma=3), 8, accel, tr, temps, n_rounds=5,
+                                  keep_rounds=True).rounds["lengths"] == 3)
+
+
+@pytest.mark.parametrize("kind", ["early_stop", "static", "production"])
+def test_schedulers_respect_buckets_and_prefixes(synth, kind):
+    tr, temps = synth
+    cost = {"buckets": [4, 8, 12, 16, 20], "t_verify": [1e-3, 1.3e-3, 1.9e-3, 2.6e-3, 3.4e-3], "t_draft": 2e-4}
+    r = simulate_method(Method(kind, kind, "dspark"), 4, cost, tr, temps, n_rounds=40, keep_rounds=True, R_pad=8)
+    ro = r.rounds
+    assert np.all(ro["B"] <= 20) and np.all((ro["lengths"] >= 0) & (ro["lengths"] <= G))
+    assert ro["lengths"].std() > 0  # it actually adapts per request / round
+    if kind == "static":  # never exceeds the bucket it rounds up to, and fills it when candidates remain
+        bk = np.asarray(cost["buckets"])
+        assert np.all(ro["B"] <= bk[np.searchsorted(bk, ro["B"])])
+
+
+def test_flat_table_perfect_acceptance_longer_is_never_worse():
+    n = 4 * 8
+    perfect = TraceSet(np.full((n, G), 8.0), np.full(n, G), np.full(n, G), np.ones(n, bool),
+                       np.arange(n) // 8, np.arange(n) % 8, meta={"drafter_kind": "dspark"})
+    tr = {"dspark": perfect}
+    cost = flat_cost()
+    tps = [simulate_method(Method(f"g{g}", "fixed", "dspark", gamma=g), 8, cost, tr, None, n_rounds=5).total_tps
+           for g in range(G + 1)]
+    assert np.all(np.diff(tps) > 0)
+    for kind in ("early_stop", "static", "production"):
+        r = simulate_method(Method(kind, kind, "dspark", skip="stale"), 8, cost, tr, None, n_rounds=5)
+        assert r.budget == G + 1 and r.total_tps == pytest.approx(tps[-1])
+
+
+def test_headline_on_accelerator_table(synth, accel):
+    tr, temps = synth
+    methods = [m for m in default_methods() if m.kind != "threshold"]
+    res = run_sweep(methods, [1, 64, 256], accel, tr, temps, n_rounds=40, seed=0)
+    hl = headline(res)
+    at = hl["at_max_concurrency"]
+    for name in ("DSpark early-stop", "DSpark static-shape", "DSpark production"):
+        assert hl["min_over_concurrency"][name] >= 1.0 - 1e-9, hl  # never below target-only
+    assert at["DSpark gamma=7"] < 0.8 and at["DFlash gamma=7"] < 0.8  # fixed gamma 7 collapses
+    low = {r.method: r.per_user_tps for r in res if r.concurrency == 1}
+    assert low["DSpark production"] > 1.5 * low["MTP-1"] > 1.5 * low["target-only"]
+    budget = {r.concurrency: r.budget for r in res if r.method == "DSpark production"}
+    assert budget[1] > budget[64] > budget[256] == 1.0  # the budget falls as concurrency grows
+
+
+def test_matched_throughput_interpolates():
+    res = [SimResult("A", 1, 100.0, 100.0, 1, 1, 0, 1), SimResult("A", 4, 400.0, 100.0, 1, 1, 0, 1),
+           SimResult("B", 1, 50.0, 50.0, 2, 2, 0, 1), SimResult("B", 4, 200.0, 50.0, 2, 2, 0, 1),
+           SimResult("B", 16, 800.0, 50.0, 2, 2, 0, 1)]
+    m = matched_throughput(res, "A", "B")
+    assert [p["baseline_concurrency"] for p in m] == [4]  # only B's point inside A's range
+    assert m[0]["per_user"] == pytest.approx(100.0) and m[0]["gain"] == pytest.approx(1.0)
+
+
+def test_cli_synthetic(tmp_path):
+    from dspark_jax.scheduler.simulate import main
+
+    cost = tmp_path / "c.json"
+    cost.write_text(json.dumps(roofline_table()))
+    assert main(["--costs", str(cost), "--synthetic-traces", "--concurrency", "1,256", "--rounds", "8",
+                 "--out-dir", str(tmp_path / "o")]) == 0
+    s = json.loads((tmp_path / "o/summary.json").read_text())
+    assert "SYNTHETIC" in s["traces"] and s["concurrency"] == [1, 256]
+    for f in ("sweep.csv", "throughput_vs_per_user.png", "budget_vs_concurrency.png"):
+        assert (tmp_path / "o" / f).stat().st_size > 0
+
+
+def test_known_skip_probes_and_matches_the_engine_rule():
+    """The simulator's "known" rule is the engine's: the same decision as
+    scheduler.known_speculation_pays on the last drafted round's survivals; with survivals that
+    never pay it probes at doubling intervals (probe_every, 2x, ... up to probe_max)."""
+    from dspark_jax.scheduler import prefix as scheduler
+    from dspark_jax.scheduler.simulate import _known_skip, _stale_skip
+
+    tab = scheduler.make_table([8, 16, 32, 64], t_verify=[1.0, 1.2, 2.0, 4.0], t_draft=0.5, as_numpy=True)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
+        for mode in ("latency", "sps"):
+            assert bool(_stale_skip(a[None], 8, tab, 0.5, "step", mode)[0]) == (
+                not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
+    hopeless = np.full((200, 8, G), 0.01)
+    skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=4, probe_max=32)
+    assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
+    assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
+    assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()
+
+
+def test_carried_stale_is_the_engines_a_hist():
+    """Round t's stale survivals are those of the last drafted round <= t - 2 (the engine's
+    a_hist[1] with survivals carried through skipped rounds)."""
+    from dspark_jax.scheduler.simulate import _carried_stale
+
+    a_all = np.arange(8, dtype=float)[:, None, None] * np.ones((8, 1, 1))  # round index as value
+    skip = np.array([False, True, True, False, True, True])  # rounds 0..5 (a_all rows 2..7)
+    got = _carried_stale(a_all, skip)[:, 0, 0].tolist()
+    # rows: t=0 -> row 0, t=1 -> 1, t=2 -> 2 (round 0 drafted), t=3 -> 2 (round 1 skipped), t=4 -> 2, t=5 -> 5
+    assert got == [0, 1, 2, 2, 2, 5]

@@ -1,0 +1,245 @@
+"""The training loop on a micro target: resume = uninterrupted, preemption, bad input."""
+
+import json
+import signal
+import os
+
+import numpy as np
+import pytest
+
+from dspark_jax.config import from_cli
+from dspark_jax.config.loader import ConfigError
+from dspark_jax.data.dataset import DatasetWriter
+from dspark_jax.drafter.model import DrafterConfigError
+from dspark_jax.data.pipeline import NoAssistantTokensError
+from dspark_jax.train.run import run
+from dspark_jax.train.trainer import TrainingError
+
+
+def _write(path, n, seed, vocab=500, empty_mask=False):
+    rng = np.random.default_rng(seed)
+    w = DatasetWriter(path, vocab_size=512)
+    for _ in range(n):
+        length = int(rng.integers(24, 48))
+        t = rng.integers(0, vocab, length)
+        m = np.zeros(length, bool)
+        if not empty_mask:
+            m[6:] = True
+        w.add(t, m)
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    return _write(d / "train", 48, 0), _write(d / "held", 8, 1)
+
+
+def _cfg(datasets, out, *extra):
+    train, held = datasets
+    return from_cli(["micro", f"data.path={train}", f"data.heldout_path={held}", f"train.output_dir={out}",
+                     "data.seq_len=48", "data.num_anchors=8", "train.batch_size=4", "train.steps=6",
+                     "train.checkpoint_every=3", "train.eval_every=0", "train.log_every=1", "train.anchor_chunk=4",
+                     "train.eval_batches=1", *extra])
+
+
+def _losses(out):
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _params(out):
+    from dspark_jax.io import safetensors_io
+
+    return {k: np.array(v) for k, v in safetensors_io.load_file(out / "drafter" / "drafter.safetensors").items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(datasets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    summary = run(_cfg(datasets, out), progress=False)
+    return out, summary
+
+
+def test_uninterrupted_run_writes_everything(uninterrupted):
+    out, summary = uninterrupted
+    assert summary["step"] == 6 and not summary["preempted"]
+    assert (out / "checkpoints" / "6").is_dir() and (out / "drafter" / "drafter_config.json").is_file()
+    assert (out / "summary.json").is_file() and list((out / "tensorboard").iterdir())
+    ev = summary["eval"]
+    assert 1.0 <= ev["eval/expected_accepted_length"] <= 5.0 and len(ev["eval/acceptance_per_position"]) == 4
+    assert set(summary["phases_s"]) >= {"training", "evaluation"}
+
+
+def test_stopped_and_resumed_equals_uninterrupted(datasets, uninterrupted, tmp_path):
+    full_out, _ = uninterrupted
+    s1 = run(_cfg(datasets, tmp_path, "train.stop_after_steps=3"), progress=False)
+    assert s1["step"] == 3
+    s2 = run(_cfg(datasets, tmp_path), progress=False)
+    assert s2["step"] == 6
+    a, b = _losses(full_out), _losses(tmp_path)
+    for step in (4, 5, 6):
+        assert a[step] == b[step], (step, a[step], b[step])
+    pa, pb = _params(full_out), _params(tmp_path)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def test_preemption_saves_and_resumes_exactly(datasets, uninterrupted, tmp_path, monkeypatch):
+    from dspark_jax.train import trainer as trainer_mod
+
+    calls = {"n": 0}
+    orig = trainer_mod.Trainer.fit
+
+    def fit_with_sigterm(self):
+        step_fn = self.train_step
+
+        def wrapped(*a):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # what a TPU preemption sends
+            return step_fn(*a)
+
+        self.train_step = wrapped
+        return orig(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "fit", fit_with_sigterm)
+    s1 = run(_cfg(datasets, tmp_path), progress=False)
+    assert s1["preempted"] and s1["step"] == 2
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    monkeypatch.setattr(trainer_mod.Trainer, "fit", orig)
+    s2 = run(_cfg(datasets, tmp_path), progress=False)
+    assert s2["step"] == 6
+    pa, pb = _params(uninterrupted[0]), _params(tmp_path)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(datasets, tmp_path, monkeypatch):
+    from dspark_jax.train import trainer as trainer_mod
+
+    orig = trainer_mod.Trainer.fit
+
+    def fit_with_nan(self):
+        step_fn = self.train_step
+        n = {"i": 0}
+
+        def wrapped(*a):
+            n["i"] += 1
+            state, metrics, sums = step_fn(*a)
+            if n["i"] >= 5:
+                metrics = dict(metrics, loss=metrics["loss"] * np.nan)
+            return state, metrics, sums
+
+        self.train_step = wrapped
+        return orig(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "fit", fit_with_nan)
+    with pytest.raises(TrainingError, match="non-finite loss at step 5.*last good checkpoint \\(step 3\\)"):
+        run(_cfg(datasets, tmp_path), progress=False)
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [3]
+
+
+def test_resume_with_changed_model_shape(datasets, tmp_path):
+    run(_cfg(datasets, tmp_path, "train.stop_after_steps=3"), progress=False)
+    with pytest.raises(TrainingError, match="the model shape changed .*num_layers.*existing checkpoints are kept"):
+        run(_cfg(datasets, tmp_path, "drafter.num_layers=2"), progress=False)
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+
+
+def test_unwritable_output_dir(datasets, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TrainingError, match="cannot be written.*set train.output_dir"):
+        run(_cfg(datasets, blocker / "out"), progress=False)
+
+
+def test_dataset_without_assistant_tokens(tmp_path, datasets):
+    empty = _write(tmp_path / "empty", 8, 0, empty_mask=True)
+    with pytest.raises(NoAssistantTokensError, match="no assistant tokens"):
+        run(_cfg((empty, datasets[1]), tmp_path / "o"), progress=False)
+
+
+def test_dataset_vocabulary_larger_than_target(tmp_path, datasets):
+    big = tmp_path / "big"
+    w = DatasetWriter(big, vocab_size=4096)
+    for _ in range(8):
+        w.add(np.arange(30) + 600, np.ones(30, bool))
+    w.close()
+    with pytest.raises(TrainingError, match="vocabulary"):
+        run(_cfg((big, datasets[1]), tmp_path / "o"), progress=False)
+
+
+@pytest.mark.parametrize("override, err, needle", [
+    ("drafter.target_layer_ids=[2]", DrafterConfigError, "exceed 0"),
+    ("drafter.target_layer_ids=[1,0]", ConfigError, "strictly increasing"),
+    ("drafter.gamma=0", ConfigError, "gamma must be >= 1"),
+    ("drafter.mask_token_id=512", DrafterConfigError, "outside the target vocabulary"),
+    ("drafter.gamm=3", ConfigError, "unknown config key 'drafter.gamm'"),
+])
+def test_bad_drafter_config(datasets, tmp_path, override, err, needle):
+    with pytest.raises(err, match=needle):
+        run(_cfg(datasets, tmp_path, override), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
+def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
+    from dspark_jax.drafter import registry
+    from dspark_jax.train.run import prepare_target
+
+    cfg = _cfg(datasets, tmp_path, f"drafter.kind={kind}", "train.steps=4", "train.eagle3_steps=2")
+    s = run(cfg, progress=False)
+    losses = _losses(tmp_path)
+    assert s["step"] == 4 and all(np.isfinite(v) for v in losses.values())
+    ev = s["eval"]
+    if kind == "dflash":  # the same acceptance statistics as DSpark
+        assert "eval/expected_accepted_length" in ev
+    else:
+        assert np.isfinite(ev["eval/loss"])
+    target = prepare_target(cfg, None)
+    d = registry.load(tmp_path / "drafter", target.model)
+    assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
+
+
+def test_gradient_accumulation_averages_micro_batch_gradients(datasets, tmp_path):
+    """With SGD(lr=1) the update is minus the gradient: accumulated over 2 micro-batches it must
+    equal the mean of the two micro-batches' own gradients (and differ from either alone)."""
+    import jax
+    import optax
+
+    from dspark_jax.data.dataset import TokenDataset
+    from dspark_jax.train.run import prepare_target
+    from dspark_jax.train.step import TrainState, make_train_step
+    from dspark_jax.train.trainer import Trainer
+
+    cfg = _cfg(datasets, tmp_path, "train.grad_accum=2")
+    tr = Trainer(cfg, prepare_target(cfg, None).model, TokenDataset(datasets[0]), None, progress=False)
+    tr.data_iter = tr._new_iter()
+    batch = tr._device_batch(next(tr.data_iter))
+    from dspark_jax.losses.dspark import LossCoefs
+    from dspark_jax.train.step import make_loss_fn
+
+    lf = make_loss_fn(tr.d_graphdef, tr.t_graphdef, "dspark", LossCoefs(), 4)
+    sgd = optax.sgd(1.0)
+    state = TrainState(jax.numpy.zeros((), jax.numpy.int32), tr.state.params, sgd.init(tr.state.params))
+    new, _, _ = jax.jit(make_train_step(lf, sgd, 2))(state, tr.frozen, tr.t_state, batch)
+    halves = [jax.tree.map(lambda x: x[i * 2:(i + 1) * 2], batch) for i in range(2)]
+    g = [jax.grad(lambda p, b: lf(p, tr.frozen, tr.t_state, b)[0])(tr.state.params, h) for h in halves]
+    upd = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), tr.state.params, new.params)
+    want = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2, g[0], g[1])
+    for u, w, g0 in zip(jax.tree.leaves(upd), jax.tree.leaves(want), jax.tree.leaves(g[0])):
+        np.testing.assert_allclose(u, w, atol=1e-6, rtol=1e-4)
+    assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-5 for a, b in zip(jax.tree.leaves(g[0]), jax.tree.leaves(g[1])))
+    tr.close()
+
+
+def test_remote_output_dir_keeps_logs_in_a_local_mirror(monkeypatch, tmp_path):
+    from dspark_jax.train.trainer import output_paths
+
+    monkeypatch.setenv("DSPARK_JAX_LOCAL_RUN_DIR", str(tmp_path))
+    remote, local = output_paths("gs://bucket/runs/a")
+    assert str(remote) == "gs://bucket/runs/a" and local == tmp_path / "bucket_runs_a"
+    r2, l2 = output_paths(str(tmp_path / "x"))
+    assert r2 == l2 == tmp_path / "x"
