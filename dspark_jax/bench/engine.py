@@ -88,14 +88,10 @@ def _random_drafter(target, gamma, markov_rank, seed=0):
 
 def _parts(eng, st, ctl):
     """Separately jitted draft and verify of the engine's round (full bucket), for the bound."""
-    from dspark_jax.engine.drafts import draft
-    from dspark_jax.engine.round import row_round_keys
     from dspark_jax.engine.verify import verify_packed
 
     spec = eng.spec
-    kd, _ = row_round_keys(st.keys, st.rounds)
-    fd = jax.jit(lambda dp, st, kd, s: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, s)[:3])
-    t_draft = _time(lambda: fd(eng.dp, st, kd, ctl.sampling), 5) if spec.G else 0.0
+    t_draft = _time(lambda: eng.draft(st, ctl), 5) if spec.G else 0.0
     toks = jnp.zeros((eng.R, spec.G + 1), jnp.int32)
     valid = jnp.broadcast_to(st.active[:, None], toks.shape)
     fv = jax.jit(lambda tp, c: verify_packed(tp, spec.tcfg, c, toks, st.pos, valid, bucket=spec.buckets[-1],
@@ -211,7 +207,7 @@ def bench_head(target, prompts, args, out):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_jax.drafter.registry import load as load_drafter
+    from dspark_jax.io.drafter_dir import load as load_drafter
     from dspark_jax.engine.generate import load_models
 
     target, drafter, _ = load_models(args.target, None, "ar")

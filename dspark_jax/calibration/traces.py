@@ -16,7 +16,7 @@ round          int [N]      round index (engine step, or the request's own round
 ``sampling`` ({temperature, top_k, top_p}), ``target_fingerprint``,
 ``drafter_fingerprint``, ``source`` ("engine" or "synthetic: ..."), free extras.
 
-The engine's own `dspark_jax.engine.Traces` converts with :func:`from_engine`.
+The engine records rounds into :class:`Traces` and :func:`from_engine` turns them into a TraceSet.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TraceSet", "TraceError", "sampling_key", "save_traces", "load_traces", "from_engine", "concat",
+__all__ = ["Traces", "TraceSet", "TraceError", "sampling_key", "save_traces", "load_traces", "from_engine", "concat",
            "synthetic_traces", "SYNTHETIC_PRESETS"]
 
 FORMAT = "dspark_traces/1"
@@ -120,6 +120,48 @@ class TraceSet:
     def tau(self) -> float:
         """Mean accepted length (accepted + 1) over the rounds."""
         return float(np.mean(self.accepted + 1)) if len(self) else float("nan")
+
+
+class Traces:
+    """The engine's per-round recorder (`Engine.generate(traces=True)`); `from_engine` makes a TraceSet of it."""
+
+    def __init__(self, G: int):
+        self.G = G
+        self._rows: list[tuple] = []
+
+    def add(self, step: int, slot_req: np.ndarray, ro) -> None:
+        """One round: `slot_req[r]` = request id in slot r (-1 = empty); `ro` = RoundOut (device arrays)."""
+        z, l, acc, act = (np.asarray(x) for x in (ro.z, ro.lengths, ro.accepted, ro.active))
+        for r in np.flatnonzero(act):
+            self._rows.append((int(slot_req[r]), step, z[r].astype(np.float32), int(l[r]), int(acc[r])))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        n, g = len(self._rows), max(self.G, 1)
+        z = np.stack([r[2] for r in self._rows]) if n else np.zeros((0, g), np.float32)
+        length = np.asarray([r[3] for r in self._rows], np.int64)
+        return {"request": np.asarray([r[0] for r in self._rows], np.int64),
+                "round": np.asarray([r[1] for r in self._rows], np.int64),
+                "conf_logits": z, "length": length,
+                "accepted": np.asarray([r[4] for r in self._rows], np.int64),
+                "full": length == self.G}
+
+    def save(self, path) -> Path:
+        """`.npz` (arrays) or `.jsonl` (one record per round and request)."""
+        path = Path(path)
+        a = self.arrays()
+        if path.suffix == ".npz":
+            np.savez(path, **a)
+        else:
+            with path.open("w") as f:
+                for i in range(len(a["length"])):
+                    f.write(json.dumps({"request": int(a["request"][i]), "round": int(a["round"][i]),
+                                        "conf_logits": [float(x) for x in a["conf_logits"][i]],
+                                        "length": int(a["length"][i]), "accepted": int(a["accepted"][i]),
+                                        "full": bool(a["full"][i])}) + "\n")
+        return path
 
 
 def save_traces(path, ts: TraceSet) -> Path:

@@ -195,7 +195,7 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def resolve_preset(name: str | Path, relative_to: Path | None = None) -> Path:

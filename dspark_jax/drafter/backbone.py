@@ -169,8 +169,7 @@ def update_context(params: dict, cfg: ModelConfig, cache: KVCache, features, pos
     def body(_, layer):
         p, ck, cv = layer
         k, v = context_kv(p, ctx, cos, sin, cfg)
-        ck = ck.at[rows, write].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, write].set(v.astype(cv.dtype), mode="drop")
+        ck, cv = KVCache.write_layer(ck, cv, rows, write, k, v)
         return None, (ck, cv)
 
     _, (k, v) = jax.lax.scan(body, None, (params["layers"], cache.k, cache.v))

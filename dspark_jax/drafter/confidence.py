@@ -1,4 +1,4 @@
-"""Confidence head (spec 2.3): z_j = Dense([h_j; W1[x_{p+j}]]) -> 1, and its soft label.
+"""Confidence head (spec 2.3): z_j = Dense([h_j; W1[x_{p+j}]]) -> 1 (its soft label: losses/dspark.py).
 
 `c_j = sigmoid(z_j)` estimates P(draft token j accepted | slots < j accepted). Without a
 Markov head (markov_rank 0) the input is h_j alone. At inference x_{p+j} is the sampled
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["prev_embed", "confidence_logits", "soft_label"]
+__all__ = ["prev_embed", "confidence_logits"]
 
 
 def prev_embed(params: dict, tokens, dtype=None):
@@ -29,11 +29,3 @@ def confidence_logits(params: dict, h, prev_tokens):
         x = jnp.concatenate([h, prev_embed(params, prev_tokens, h.dtype)], axis=-1)
     z = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
     return z[..., 0] + params["conf_bias"][0].astype(jnp.float32)
-
-
-def soft_label(q, p):
-    """c* = clip(1 - 0.5 * ||q - p||_1, 0, 1) over the last axis: the acceptance rate of
-    rejection sampling (temperature 1, no truncation). Detached: a target, not a path."""
-    q = jnp.asarray(q, jnp.float32)
-    p = jnp.asarray(p, jnp.float32)
-    return jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * jnp.sum(jnp.abs(q - p), axis=-1), 0.0, 1.0))

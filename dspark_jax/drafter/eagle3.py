@@ -32,7 +32,7 @@ from flax import nnx
 from dspark_jax.drafter.frozen import Frozen, attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
 from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
@@ -163,8 +163,7 @@ def _rope(positions, cfg: ModelConfig):
 
 def eagle3_logits(params, hidden):
     """Post-final-norm hidden [..., H] -> fp32 logits [..., V] through the frozen LM head."""
-    w = params["lm_head"].astype(hidden.dtype)
-    return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return lm_head_logits(hidden, params["lm_head"])
 
 
 def _final(params, h, cfg: ModelConfig):
@@ -290,11 +289,9 @@ def cached_attention(cache: KVCache, q, k, v, positions, valid):
     overwritten, as long as writes start at `lengths`.
     """
     r = q.shape[0]
-    ck, cv = cache.k[0], cache.v[0]
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     rows = jnp.arange(r)[:, None]
-    ck = ck.at[rows, write].set(k.astype(ck.dtype), mode="drop")
-    cv = cv.at[rows, write].set(v.astype(cv.dtype), mode="drop")
+    ck, cv = KVCache.write_layer(cache.k[0], cache.v[0], rows, write, k, v)
     mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
     out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
     return out, cache._replace(k=ck[None], v=cv[None])

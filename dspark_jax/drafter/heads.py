@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
 from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.target.layers import lm_head_logits
 
 __all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]
 
@@ -33,7 +34,7 @@ def head_type(params: dict) -> str | None:
 
 def base_logits(params: dict, h):
     """U = lm_head(h): [..., H] -> [..., V] float32."""
-    return jnp.einsum("...h,hv->...v", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return lm_head_logits(h, params["lm_head"])
 
 
 def project_bias(params: dict, z):

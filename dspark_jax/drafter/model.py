@@ -100,12 +100,10 @@ def resolve_layer_ids(target_cfg: ModelConfig, dcfg: DrafterSection) -> tuple[in
 def resolve_config(target_cfg: ModelConfig, dcfg: DrafterSection) -> DrafterSection:
     """Fill in and check everything the drafter needs; the result is what checkpoints record.
 
-    Layer ids resolved (num_target_features = their count); kind="dflash" forces
-    markov_rank 0 and no confidence head; head_type is "vanilla" without a Markov head;
-    the mask id must be a row of the vocabulary.
+    Layer ids resolved (num_target_features = their count); head_type is "vanilla" without
+    a Markov head; the mask id must be a row of the vocabulary. (What a kind changes, e.g.
+    DFlash's missing heads, its adapter in drafter/kinds/ sets before calling this.)
     """
-    if dcfg.kind not in ("dspark", "dflash"):
-        raise DrafterConfigError(f"drafter.kind '{dcfg.kind}' is not built by dspark_jax.drafter.Drafter (kinds: dspark, dflash)")
     if dcfg.head_type not in HEAD_TYPES:
         raise DrafterConfigError(f"unknown drafter.head_type '{dcfg.head_type}'; choose one of: {', '.join(HEAD_TYPES)}")
     ids = resolve_layer_ids(target_cfg, dcfg)
@@ -122,11 +120,7 @@ def resolve_config(target_cfg: ModelConfig, dcfg: DrafterSection) -> DrafterSect
         )
     if dcfg.sliding_window is not None and dcfg.sliding_window < 1:
         raise DrafterConfigError(f"drafter.sliding_window must be >= 1 or null, got {dcfg.sliding_window}")
-    extra = {}
-    if dcfg.kind == "dflash":
-        extra = dict(markov_rank=0, confidence_head=False)
-    if dcfg.kind == "dflash" or dcfg.markov_rank == 0:
-        extra["head_type"] = "vanilla"  # canonical: the head type means nothing without a Markov head
+    extra = {"head_type": "vanilla"} if dcfg.markov_rank == 0 else {}  # a head type means nothing without the head
     return dataclasses.replace(dcfg, target_layer_ids=ids, num_target_features=len(ids), **extra)
 
 
@@ -147,7 +141,14 @@ class Drafter(nnx.Module):
 
     def __init__(self, target_cfg: ModelConfig, dcfg: DrafterSection, *, rngs: nnx.Rngs,
                  param_dtype=jnp.float32, dtype=None):
-        self.dcfg = resolve_config(target_cfg, dcfg)
+        from dspark_jax.drafter.kinds.block import BlockKind
+        from dspark_jax.drafter.registry import get_kind
+
+        kind = get_kind(dcfg.kind)
+        if not isinstance(kind, BlockKind):
+            raise DrafterConfigError(f"drafter.kind '{dcfg.kind}' is not built by dspark_jax.drafter.Drafter "
+                                     "(build any kind with dspark_jax.drafter.registry.build)")
+        self.dcfg = kind.resolve(target_cfg, dcfg)  # the kind's adapter resolves (DFlash drops its heads)
         self.target_cfg = target_cfg
         self.cfg = layer_config(target_cfg, self.dcfg.num_layers)
         self.dtype = dtype  # compute dtype; None = the parameters' dtype
@@ -251,102 +252,3 @@ class Drafter(nnx.Module):
         h = backbone.draft_hidden(p, self.cfg, cache, anchor_tok, anchor_pos, gamma=self.gamma,
                                   mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
         return heads.sample_block(key, p, h, anchor_tok, sampling)
-
-
-# ---------------------------------------------------------------------------- build / save / load
-
-
-def param_shapes(target_cfg: ModelConfig, dcfg: DrafterSection) -> dict[str, tuple[int, ...]]:
-    """Dotted Param path -> shape, without building any arrays."""
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: Drafter(target_cfg, dcfg, rngs=nnx.Rngs(0)))
-    return {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items()}
-
-
-def build_drafter(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.float32, dtype=None, mesh=None,
-                  source: str = "drafter params") -> Drafter:
-    """A Drafter for `target` (TargetModel or LoadedTarget) with Params from a nested or
-    dotted-flat dict of arrays (checked: all missing / unexpected / mis-shaped at once),
-    and the Frozen weights attached from the target. No random initialisation."""
-    tmodel = target if hasattr(target, "lm_head_weight") else target.model
-    factory = lambda: Drafter(tmodel.cfg, dcfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype)
-    return fill_drafter(factory, tmodel, params, param_dtype, mesh, source)
-
-
-def fill_drafter(factory, tmodel, params: dict, param_dtype=jnp.float32, mesh=None, source: str = "drafter params"):
-    """Build the module `factory` makes without random init, fill its Params from `params`
-    (every mismatch reported at once), attach the target's frozen weights."""
-    from dspark_jax.parallel.sharding import state_shardings
-
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
-    graphdef, pstate, fstate = nnx.split(abstract, nnx.Param, Frozen)
-    expected = {k: tuple(v.shape) for k, v in flatten(nnx.to_pure_dict(pstate)).items()}
-    flat = flatten(params)
-    rules = [KeyRule(re.escape(path), path) for path in expected]
-    pure = import_tensors({k: np.asarray(v) for k, v in flat.items()}, rules, expected, 0, source=source)
-    np_dtype = ml_dtypes.bfloat16 if jnp.dtype(param_dtype) == jnp.bfloat16 else np.dtype(param_dtype)
-    nnx.replace_by_pure_dict(pstate, jax.tree.map(lambda a: np.asarray(a).astype(np_dtype), pure))
-    fstate = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fstate)
-    if mesh is not None:
-        pstate = jax.device_put(pstate, state_shardings(pstate, mesh))
-        fstate = jax.device_put(fstate, state_shardings(fstate, mesh))
-    else:
-        pstate = jax.tree.map(jnp.asarray, pstate)
-    drafter = nnx.merge(graphdef, pstate, fstate)
-    attach_target(drafter, tmodel)
-    return drafter
-
-
-def config_to_json(drafter: Drafter) -> dict:
-    d = drafter.dcfg
-    return {
-        "format": FORMAT,
-        "kind": d.kind,
-        "num_layers": d.num_layers,
-        "gamma": d.gamma,
-        "target_layer_ids": list(d.target_layer_ids),
-        "num_target_features": d.num_target_features,
-        "markov_rank": d.markov_rank,
-        "head_type": d.head_type,
-        "confidence_head": d.confidence_head,
-        "mask_token_id": d.mask_token_id,
-        "sliding_window": d.sliding_window,
-        "target_fingerprint": drafter.target_fingerprint,
-        "param_dtype": str(np.dtype(drafter.fc[...].dtype)),
-    }
-
-
-def config_from_json(data: dict, source: str = CONFIG_FILE) -> tuple[DrafterSection, str | None]:
-    if data.get("format") != FORMAT:
-        raise DrafterConfigError(f"{source}: not a dspark_jax drafter config (format {data.get('format')!r}, expected {FORMAT!r})")
-    fields = {f.name for f in dataclasses.fields(DrafterSection)}
-    kw = {k: v for k, v in data.items() if k in fields}
-    kw["target_layer_ids"] = tuple(kw["target_layer_ids"])
-    try:
-        return DrafterSection(**kw), data.get("target_fingerprint")
-    except (TypeError, ValueError) as e:
-        raise DrafterConfigError(f"{source}: invalid drafter config ({e})") from e
-
-
-def save_drafter(drafter: Drafter, path: str | Path) -> None:
-    """Write `drafter.safetensors` (Params only, dotted paths) + `drafter_config.json`."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    flat = flatten(nnx.to_pure_dict(trainable_state(drafter)))
-    tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
-    safetensors_io.save_file(tensors, path / WEIGHTS_FILE, metadata={"format": FORMAT})
-    (path / CONFIG_FILE).write_text(json.dumps(config_to_json(drafter), indent=2))
-
-
-def load_drafter(path: str | Path, target, param_dtype=jnp.float32, dtype=None, mesh=None) -> Drafter:
-    """Inverse of `save_drafter`; checks the recorded target fingerprint against `target`
-    (a TargetModel or LoadedTarget), whose embedding / LM head are attached."""
-    path = Path(path)
-    cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
-    if not cfg_file.is_file() or not w_file.is_file():
-        raise FileNotFoundError(f"'{path}' is not a dspark_jax drafter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                                "import a DeepSpec checkpoint with `python -m dspark_jax.convert import`")
-    dcfg, fp = config_from_json(json.loads(cfg_file.read_text()), str(cfg_file))
-    check_target(fp, target, f"drafter {path}")
-    return build_drafter(target, dcfg, safetensors_io.load_file(w_file), param_dtype, dtype, mesh, source=str(w_file))

@@ -29,7 +29,7 @@ from dspark_jax.drafter.eagle3 import _Layer, _cast, _frozen_head, _normal, _rop
 from dspark_jax.drafter.frozen import attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import attention, rms_norm
+from dspark_jax.target.layers import attention, lm_head_logits, rms_norm
 from dspark_jax.target.transformer import finish_layer, layer_param_shapes, project_qkv
 from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
@@ -73,7 +73,7 @@ def _inputs(params, hidden, next_tokens, cfg: ModelConfig):
 
 def _logits(params, x, cfg: ModelConfig):
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...h,hv->...v", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return lm_head_logits(h, params["lm_head"])
 
 
 def mtp_train_logits(params, tokens, hidden, valid=None, *, cfg: ModelConfig):

@@ -24,16 +24,14 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.drafter.eagle3 import Eagle3Drafter
-from dspark_jax.drafter.eagle3 import create_cache as e3_cache
+from dspark_jax.decoding import rejection
+from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import TargetMismatchError, check_target
-from dspark_jax.drafter.model import Drafter, validate_layer_ids
-from dspark_jax.drafter.mtp import MTPDrafter
-from dspark_jax.engine.drafts import MODES, Spec
+from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.policy import get_policy
 from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.state import Control, DecodeState
-from dspark_jax.engine.traces import Traces
+from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.decoding.sampling import SamplingParams
@@ -86,16 +84,16 @@ class GenerateResult:
         return sum(len(x.tokens) for x in self.results) / self.seconds if self.seconds > 0 else float("nan")
 
 
+def kind_of_drafter(drafter):
+    try:
+        return registry.kind_of(drafter)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+
+
 def drafter_mode(drafter) -> str:
-    if drafter is None:
-        return "ar"
-    if isinstance(drafter, Drafter):
-        return drafter.dcfg.kind
-    if isinstance(drafter, Eagle3Drafter):
-        return "eagle3"
-    if isinstance(drafter, MTPDrafter):
-        return "mtp1"
-    raise EngineError(f"unknown drafter type {type(drafter).__name__}: pass a Drafter, Eagle3Drafter, MTPDrafter or None")
+    """The drafter's kind name, "ar" for target-only decoding (None)."""
+    return "ar" if drafter is None else kind_of_drafter(drafter).name
 
 
 def default_buckets(R: int, G: int) -> tuple[int, ...]:
@@ -133,44 +131,27 @@ class Engine:
     """
 
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
-                 buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None, mesh=None,
-                 verifier: str = "exact", theta: str = "latency", cost: str | None = None,
-                 skip_drafting: bool | str = False, probe_every: int = 8, probe_max: int = 64):
+                 buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None,
+                 theta: str = "latency", cost: str | None = None, skip_drafting: bool | str = False,
+                 probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify):
+        """`kind` (the drafter's adapter, default from the registry) and `verify` (batched rejection
+        sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing)."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
-        self.target, self.drafter, self.mesh = tmodel, drafter, mesh
+        self.target, self.drafter = tmodel, drafter
         tcfg = tmodel.cfg
+        self.kind = None if drafter is None else (kind or kind_of_drafter(drafter))
         mode = drafter_mode(drafter)
+        shape = None
         if drafter is not None:
             check_target(getattr(drafter, "target_fingerprint", None), tmodel, f"{mode} drafter")
             if tuple(drafter.embed.shape) != (tcfg.vocab_size, tcfg.hidden_size):
                 raise TargetMismatchError(f"the {mode} drafter's embedding {tuple(drafter.embed.shape)} does not fit the "
                                           f"target ({tcfg.vocab_size}, {tcfg.hidden_size}): build it for this target")
-        if mode in ("dspark", "dflash"):
-            G = drafter.gamma
-            if gamma is not None and gamma > G:
-                raise EngineError(f"gamma {gamma} exceeds the drafter's block size {G}: a {mode} drafter drafts at most "
-                                  f"its trained block; use gamma <= {G}")
-            dcfg, mask_id, window, fl = drafter.cfg, drafter.mask_token_id, drafter.dcfg.sliding_window, drafter.layer_ids
-        elif mode == "eagle3":
-            G = gamma or getattr(getattr(drafter, "dcfg", None), "gamma", None) or 7
-            m = drafter.m
-            if layer_ids is None and getattr(drafter, "dcfg", None) is not None:
-                layer_ids = drafter.dcfg.target_layer_ids  # recorded with the drafter (registry.build/load)
-            if layer_ids is None:
-                from dspark_jax.drafter.model import default_layer_ids
-                layer_ids = default_layer_ids(tcfg.num_layers, m)
-            fl = validate_layer_ids(layer_ids, tcfg.num_layers)
-            if len(fl) != m:
-                raise EngineError(f"Eagle3 drafter fuses {m} target layers but layer_ids {list(fl)} has {len(fl)}")
-            dcfg, mask_id, window = tcfg, 0, None
-        elif mode == "mtp1":
-            if gamma not in (None, 1):
-                raise EngineError(f"gamma {gamma} exceeds MTP-1's single draft token: use gamma 1")
-            G, dcfg, mask_id, window, fl = 1, tcfg, 0, None, ()
-        else:
-            G, dcfg, mask_id, window, fl = 0, None, 0, None, ()
-        if mode not in MODES:
-            raise EngineError(f"unknown mode {mode}")
+            try:
+                shape = self.kind.draft_shape(drafter, tcfg, gamma, layer_ids)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+        G = 0 if shape is None else shape.G
         R, S = int(num_slots), int(max_len)
         if S < G + 3:
             raise EngineError(f"max_len {S} is too short for gamma {G}: need at least {G + 3}")
@@ -191,8 +172,8 @@ class Engine:
             raise EngineError(f"skip_drafting={skip_drafting!r}: use False, 'best_case' or 'known' (True = 'known')")
         if not 1 <= probe_every <= probe_max:
             raise EngineError(f"need 1 <= probe_every <= probe_max, got {probe_every} and {probe_max}")
-        self.spec = Spec(mode, G, tcfg, dcfg, mask_id, window, tuple(fl), buckets, S, pol, verifier,
-                         _SKIP_RULES[skip_drafting] if G > 0 else None, theta, int(probe_every), int(probe_max))
+        self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, _SKIP_RULES[skip_drafting] if G > 0 else None,
+                         theta, int(probe_every), int(probe_max))
         self.table = table if table is not None else scheduler.make_table(
             buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
         self.tp = target_arrays(tmodel)
@@ -220,18 +201,10 @@ class Engine:
     def init_state(self) -> DecodeState:
         R, S, G, cfg = self.R, self.S, self.G, self.target.cfg
         dt = self.tp["layers"]["q_proj"].dtype
-        if self.mode in ("dspark", "dflash"):
-            dcache = self.drafter.init_cache(R, S)
-            last = jnp.zeros((R, 1), dt)
-        elif self.mode == "eagle3":
-            dcache = e3_cache(cfg, R, S, dt)
-            last = jnp.zeros((R, self.drafter.m, cfg.hidden_size), dt)
-        elif self.mode == "mtp1":
-            dcache = e3_cache(cfg, R, S, dt)
-            last = jnp.zeros((R, cfg.hidden_size), dt)
+        if self.kind is not None:
+            dcache, last = self.kind.init_decode(self.spec, self.drafter, R, S, dt)
         else:
-            dcache = KVCache.create(cfg, R, 1, dt, num_layers=1)
-            last = jnp.zeros((R, 1), dt)
+            dcache, last = KVCache.create(cfg, R, 1, dt, num_layers=1), jnp.zeros((R, 1), dt)
         zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(KVCache.create(cfg, R, S, dt), dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
@@ -303,7 +276,7 @@ class Engine:
     def check_prompts(self, prompts, max_new_tokens: int):
         V = self.target.cfg.vocab_size
         limit = self.S - self.G - 2
-        min_len = 2 if self.mode in ("eagle3", "mtp1") else 1
+        min_len = 1 if self.kind is None else self.kind.min_prompt_len
         out = []
         for i, p in enumerate(prompts):
             p = [int(x) for x in p]

@@ -23,7 +23,7 @@ MODES = ("ar", "dspark", "dflash", "eagle3", "mtp1")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
-    ap.add_argument("--drafter", default=None, help="drafter directory written by save_drafter / the train command")
+    ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
     ap.add_argument("--mode", default=None, choices=MODES, help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
@@ -76,7 +76,7 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
 
 def load_models(target_dir=None, drafter_dir=None, mode=None):
     """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer."""
-    from dspark_jax.drafter.registry import load as load_drafter
+    from dspark_jax.io.drafter_dir import load as load_drafter
     from dspark_jax.io.hf import load_target
 
     if target_dir is None:

@@ -10,45 +10,19 @@ move) -> drafter update.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding import rejection
-from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.engine.drafts import Spec, draft, prefill_drafter, update_drafter
+from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
+from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import Control, DecodeState, RoundOut
 from dspark_jax.engine.verify import verify_packed
-from dspark_jax.decoding.sampling import sample, sampling_probs
+from dspark_jax.scheduler import prefix as scheduler
 
-__all__ = ["prefill", "round_step", "run_rounds", "verify_row", "row_round_keys", "draft_part"]
-
-
-# ------------------------------------------------------------------ rejection per row
+__all__ = ["prefill", "round_step", "run_rounds", "row_round_keys", "draft", "draft_part"]
 
 
-def _verify_no_residual(key, d, q, p, l):
-    """DELIBERATELY BROKEN (tests only): resample from p instead of norm(max(p - q, 0))."""
-    g = d.shape[1]
-    k_u, k_s = jax.random.split(key)
-    pd = jnp.take_along_axis(p[:, :g], d[..., None], axis=-1)[..., 0]
-    qd = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_u, d.shape, jnp.float32)
-    accept = (u * qd < pd) & (jnp.arange(g)[None] < l[:, None])
-    acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    last = sample(k_s, p[jnp.arange(d.shape[0]), acc])
-    pos = jnp.arange(g + 1)[None]
-    ext = jnp.concatenate([d, jnp.zeros_like(d[:, :1])], axis=1)
-    out = jnp.where(pos < acc[:, None], ext, jnp.where(pos == acc[:, None], last[:, None], -1))
-    return acc, out, acc + 1
-
-
-def verify_row(key, drafts, q, p, length, variant: str = "exact"):
-    """Rejection sampling of one row (drafts [G], q [G, V], p [G+1, V]) -> (acc, out [G+1], n_out)."""
-    fn = _verify_no_residual if variant == "no_residual" else rejection.verify
-    acc, out, n = fn(key, drafts[None], q[None], p[None], length[None])
-    return acc[0], out[0], n[0]
+# ------------------------------------------------------------------ keys, draft
 
 
 def row_round_keys(keys, rounds):
@@ -57,10 +31,18 @@ def row_round_keys(keys, rounds):
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 0), jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 1)
 
 
+def draft(spec: Spec, dp, st: DecodeState, keys, sampling):
+    """The kind's draft -> (tokens [R, G], q [R, G, V], z [R, G], dcache). The sampling path is
+    chosen once for the batch, outside the kinds' per-row vmaps (else every row would run all
+    of `sampling_probs`' paths, the full-vocabulary sort included)."""
+    path = sampling_path(*sampling, spec.tcfg.vocab_size)
+    return spec.kind.draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, keys, sampling, path)
+
+
 def draft_part(spec: Spec, dp, st: DecodeState, sampling):
     """The round's draft alone, with the round's own keys: (tokens [R, G], q [R, G, V], z [R, G])."""
     kd, _ = row_round_keys(st.keys, st.rounds)
-    return draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, sampling)[:3]
+    return draft(spec, dp, st, kd, sampling)[:3]
 
 
 # ------------------------------------------------------------------ prefill
@@ -78,7 +60,9 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
     valid = (col < plen[:, None] - 1) & join[:, None]
     fo = tmodel_apply(tokens, positions, valid, st.cache, spec.feature_layers)
     cache = fo.cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
-    dcache, last = prefill_drafter(spec, dp, st.dcache, st.last, fo.features, fo.hidden, tokens, plen, join)
+    dcache, last = st.dcache, st.last
+    if spec.kind is not None:
+        dcache, last = spec.kind.prefill(spec, dp, dcache, last, fo.features, fo.hidden, tokens, plen, join)
     anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, p - 1)]
     z = lambda a: jnp.where(join, 0, a)
     return st._replace(
@@ -102,7 +86,7 @@ def _stop_truncate(out, n_out, stop_ids):
 def _no_draft(run_draft, dcache):
     """The draft's outputs, all zeros (shapes from an abstract trace), and the untouched drafter cache."""
     shapes = jax.eval_shape(run_draft)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:4])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
     return (*zeros, dcache)
 
 
@@ -147,13 +131,13 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
 
     # 1-2. draft + confidence (skipped, under `lax.cond`, when the table says no speculation pays)
     if G:
-        run_draft = lambda: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, kd, samp)
+        run_draft = lambda: draft(spec, dp, st, kd, samp)
         if spec.skip_drafting:
             pays = _drafting_pays(spec, st, act, ctl, r * G)
-            drafts, q, z, q_raw, dcache = jax.lax.cond(pays, run_draft, lambda: _no_draft(run_draft, st.dcache))
+            drafts, q, z, dcache = jax.lax.cond(pays, run_draft, lambda: _no_draft(run_draft, st.dcache))
         else:
             pays = jnp.bool_(True)
-            drafts, q, z, q_raw, dcache = run_draft()
+            drafts, q, z, dcache = run_draft()
         # a skipped round has no survivals of its own: the last known ones are carried forward
         # (-1 = none yet, then the production scheduler uses its default capacity)
         a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), st.a_hist[0])
@@ -166,7 +150,7 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         drafts = jnp.zeros((r, 0), jnp.int32)
         z = jnp.zeros((r, 1), jnp.float32)
         lengths = jnp.zeros((r,), jnp.int32)
-        dcache, a_hist, q, q_raw = st.dcache, st.a_hist, None, None
+        dcache, a_hist, q = st.dcache, st.a_hist, None
         since_draft, probe_gap = st.since_draft, st.probe_gap
 
     # 3. bucket
@@ -188,8 +172,11 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
 
     # 5. rejection sampling (+ bonus)
     if G:
-        qv = q_raw if spec.verifier == "unfiltered_q" else q
-        acc, out, n_out = jax.vmap(functools.partial(verify_row, variant=spec.verifier))(kv, drafts, qv, p, lengths)
+        def verify_row(key, d, q_r, p_r, l_r):  # per-row keys: a request's verification is its own
+            acc, out, n = spec.verify(key, d[None], q_r[None], p_r[None], l_r[None])
+            return acc[0], out[0], n[0]
+
+        acc, out, n_out = jax.vmap(verify_row)(kv, drafts, q, p, lengths)
     else:
         acc = jnp.zeros((r,), jnp.int32)
         out = jax.vmap(sample)(kv, p[:, 0])[:, None]
@@ -210,8 +197,8 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     pos = jnp.where(act, new_pos, st.pos)
     cache = vo.cache.with_lengths(pos)
     if G:
-        dcache, last = update_drafter(spec, dp, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
-                                      act & ~done)
+        dcache, last = spec.kind.update(spec, dp, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
+                                        act & ~done)
     else:
         last = st.last
     new = st._replace(

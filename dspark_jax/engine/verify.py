@@ -21,7 +21,7 @@ import numpy as np
 
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import attention, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = ["Packing", "pack", "verify_packed", "target_arrays"]
@@ -98,8 +98,7 @@ def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, val
         x, feats = carry
         p, fslot, ck, cv = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        ck = ck.at[pk.slot, pk.pos].set(k[0].astype(ck.dtype), mode="drop")
-        cv = cv.at[pk.slot, pk.pos].set(v[0].astype(cv.dtype), mode="drop")
+        ck, cv = KVCache.write_layer(ck, cv, pk.slot, pk.pos, k[0], v[0])
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
         o = attention(qv, ck.astype(dtype), cv.astype(dtype), mask)  # [R, T, Nq, D]
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
@@ -110,7 +109,7 @@ def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, val
 
     (x, feats), (k, v) = jax.lax.scan(body, (x, feats0), (tp["layers"], jnp.asarray(slot_of_layer), cache.k, cache.v))
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("bh,hv->bv", h, tp["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = lm_head_logits(h, tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
     return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t),
                      cache._replace(k=k, v=v))

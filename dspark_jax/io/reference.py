@@ -31,10 +31,10 @@ from flax import nnx
 from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter.frozen import trainable_state
-from dspark_jax.drafter.model import (
-    HEAD_TYPES, Drafter, DrafterConfigError, build_drafter, load_drafter, param_shapes, resolve_config, save_drafter,
-    validate_layer_ids,
-)
+from dspark_jax.drafter import registry
+from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
+from dspark_jax.drafter.model import HEAD_TYPES, Drafter, DrafterConfigError, validate_layer_ids
+from dspark_jax.io import drafter_dir
 from dspark_jax.io.hf import decoder_layer_rules
 from dspark_jax.io.keymap import CheckpointMismatchError, KeyRule, export_tensors, import_tensors
 from dspark_jax.target.config import ModelConfig
@@ -166,15 +166,15 @@ def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "con
         raise ConversionError(f"{source} does not fit the target:\n  " + "\n  ".join(problems))
     conf = bool(hf.get("enable_confidence_head", False))
     with_markov = bool(hf.get("confidence_head_with_markov", bool(r))) if conf else False
-    kind = "dspark" if (r or conf) else "dflash"
+    kind = (DSPARK if (r or conf) else DFLASH).name
     dcfg = DrafterSection(kind=kind, num_layers=n_layers, gamma=int(gamma), target_layer_ids=tuple(ids),
                           num_target_features=len(ids), markov_rank=r, head_type=head, confidence_head=conf,
                           mask_token_id=int(mask), sliding_window=window)
-    return resolve_config(target_cfg, dcfg), with_markov and bool(r)
+    return registry.resolve(target_cfg, dcfg), with_markov and bool(r)
 
 
 def _expected(target_cfg: ModelConfig, dcfg: DrafterSection, conf_with_markov: bool) -> dict[str, tuple]:
-    shapes = param_shapes(target_cfg, dcfg)
+    shapes = drafter_dir.param_shapes(target_cfg, dcfg)
     H, V = target_cfg.hidden_size, target_cfg.vocab_size
     if dcfg.confidence_head and dcfg.markov_rank and not conf_with_markov:
         shapes["conf_kernel"] = (H, 1)
@@ -217,7 +217,7 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32) -> Draf
     if "conf_kernel" in pure and pure["conf_kernel"].shape[0] == tmodel.cfg.hidden_size and dcfg.markov_rank:
         k = pure["conf_kernel"]
         pure["conf_kernel"] = np.concatenate([k, np.zeros((dcfg.markov_rank, 1), k.dtype)], axis=0)
-    return build_drafter(tmodel, dcfg, pure, param_dtype=param_dtype, source=str(ref_dir))
+    return drafter_dir.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, source=str(ref_dir))
 
 
 def reference_tensors(drafter: Drafter, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -239,12 +239,12 @@ def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "float32
 
 def import_reference(ref_dir, out_dir, target) -> Drafter:
     drafter = read_reference(ref_dir, target)
-    save_drafter(drafter, out_dir)
+    drafter_dir.save(drafter, out_dir)
     return drafter
 
 
 def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512) -> Drafter:
-    drafter = load_drafter(our_dir, _target_model(target))
+    drafter = drafter_dir.load(our_dir, _target_model(target))
     write_reference(drafter, ref_dir, dtype, num_anchors)
     return drafter
 

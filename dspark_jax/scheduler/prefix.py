@@ -39,7 +39,6 @@ __all__ = [
     "verify_time", "verify_time_np", "theta", "theta_np", "bucket_index", "bucket_index_np",
     "greedy_rank", "greedy_rank_np",
     "schedule_early_stop", "schedule_early_stop_np",
-    "schedule_retroactive_lossy", "schedule_retroactive_lossy_np",
     "schedule_static", "schedule_static_np",
     "capacity_from_stale", "capacity_from_stale_np",
     "schedule_production", "schedule_production_np",
@@ -240,7 +239,7 @@ def greedy_rank_np(a, active):
 
 
 # ----------------------------------------------------------------------------------------
-# Algorithm 1 (early stop) and the lossy retroactive variant
+# Algorithm 1 (early stop); its lossy retroactive variant is in dspark_jax.testing.broken
 # ----------------------------------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("mode", "cost"))
@@ -253,6 +252,7 @@ def schedule_early_stop(a, active, table: CostTable, mode="sps", cost="interp"):
 
 
 def _early_stop_np(a, active, table, mode, cost, retro=False):
+    """`retro`: argmax over all prefixes (the lossy variant, testing.broken) instead of the early stop."""
     a, c = _cands_np(a, active)
     n_act = int(np.sum(np.asarray(active, bool)))
     B, tau = n_act, float(n_act)
@@ -278,22 +278,6 @@ def _early_stop_np(a, active, table, mode, cost, retro=False):
 
 def schedule_early_stop_np(a, active, table: CostTable, mode="sps", cost="interp"):
     return _early_stop_np(a, active, table, mode, cost)[0]
-
-
-@partial(jax.jit, static_argnames=("mode", "cost"))
-def schedule_retroactive_lossy(a, active, table: CostTable, mode="sps", cost="interp"):
-    """LOSSY, for tests only: the prefix with the argmax over ALL prefix throughputs Theta_i.
-
-    Looking past a non-improving candidate lets the value of d_{r,j} (through a_{r,j+1})
-    decide whether d_{r,j} is verified, which biases the output (spec 3, Appendix A)."""
-    a, active, cand = _prep(a, active)
-    sorted_a, n_cand, rank = _order(a, cand)
-    n_act = jnp.sum(active).astype(jnp.int32)
-    return _lengths(rank, cand, _global_n(sorted_a, n_cand, n_act, table, mode, cost))
-
-
-def schedule_retroactive_lossy_np(a, active, table: CostTable, mode="sps", cost="interp"):
-    return _early_stop_np(a, active, table, mode, cost, retro=True)[0]
 
 
 # ----------------------------------------------------------------------------------------

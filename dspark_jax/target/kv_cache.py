@@ -30,6 +30,10 @@ class KVCache(NamedTuple):
         """Commit (or roll back to) `lengths` tokens per slot: a pointer move, no copy."""
         return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-    def reset_slots(self, mask) -> "KVCache":
-        """Free the slots where `mask` is True (a new request starts there at length 0)."""
-        return self._replace(lengths=jnp.where(mask, 0, self.lengths))
+    @staticmethod
+    def write_layer(k_cache, v_cache, rows, positions, k, v):
+        """One layer's slices [R, S, Nkv, D] with `k`, `v` [..., Nkv, D] written at (`rows`,
+        `positions`) (broadcast together); positions >= S (padding) are dropped. Every cache
+        write in the project (target, verification, drafter context, Eagle3 / MTP-1) is this."""
+        return (k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop"))

@@ -14,6 +14,12 @@ from dspark_jax.target.config import RopeConfig
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def lm_head_logits(hidden, kernel):
+    """hidden [..., H] @ the LM head kernel [H, V] -> float32 logits [..., V] (every LM head in the
+    project, the target's and the drafters' frozen copy, goes through here)."""
+    return jnp.einsum("...h,hv->...v", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
 def rms_norm(x, weight, eps: float):
     """RMSNorm in float32, cast back to the input dtype (as Hugging Face Qwen3/Llama do)."""
     dtype = x.dtype

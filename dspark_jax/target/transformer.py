@@ -17,7 +17,7 @@ from flax import nnx
 
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 INIT_STD = 0.02
 
@@ -114,8 +114,7 @@ class TargetModel(nnx.Module):
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, hidden):
-        w = self.lm_head_weight().astype(hidden.dtype)
-        return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+        return lm_head_logits(hidden, self.lm_head_weight())
 
     def __call__(self, tokens, positions=None, valid=None, cache: KVCache | None = None,
                  feature_layers: tuple[int, ...] = (), return_logits: bool = True) -> ForwardOut:
@@ -165,8 +164,7 @@ class TargetModel(nnx.Module):
                 out = attention(q, k, v, mask)
                 new_kv = None
             else:
-                ck = ck.at[rows, write_pos].set(k.astype(ck.dtype), mode="drop")
-                cv = cv.at[rows, write_pos].set(v.astype(cv.dtype), mode="drop")
+                ck, cv = KVCache.write_layer(ck, cv, rows, write_pos, k, v)
                 out = attention(q, ck.astype(dtype), cv.astype(dtype), mask)
                 new_kv = (ck, cv)
             x = finish_layer(p, x, out, cfg)

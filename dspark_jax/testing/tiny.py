@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterSection
+from dspark_jax.drafter import registry
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.frozen import attach_target
 from dspark_jax.drafter.model import Drafter
@@ -23,7 +24,7 @@ from dspark_jax.parallel.sharding import create_model
 
 __all__ = ["tiny_config", "tiny_target", "tiny_drafter", "KINDS"]
 
-KINDS = ("dspark", "dflash", "eagle3", "mtp1")
+KINDS = tuple(registry.KINDS)
 
 
 def tiny_config(vocab_size: int = 16, hidden_size: int = 32, num_layers: int = 2) -> ModelConfig:

@@ -75,7 +75,7 @@ def check_step_shapes(cfg: Config):
     tg, tstate = nnx.split(target)
     tc = cfg.train
     tx, _ = make_optimizer(tc.lr, 1000)
-    loss_fn = make_loss_fn(dg, tg, cfg.drafter.kind, LossCoefs(), tc.anchor_chunk,
+    loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs(), tc.anchor_chunk,
                            jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None, tc.eagle3_steps)
     step = make_train_step(loss_fn, tx, tc.grad_accum)
     b, s, a, g = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors, registry.resolve(cfg.target.model, cfg.drafter).gamma
@@ -90,24 +90,14 @@ def check_step_shapes(cfg: Config):
 def activation_estimate(cfg: Config, micro_per_device: float) -> dict[str, float]:
     """Bytes per device of the largest live activations (analytic; see docs/tpu_memory.md)."""
     t, d, tc = cfg.target.model, registry.resolve(cfg.target.model, cfg.drafter), cfg.train
-    s, a, g, v, h = cfg.data.seq_len, cfg.data.num_anchors, d.gamma, t.vocab_size, t.hidden_size
+    s, a, h = cfg.data.seq_len, cfg.data.num_anchors, t.hidden_size
     bf = 2 if tc.compute_dtype == "bfloat16" else 4
     est = {
         # frozen target, no gradient: the scan keeps one layer's attention scores (fp32) and the residual
         "target forward (scores of one layer)": t.num_heads * s * s * 4 + 4 * s * h * bf,
         "target features + final hidden": (d.num_target_features + 1) * s * h * bf,
     }
-    if d.kind in ("dspark", "dflash"):
-        q = a * g
-        per_layer = t.num_heads * q * (s + g) * (4 + bf) + q * (3 * h + 3 * t.intermediate_size) * bf
-        est["drafter layers (kept for backward)"] = d.num_layers * per_layer
-        est["loss chunk (q, p, grads; fp32)"] = 6 * min(tc.anchor_chunk, a) * g * v * 4
-    elif d.kind == "eagle3":
-        steps = tc.eagle3_steps
-        est["TTT attention (all steps)"] = sum(t.num_heads * s * (k + 1) * s * (4 + bf) for k in range(steps))
-        est["TTT logits (one step, fp32)"] = 4 * s * v * 4 + s * v * 4
-    else:
-        est["MTP layer + logits"] = t.num_heads * s * s * (4 + bf) + 3 * s * v * 4
+    est.update(registry.get_kind(d.kind).activation_bytes(t, d, tc, s, a, bf))
     return {k: val * micro_per_device for k, val in est.items()}
 
 

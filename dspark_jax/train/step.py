@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dspark_jax.drafter import backbone, confidence, heads
+from dspark_jax.drafter import confidence, heads
+from dspark_jax.target.layers import lm_head_logits
 from dspark_jax.train.optim import adamw, warmup_cosine_schedule
 from dspark_jax.losses.dspark import LossCoefs, LossSums, combine, dspark_loss_sums
 
@@ -60,7 +61,7 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
         prev = _gather_rows(tokens, pos)
         labels = _gather_rows(tokens, pos + 1)
         t_rows = _gather_rows(target_hidden, pos)
-        t_logits = jnp.einsum("...h,hv->...v", t_rows, lm_head.astype(t_rows.dtype), preferred_element_type=jnp.float32)
+        t_logits = lm_head_logits(t_rows, lm_head)
         logits = heads.base_logits(p, h_c) + heads.head_bias_train(p, h_c, prev)
         z = confidence.confidence_logits(p, h_c, prev) if "conf_kernel" in p else None
         return dspark_loss_sums(logits, t_logits, labels, val_c, z, decay)
@@ -74,46 +75,20 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
     return acc
 
 
-def make_loss_fn(d_graphdef, t_graphdef, kind: str, coefs: LossCoefs, chunk: int, compute_dtype=None,
+def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, compute_dtype=None,
                  eagle3_steps: int = 7):
-    """(params, frozen, target_state, batch) -> (loss, (metrics, sums)) for any drafter kind.
-
-    dspark: CE + L1 + BCE (section 4); dflash: CE only; eagle3: the training-time test's
-    soft CE (section 6); mtp1: CE on x_{t+2}. `sums` is a LossSums for dspark/dflash
-    (held-out acceptance statistics) and None for the baselines.
-    """
+    """(params, frozen, target_state, batch) -> (loss, (metrics, sums)) for any drafter kind: the
+    frozen target runs once, then the kind's adapter (drafter/kinds/) computes its loss; `sums`
+    are held-out acceptance statistics (LossSums) for the block drafters and None otherwise."""
 
     def loss_fn(params, frozen, target_state, batch):
         drafter = nnx.merge(d_graphdef, params, frozen)
         target = nnx.merge(t_graphdef, target_state)
-        tokens = batch["tokens"]
-        ids = tuple(drafter.dcfg.target_layer_ids)
-        want_logits = kind == "eagle3"
-        out = target(tokens, valid=batch["seq_valid"], feature_layers=ids, return_logits=want_logits)
-        hidden = jax.lax.stop_gradient(out.hidden)
-        feats = None if out.features is None else jax.lax.stop_gradient(out.features)
-        p = drafter.arrays(compute_dtype)
-        if kind == "eagle3":
-            from dspark_jax.drafter.eagle3 import eagle3_logits, eagle3_loss, eagle3_train_hidden
-
-            h = eagle3_train_hidden(p, tokens, feats, batch["seq_valid"], cfg=drafter.cfg, ttt_steps=eagle3_steps)
-            loss, per_step = eagle3_loss(h, jax.lax.stop_gradient(out.logits), batch["loss_mask"],
-                                         logits_fn=lambda x: eagle3_logits(p, x))
-            metrics = {"loss": loss, **{f"step{i}": per_step[i] for i in range(min(3, per_step.shape[0]))}}
-            return loss, (metrics, None)
-        if kind == "mtp1":
-            from dspark_jax.drafter.mtp import mtp_loss, mtp_train_logits
-
-            logits = mtp_train_logits(p, tokens, hidden, batch["seq_valid"], cfg=drafter.cfg)
-            loss = mtp_loss(logits, tokens, batch["loss_mask"])
-            return loss, ({"loss": loss}, None)
-        ctx = backbone.fuse_context(p, feats, drafter.cfg)
-        h = backbone.backbone_train(p, drafter.cfg, tokens, ctx, batch["anchors"], batch["keep"], gamma=drafter.gamma,
-                                    mask_id=drafter.mask_token_id, window=drafter.dcfg.sliding_window)
-        sums = dspark_chunked_sums(p, h, tokens, hidden, p["lm_head"], batch["anchors"], batch["block_valid"], chunk, coefs.decay)
-        coefs_k = LossCoefs(ce=1.0, l1=0.0, conf=0.0, decay=coefs.decay) if kind == "dflash" else coefs
-        loss, metrics = combine(sums, coefs_k)
-        return loss, (metrics, sums)
+        out = target(batch["tokens"], valid=batch["seq_valid"], feature_layers=tuple(drafter.dcfg.target_layer_ids),
+                     return_logits=kind.needs_target_logits)
+        out = jax.tree.map(jax.lax.stop_gradient, out)
+        return kind.loss(drafter.arrays(compute_dtype), drafter, out, batch, coefs=coefs, chunk=chunk,
+                         ttt_steps=eagle3_steps)
 
     return loss_fn
 

@@ -21,6 +21,7 @@ from dspark_jax.config import Config
 from dspark_jax.config.loader import to_dict
 from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter import registry
+from dspark_jax.io import drafter_dir
 from dspark_jax.parallel.sharding import create_model, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from dspark_jax.train.metrics import MetricsLogger, progress_bar
@@ -118,7 +119,7 @@ def check_vocabulary(ds, vocab_size: int, name: str) -> None:
 
 def model_signature(drafter, target_cfg) -> dict:
     """What must match to resume: the drafter's shape and the target it belongs to."""
-    sig = registry.config_json(drafter)
+    sig = drafter_dir.config_json(drafter)
     sig.pop("param_dtype", None)
     sig["target"] = dataclasses.asdict(target_cfg)
     return json.loads(json.dumps(sig, default=str))
@@ -176,7 +177,7 @@ class Trainer:
         self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
         coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
-        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, dcfg.kind, coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
+        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind), coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
         self.train_step = jax.jit(make_train_step(loss_fn, self.tx, tc.grad_accum), donate_argnums=(0,),
@@ -233,7 +234,7 @@ class Trainer:
             return
         self._saved.add(step)
         meta = {"signature": self.signature, "config": to_dict(self.cfg), "step": step,
-                "drafter_config": registry.config_json(self.drafter)}
+                "drafter_config": drafter_dir.config_json(self.drafter)}
         self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
 
     # ------------------------------------------------------------------ evaluation
@@ -286,7 +287,7 @@ class Trainer:
         export = self.out / "drafter"
         if jax.process_index() == 0:
             local_export = self.local_out / "drafter"
-            registry.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
+            drafter_dir.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
             if is_remote(self.out):
                 copy_tree(local_export, export)
         return export

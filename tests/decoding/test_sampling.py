@@ -113,7 +113,7 @@ def test_batch_path_keeps_one_branch_under_per_row_vmap():
 
 def test_engine_draft_keeps_one_sampling_branch():
     from dspark_jax.engine import Engine
-    from dspark_jax.engine.drafts import draft
+    from dspark_jax.engine.round import draft
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
@@ -122,5 +122,5 @@ def test_engine_draft_keeps_one_sampling_branch():
                      **({"gamma": 1} if kind == "mtp1" else {}))
         st = eng.init_state()
         samp = eng.control().sampling
-        jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s.dcache, s.last, s.anchor, s.pos, s.keys, samp))(st)
+        jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s, s.keys, samp))(st)
         assert "cond[" in str(jaxpr), kind

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import Drafter, confidence_logits, head_bias_train, sample_block, soft_label
+from dspark_jax.drafter import Drafter, confidence_logits, head_bias_train, sample_block
+from dspark_jax.losses.dspark import soft_label
 from dspark_jax.drafter.heads import base_logits
 from dspark_jax.decoding.sampling import SamplingParams, sample, sampling_probs
 from dspark_jax.parallel.sharding import create_model

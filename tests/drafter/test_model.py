@@ -14,8 +14,10 @@ from flax import nnx
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import (
     Drafter, DrafterConfigError, Frozen, TargetMismatchError, attach_target, default_layer_ids, drafter_checkpoint_state,
-    load_drafter, resolve_layer_ids, save_drafter, trainable_state,
+    resolve_layer_ids, trainable_state,
 )
+from dspark_jax.io.drafter_dir import load as load_drafter
+from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.io.keymap import CheckpointMismatchError, flatten
 from dspark_jax.target import TargetModel
 from dspark_jax.target.config import ModelConfig

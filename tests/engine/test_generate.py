@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.drafter.model import save_drafter
+from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.engine import measure_accepted_length
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.engine.generate import main, read_prompts

@@ -37,8 +37,8 @@ from scipy import stats
 
 from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.engine import Engine
-from dspark_jax.engine.drafts import draft
-from dspark_jax.engine.round import round_step
+from dspark_jax.engine.round import draft, round_step
+from dspark_jax.testing import broken
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 
@@ -59,8 +59,8 @@ WARM_KEY = 100  # after two rounds the anchors are (0, 1, 1): the stale capacity
 
 
 def retroactive(a, active, ctl, a_stale, stale_valid):
-    """The lossy variant (scheduler.schedule_retroactive_lossy) as an engine policy."""
-    return scheduler.schedule_retroactive_lossy(a, active, ctl.table, mode="sps", cost="interp")
+    """The lossy variant (testing.broken.schedule_retroactive_lossy) as an engine policy."""
+    return broken.schedule_retroactive_lossy(a, active, ctl.table, mode="sps", cost="interp")
 
 
 VARIANTS = {  # name -> (engine policy, warm-up rounds before the tested round, verification times)
@@ -85,7 +85,7 @@ def numpy_lengths(name, a, a_stale, stale_valid, default_k):
     if name == "production":
         return scheduler.schedule_production_np(a, active, a_stale, stale_valid, tab, default_k,
                                                 mode="sps", cost="interp")[0]
-    return scheduler.schedule_retroactive_lossy_np(a, active, tab, mode="sps", cost="interp")
+    return broken.schedule_retroactive_lossy_np(a, active, tab, mode="sps", cost="interp")
 
 
 # ------------------------------------------------------------------ models and engines
@@ -166,7 +166,7 @@ def drafter_tables(eng, st, n_keys=512):
 
     @jax.jit
     def many(keys):
-        return jax.vmap(lambda k: draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, k, samp)[:3])(keys)
+        return jax.vmap(lambda k: draft(spec, dp, st, k, samp)[:3])(keys)
 
     keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.key(7), i), R))(jnp.arange(n_keys))
     toks, q, z = (np.asarray(x, np.float64) for x in many(keys))

@@ -12,7 +12,9 @@ from flax import nnx
 from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
 from dspark_jax.io.reference import ConversionError, main, read_reference, reference_tensors
-from dspark_jax.drafter import Drafter, attach_target, load_drafter, save_drafter
+from dspark_jax.drafter import Drafter, attach_target
+from dspark_jax.io.drafter_dir import load as load_drafter
+from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.drafter.backbone import fuse_context
 from dspark_jax.drafter.confidence import confidence_logits
 from dspark_jax.drafter.heads import head_bias_train

@@ -186,7 +186,7 @@ def test_bad_drafter_config(datasets, tmp_path, override, err, needle):
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
 def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
-    from dspark_jax.drafter import registry
+    from dspark_jax.io import drafter_dir
     from dspark_jax.train.run import prepare_target
 
     cfg = _cfg(datasets, tmp_path, f"drafter.kind={kind}", "train.steps=4", "train.eagle3_steps=2")
@@ -199,7 +199,7 @@ def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
     else:
         assert np.isfinite(ev["eval/loss"])
     target = prepare_target(cfg, None)
-    d = registry.load(tmp_path / "drafter", target.model)
+    d = drafter_dir.load(tmp_path / "drafter", target.model)
     assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
 
 

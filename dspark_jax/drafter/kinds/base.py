@@ -1,0 +1,91 @@
+"""What every drafter kind tells the rest of the system, in one place per kind.
+
+A kind is a stateless, hashable object (it sits in the engine's static `Spec`, the jit cache
+key). Its methods cover the drafter's whole life: resolve and build from the config, train
+(the loss), and decode (its state in the engine, prefill, draft, update after verification).
+Engine, trainer, planner and converter call these instead of branching on kind names;
+a new kind is one file under `drafter/kinds/` plus a line in `drafter/registry.py`.
+
+Engine conventions (see engine/state.py): slot r has committed x_0..x_p, anchor x_p at
+position p; the target cache holds positions < p. `dcache` is the kind's own cache and
+`last` its per-slot carry (whatever the kind needs from the previous verification).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = ["DraftShape", "DrafterKind"]
+
+
+class DraftShape(NamedTuple):
+    """The static facts of one drafter in an engine (hashable)."""
+
+    G: int  # draft tokens per round (the compiled block)
+    cfg: Any  # the kind's layer ModelConfig
+    feature_layers: tuple[int, ...]  # target layers whose outputs the drafter reads
+    mask_id: int = 0
+    window: int | None = None
+
+
+class DrafterKind:
+    """Base class: every method a kind must provide. Subclasses set `name`."""
+
+    name: str = ""
+    min_prompt_len: int = 1  # tokens a prompt needs before the first draft
+    has_confidence: bool = False  # drafts carry confidence logits the scheduler can use
+    needs_target_logits: bool = False  # the training loss reads the target's logits
+
+    def __hash__(self):
+        return hash((type(self), self.name))
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.name == other.name
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r})"
+
+    # ---------------------------------------------------------------- build
+    def resolve(self, target_cfg, dcfg):
+        """The fully resolved DrafterSection (what checkpoints record)."""
+        raise NotImplementedError
+
+    def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
+        """A freshly initialised module for a resolved `dcfg`."""
+        raise NotImplementedError
+
+    def owns(self, drafter) -> bool:
+        """Whether `drafter` (a module) is of this kind."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- train
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+        """(loss, (metrics, sums)); `sums` are held-out acceptance statistics (LossSums) or None."""
+        raise NotImplementedError
+
+    def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
+        """Analytic bytes of the kind's largest live training activations per sequence."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- decode
+    def draft_shape(self, drafter, target_cfg, gamma: int | None, layer_ids) -> DraftShape:
+        raise NotImplementedError
+
+    def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
+        """(dcache, last) for an engine of `num_slots` x `max_len`."""
+        raise NotImplementedError
+
+    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
+        """After the target prefilled x_0..x_{n-2}: the drafter's state for the joining rows.
+        feats [R, P, m, H] / hidden [R, P, H] of positions 0..P-1; tokens [R, P]; plen [R] = n."""
+        raise NotImplementedError
+
+    def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
+        """-> (tokens [R, G], q [R, G, V] (the exact distributions sampled from), z [R, G], dcache).
+        `keys` [R]: per-row keys, so a request's drafts never depend on other slots."""
+        raise NotImplementedError
+
+    def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
+        """After verification: the drafter sees the target's view of [old anchor, accepted drafts].
+        feats [R, G+1, m, H], hidden [R, G+1, H] of positions pos..pos+G; acc [R] accepted drafts."""
+        raise NotImplementedError

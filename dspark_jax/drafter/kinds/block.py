@@ -1,0 +1,107 @@
+"""DSpark and DFlash: the parallel block backbone, with (DSpark) or without (DFlash) the
+sequential Markov head and the confidence head (method note sections 2 and 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.drafter import backbone, heads
+from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.drafter.model import Drafter, resolve_config
+
+
+class BlockKind(DrafterKind):
+    """DSpark: the semi-autoregressive drafter (backbone + Markov / RNN head + confidence head)."""
+
+    name = "dspark"
+    has_confidence = True
+
+    def resolve(self, target_cfg, dcfg):
+        return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
+
+    def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
+        return Drafter(target_cfg, dcfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def owns(self, drafter) -> bool:
+        return isinstance(drafter, Drafter) and drafter.dcfg.kind == self.name
+
+    # ---------------------------------------------------------------- train
+    def loss_coefs(self, coefs):
+        return coefs
+
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+        from dspark_jax.losses.dspark import combine
+        from dspark_jax.train.step import dspark_chunked_sums
+
+        tokens = batch["tokens"]
+        ctx = backbone.fuse_context(params, target_out.features, drafter.cfg)
+        h = backbone.backbone_train(params, drafter.cfg, tokens, ctx, batch["anchors"], batch["keep"],
+                                    gamma=drafter.gamma, mask_id=drafter.mask_token_id,
+                                    window=drafter.dcfg.sliding_window)
+        sums = dspark_chunked_sums(params, h, tokens, target_out.hidden, params["lm_head"], batch["anchors"],
+                                   batch["block_valid"], chunk, coefs.decay)
+        loss, metrics = combine(sums, self.loss_coefs(coefs))
+        return loss, (metrics, sums)
+
+    def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
+        q = num_anchors * d.gamma
+        per_layer = t.num_heads * q * (seq_len + d.gamma) * (4 + act_bytes) \
+            + q * (3 * t.hidden_size + 3 * t.intermediate_size) * act_bytes
+        return {"drafter layers (kept for backward)": d.num_layers * per_layer,
+                "loss chunk (q, p, grads; fp32)": 6 * min(tc.anchor_chunk, num_anchors) * d.gamma * t.vocab_size * 4}
+
+    # ---------------------------------------------------------------- decode
+    def draft_shape(self, drafter, target_cfg, gamma, layer_ids) -> DraftShape:
+        G = drafter.gamma
+        if gamma is not None and gamma > G:
+            raise ValueError(f"gamma {gamma} exceeds the drafter's block size {G}: a {self.name} drafter drafts at "
+                             f"most its trained block; use gamma <= {G}")
+        return DraftShape(G, drafter.cfg, tuple(drafter.layer_ids), drafter.mask_token_id, drafter.dcfg.sliding_window)
+
+    def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
+        return drafter.init_cache(num_slots, max_len), jnp.zeros((num_slots, 1), dtype)
+
+    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
+        r, p = tokens.shape
+        col = jnp.arange(p, dtype=jnp.int32)[None]
+        valid = (col < plen[:, None] - 1) & join[:, None]
+        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, jnp.broadcast_to(col, (r, p)), valid), last
+
+    def draft_hidden(self, spec, dp, dcache, anchor, pos):
+        d = spec.draft
+        return backbone.draft_hidden(dp, d.cfg, dcache, anchor, pos, gamma=d.G, mask_id=d.mask_id, window=d.window)
+
+    def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
+        h = self.draft_hidden(spec, dp, dcache, anchor, pos)
+
+        def one(k, h_r, a_r, s_r):
+            t, q, z = heads.sample_block(k, dp, h_r[None], a_r[None], s_r, path)
+            return t[0], q[0], z[0]
+
+        toks, q, z = jax.vmap(one)(keys, h, anchor, sampling)
+        return toks, q, z, dcache
+
+    def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
+        col = jnp.arange(feats.shape[1], dtype=jnp.int32)[None]
+        valid = (col <= acc[:, None]) & active[:, None]
+        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, pos[:, None] + col, valid), last
+
+
+class DFlashKind(BlockKind):
+    """DFlash: the same backbone, slots sampled independently, no confidence head, CE loss only."""
+
+    name = "dflash"
+    has_confidence = False
+
+    def resolve(self, target_cfg, dcfg):
+        return super().resolve(target_cfg, dataclasses.replace(dcfg, markov_rank=0, confidence_head=False))
+
+    def loss_coefs(self, coefs):
+        return type(coefs)(ce=1.0, l1=0.0, conf=0.0, decay=coefs.decay)
+
+
+DSPARK = BlockKind()
+DFLASH = DFlashKind()

@@ -1,0 +1,72 @@
+"""Eagle3 (DeepSpec's variant, method note section 6): one layer over fused target features,
+drafting token by token with its own KV cache; trained with the training-time test."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dspark_jax.drafter import eagle3 as e3
+from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.drafter.kinds.recurrent import RecurrentKind
+from dspark_jax.drafter.model import default_layer_ids, resolve_layer_ids, validate_layer_ids
+
+DEFAULT_GAMMA = 7
+
+
+class Eagle3Kind(RecurrentKind):
+    name = "eagle3"
+    needs_target_logits = True
+
+    def resolve(self, target_cfg, dcfg):
+        ids = resolve_layer_ids(target_cfg, dcfg)
+        return dataclasses.replace(dcfg, kind=self.name, target_layer_ids=ids, num_target_features=len(ids),
+                                   num_layers=1, markov_rank=0, confidence_head=False)
+
+    def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
+        return e3.Eagle3Drafter(target_cfg, len(dcfg.target_layer_ids), rngs=rngs, ttt_steps=ttt_steps,
+                                param_dtype=param_dtype, dtype=dtype)
+
+    def owns(self, drafter) -> bool:
+        return isinstance(drafter, e3.Eagle3Drafter)
+
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+        h = e3.eagle3_train_hidden(params, batch["tokens"], target_out.features, batch["seq_valid"], cfg=drafter.cfg,
+                                   ttt_steps=ttt_steps)
+        loss, per_step = e3.eagle3_loss(h, target_out.logits, batch["loss_mask"],
+                                        logits_fn=lambda x: e3.eagle3_logits(params, x))
+        metrics = {"loss": loss, **{f"step{i}": per_step[i] for i in range(min(3, per_step.shape[0]))}}
+        return loss, (metrics, None)
+
+    def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
+        s, steps = seq_len, tc.eagle3_steps
+        return {"TTT attention (all steps)": sum(t.num_heads * s * (k + 1) * s * (4 + act_bytes) for k in range(steps)),
+                "TTT logits (one step, fp32)": 4 * s * t.vocab_size * 4 + s * t.vocab_size * 4}
+
+    def draft_shape(self, drafter, target_cfg, gamma, layer_ids) -> DraftShape:
+        dcfg = getattr(drafter, "dcfg", None)
+        G = gamma or getattr(dcfg, "gamma", None) or DEFAULT_GAMMA
+        if layer_ids is None and dcfg is not None:
+            layer_ids = dcfg.target_layer_ids  # recorded with the drafter (registry.build / load)
+        if layer_ids is None:
+            layer_ids = default_layer_ids(target_cfg.num_layers, drafter.m)
+        fl = validate_layer_ids(layer_ids, target_cfg.num_layers)
+        if len(fl) != drafter.m:
+            raise ValueError(f"Eagle3 drafter fuses {drafter.m} target layers but layer_ids {list(fl)} has {len(fl)}")
+        return DraftShape(G, target_cfg, fl)
+
+    def carry(self, feats, hidden):
+        return feats
+
+    def carry_zeros(self, drafter, target_cfg, num_slots: int, dtype):
+        return jnp.zeros((num_slots, drafter.m, target_cfg.hidden_size), dtype)
+
+    def commit(self, dp, dcache, carried, tokens, valid, cfg):
+        return e3.eagle3_update(dp, dcache, carried, tokens, valid, cfg=cfg)
+
+    def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
+        return e3.eagle3_draft(key, dp, dcache, last, anchor, pos, G, sampling, cfg=cfg, path=path)
+
+
+EAGLE3 = Eagle3Kind()

@@ -1,0 +1,55 @@
+"""MTP-1 (DeepSeek-V3 style, method note section 6): one causal layer over the target's final
+hidden state and the next token, one draft token per round, CE on x_{t+2}."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dspark_jax.drafter import mtp
+from dspark_jax.drafter.kinds.base import DraftShape
+from dspark_jax.drafter.kinds.recurrent import RecurrentKind
+
+
+class MTP1Kind(RecurrentKind):
+    name = "mtp1"
+
+    def resolve(self, target_cfg, dcfg):
+        return dataclasses.replace(dcfg, kind=self.name, target_layer_ids=(), num_target_features=0, num_layers=1,
+                                   gamma=1, markov_rank=0, confidence_head=False)
+
+    def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
+        return mtp.MTPDrafter(target_cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def owns(self, drafter) -> bool:
+        return isinstance(drafter, mtp.MTPDrafter)
+
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+        logits = mtp.mtp_train_logits(params, batch["tokens"], target_out.hidden, batch["seq_valid"], cfg=drafter.cfg)
+        loss = mtp.mtp_loss(logits, batch["tokens"], batch["loss_mask"])
+        return loss, ({"loss": loss}, None)
+
+    def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
+        s = seq_len
+        return {"MTP layer + logits": t.num_heads * s * s * (4 + act_bytes) + 3 * s * t.vocab_size * 4}
+
+    def draft_shape(self, drafter, target_cfg, gamma, layer_ids) -> DraftShape:
+        if gamma not in (None, 1):
+            raise ValueError(f"gamma {gamma} exceeds MTP-1's single draft token: use gamma 1")
+        return DraftShape(1, target_cfg, ())
+
+    def carry(self, feats, hidden):
+        return hidden
+
+    def carry_zeros(self, drafter, target_cfg, num_slots: int, dtype):
+        return jnp.zeros((num_slots, target_cfg.hidden_size), dtype)
+
+    def commit(self, dp, dcache, carried, tokens, valid, cfg):
+        return mtp.mtp_update(dp, dcache, carried, tokens, valid, cfg=cfg)
+
+    def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
+        return mtp.mtp_draft(key, dp, dcache, last, anchor, pos, sampling, cfg=cfg, path=path)
+
+
+MTP1 = MTP1Kind()

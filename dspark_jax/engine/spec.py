@@ -1,0 +1,45 @@
+"""The static description of a compiled engine (hashable: the jit cache key).
+
+Everything the drafter kind decides lives behind `Spec.kind` (drafter/kinds/): the round calls
+`spec.kind.prefill / draft / update` whatever the kind; `kind` is None for target-only decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from dspark_jax.decoding import rejection
+from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.target.config import ModelConfig
+
+__all__ = ["Spec"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: DrafterKind | None  # the drafter's adapter; None = target-only
+    draft: DraftShape | None  # the drafter's static facts (block size, layer config, feature layers)
+    tcfg: ModelConfig  # target
+    buckets: tuple[int, ...]
+    max_len: int
+    policy: Callable
+    verify: Callable = rejection.verify  # batched rejection sampling (tests inject broken variants)
+    skip_drafting: str | None = None  # None | "best_case" | "known": when to skip the draft (engine.py)
+    theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
+    probe_every: int = 8  # "known" rule: first probe interval (rounds) to refresh the survivals ...
+    probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
+
+    @property
+    def G(self) -> int:
+        """Compiled block size (draft tokens per round); 0 for target-only."""
+        return 0 if self.draft is None else self.draft.G
+
+    @property
+    def Gs(self) -> int:
+        """Width of confidence / survival arrays (>= 1 so target-only still has shapes)."""
+        return max(self.G, 1)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return () if self.draft is None else self.draft.feature_layers
