@@ -17,13 +17,15 @@ Without --drafter a random drafter is used (speed / tau then only measure the ma
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dspark_jax.drafter import registry
+from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
 
 
 def _args(argv):
@@ -77,7 +79,7 @@ def _random_drafter(target, gamma, markov_rank, seed=0):
 
     tok = target.tokenizer
     L = target.cfg.num_layers
-    dcfg = DrafterSection(kind="dspark" if markov_rank else "dflash", num_layers=2, gamma=gamma,
+    dcfg = DrafterSection(kind=(DSPARK if markov_rank else DFLASH).name, num_layers=2, gamma=gamma,
                           target_layer_ids=tuple(sorted({1, L // 2, L - 2})), markov_rank=markov_rank,
                           mask_token_id=(tok.mask_id if tok is not None and tok.mask_id is not None
                                          else target.cfg.vocab_size - 1))
@@ -220,8 +222,8 @@ def main(argv=None) -> int:
     if "speed" in sections:
         bench_speed(target, drafter, prompts, args, out)
     if "tau" in sections:
-        ds = {"dspark": drafter}
-        for kind in ("dflash", "eagle3", "mtp1"):
+        ds = {DSPARK.name: drafter}
+        for kind in (k for k in registry.KINDS if k != DSPARK.name):
             if getattr(args, kind, None):
                 ds[kind] = load_drafter(getattr(args, kind), target)
         bench_tau(target, ds, prompts, args, out, tok.stop_ids)

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up (default 10)")
     args = ap.parse_args(argv)
     from dspark_jax.config import from_cli
-    from dspark_jax.data.pipeline import make_example, RecordSpec
+    from dspark_jax.data.pipeline import make_example
     from dspark_jax.train.run import prepare_target
     from dspark_jax.train.trainer import Trainer
 

@@ -47,7 +47,6 @@ def ece(probs, labels, n_bins: int = 20) -> float:
     if p.size == 0:
         return 0.0
     idx = np.clip(np.floor(p * n_bins).astype(np.int64), 0, n_bins - 1)
-    cnt = np.bincount(idx, minlength=n_bins)
     sp = np.bincount(idx, weights=p, minlength=n_bins)
     sy = np.bincount(idx, weights=y, minlength=n_bins)
     return float(np.sum(np.abs(sp - sy)) / p.size)  # sum_b n_b/N |mean p_b - mean y_b|

@@ -254,8 +254,9 @@ def synthetic_traces(n_requests: int = 64, rounds_per_request: int = 64, gamma: 
     p = dict(SYNTHETIC_PRESETS[kind])
     mu0 = p["mu0"] if mu0 is None else mu0
     decay = p["decay"] if decay is None else decay
-    if kind == "mtp1":
-        gamma = 1
+    from dspark_jax.drafter.registry import get_kind
+
+    gamma = min(gamma, get_kind(kind).max_gamma or gamma)
     rng = np.random.default_rng(seed)
     n = n_requests * rounds_per_request
     u = np.repeat(rng.normal(0.0, req_sd, n_requests), rounds_per_request)

@@ -66,10 +66,10 @@ def context_mask(anchors, keep, num_ctx: int, window: int | None = None):
     """[..., A] anchors -> [..., A, num_ctx] bool: context position s visible to the block at p
     iff s < p (and s >= p - window with a sliding window) and the block is kept."""
     s = jnp.arange(num_ctx, dtype=jnp.int32)
-    p = anchors[..., None].astype(jnp.int32)
-    m = s < p
+    anchor = anchors[..., None].astype(jnp.int32)
+    m = s < anchor
     if window is not None:
-        m = m & (s >= p - window)
+        m = m & (s >= anchor - window)
     return m & keep[..., None]
 
 

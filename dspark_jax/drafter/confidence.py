@@ -7,7 +7,6 @@ previous draft token (see heads.sample_block).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 __all__ = ["prev_embed", "confidence_logits"]

@@ -7,36 +7,23 @@ Parameter names are fixed (the converter and trainer rely on them): `embed`, `lm
 [H+r,1] (or [H,1] without a Markov head) / `conf_bias`. Kernels are in `x @ W` layout.
 
 The module only holds weights; the math lives in backbone.py / heads.py /
-confidence.py as pure functions over `Drafter.arrays(dtype)`, and the methods here are
-thin wrappers.
-
-On-disk drafter (for now; the trainer adds orbax checkpoints): a directory with
-`drafter.safetensors` (Params only, our paths joined with dots, e.g. `layers.q_proj`)
-and `drafter_config.json` (the resolved DrafterSection + the target fingerprint).
+confidence.py as pure functions over `Drafter.arrays(dtype)`, called by the kind's
+adapter (kinds/block.py). On disk: dspark_jax.io.drafter_dir.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 from flax import nnx
 
-from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
-from dspark_jax.drafter import backbone, confidence, heads
-from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
-from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
+from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.transformer import DecoderStack
-from dspark_jax.decoding.sampling import SamplingParams
 
 INIT_STD = 0.02
 FORMAT = "dspark_jax.drafter/1"
@@ -209,46 +196,7 @@ class Drafter(nnx.Module):
                 out[name] = v[...]
         return jax.tree.map(lambda a: a.astype(dtype), out)
 
-    # -- backbone
-    def fuse_context(self, features):
-        """features [..., m, H] -> ctx [..., H]."""
-        return backbone.fuse_context(self.arrays(), features, self.cfg)
-
-    def train_hidden(self, tokens, features, anchors, keep):
-        """tokens [B,S], features [B,S,m,H], anchors/keep [B,A] -> h [B,A,G,H] (post final norm)."""
-        p = self.arrays()
-        ctx = backbone.fuse_context(p, features, self.cfg)
-        return backbone.backbone_train(p, self.cfg, tokens, ctx, anchors, keep, gamma=self.gamma,
-                                       mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
-
+    # -- inference state
     def init_cache(self, num_slots: int, max_len: int, dtype=None) -> KVCache:
         """Empty drafter context cache (context K/V only), one layer per drafter layer."""
         return KVCache.create(self.cfg, num_slots, max_len, dtype or self._dtype(), num_layers=self.dcfg.num_layers)
-
-    def update_context(self, cache: KVCache, features, positions, valid) -> KVCache:
-        return backbone.update_context(self.arrays(), self.cfg, cache, features, positions, valid)
-
-    def draft_hidden(self, cache: KVCache, anchor_tok, anchor_pos):
-        return backbone.draft_hidden(self.arrays(), self.cfg, cache, anchor_tok, anchor_pos, gamma=self.gamma,
-                                     mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
-
-    # -- heads
-    def base_logits(self, h):
-        return heads.base_logits(self.arrays(), h)
-
-    def head_bias_train(self, h, prev_tokens):
-        return heads.head_bias_train(self.arrays(), h, prev_tokens)
-
-    def confidence_logits(self, h, prev_tokens):
-        return confidence.confidence_logits(self.arrays(), h, prev_tokens)
-
-    def sample_block(self, key, h, anchor, sampling: SamplingParams = SamplingParams()):
-        return heads.sample_block(key, self.arrays(), h, anchor, sampling)
-
-    def draft(self, key, cache: KVCache, anchor_tok, anchor_pos, sampling: SamplingParams = SamplingParams()):
-        """One inference draft: backbone on the cached context + sequential sampling.
-        Returns (tokens [R,G], q [R,G,V], z [R,G])."""
-        p = self.arrays()
-        h = backbone.draft_hidden(p, self.cfg, cache, anchor_tok, anchor_pos, gamma=self.gamma,
-                                  mask_id=self.mask_token_id, window=self.dcfg.sliding_window)
-        return heads.sample_block(key, p, h, anchor_tok, sampling)

@@ -13,7 +13,6 @@ and stop ids are traced: switching them never recompiles.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field

@@ -17,14 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ("ar", "dspark", "dflash", "eagle3", "mtp1")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
-    ap.add_argument("--mode", default=None, choices=MODES, help="default: the drafter's kind, or ar without a drafter")
+    from dspark_jax.drafter.registry import KINDS
+
+    ap.add_argument("--mode", default=None, choices=("ar", *KINDS), help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
     ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"),

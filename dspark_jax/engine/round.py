@@ -54,16 +54,16 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
     The target forwards x_0..x_{n-2} (the last prompt token becomes the first anchor, forwarded
     by the first round's verification), the drafter context is written from its features.
     """
-    r, p = tokens.shape
-    col = jnp.arange(p, dtype=jnp.int32)[None]
-    positions = jnp.broadcast_to(col, (r, p))
+    r, n = tokens.shape
+    col = jnp.arange(n, dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(col, (r, n))
     valid = (col < plen[:, None] - 1) & join[:, None]
     fo = tmodel_apply(tokens, positions, valid, st.cache, spec.feature_layers)
     cache = fo.cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
     dcache, last = st.dcache, st.last
     if spec.kind is not None:
         dcache, last = spec.kind.prefill(spec, dp, dcache, last, fo.features, fo.hidden, tokens, plen, join)
-    anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, p - 1)]
+    anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
     z = lambda a: jnp.where(join, 0, a)
     return st._replace(
         cache=cache, dcache=dcache, last=last,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.decoding.sampling import SamplingParams

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-KIND_ORDER = ("dspark", "dflash", "eagle3", "mtp1")
-KIND_COLOR = {"dspark": "C0", "dflash": "C1", "eagle3": "C2", "mtp1": "C3"}
+from dspark_jax.drafter import registry
+
+KIND_ORDER = tuple(registry.KINDS)
+KIND_COLOR = {k: f"C{i}" for i, k in enumerate(KIND_ORDER)}
 MIN_SUPPORT = 30  # conditional acceptance resting on fewer rounds is drawn hollow
 _NAME = re.compile(r"^(?P<kind>[a-z0-9]+?)_g(?P<gamma>\d+)(?:_d(?P<depth>\d+))?$")
 
@@ -97,9 +99,14 @@ def _drafter_config_from_command(command: str, dname: str) -> dict | None:
     return None
 
 
+def _block(cell) -> bool:
+    """A cell of a block drafter (DSpark / DFlash: the gamma and depth sweeps)."""
+    return cell["kind"] in registry.KINDS and registry.get_kind(cell["kind"]).drafts_in_parallel
+
+
 def sort_cells(cells: list[dict]) -> list[dict]:
     """Gamma sweep at depth 2 first, then the other depths, then other kinds (Eagle3)."""
-    k = lambda c: (c["kind"] not in ("dspark", "dflash"), c["depth"] != 2, c["depth"] or 0, c["gamma"],
+    k = lambda c: (not _block(c), c["depth"] != 2, c["depth"] or 0, c["gamma"],
                    KIND_ORDER.index(c["kind"]) if c["kind"] in KIND_ORDER else 99, c["name"])
     return sorted(cells, key=k)
 
@@ -183,7 +190,7 @@ def sts_table(cells) -> str:
 
 def sweeps(cells) -> list[tuple[str, list[dict]]]:
     """(title, cells) rows of the conditional-acceptance figure; falls back to one row of all cells."""
-    two = [c for c in cells if c["kind"] in ("dspark", "dflash")]
+    two = [c for c in cells if _block(c)]
     out = []
     g = [c for c in two if c["depth"] == 2]
     if len({c["gamma"] for c in g}) > 1:
@@ -191,7 +198,7 @@ def sweeps(cells) -> list[tuple[str, list[dict]]]:
     d = [c for c in two if c["gamma"] == 7]
     if len({c["depth"] for c in d}) > 1:
         out.append(("depth sweep, gamma 7", d))
-    k = [c for c in cells if c["gamma"] == 7 and (c["depth"] == 2 or c["kind"] not in ("dspark", "dflash"))]
+    k = [c for c in cells if c["gamma"] == 7 and (c["depth"] == 2 or not _block(c))]
     if len({c["kind"] for c in k}) > 1:
         out.append(("kinds at gamma 7", k))
     return out or [("all cells", list(cells))]

@@ -22,9 +22,11 @@ from flax import nnx
 
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.kinds.block import DSPARK
 from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
 from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.io import safetensors_io
+from dspark_jax.io.jsonfile import read_json
 from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
 
 __all__ = ["FORMAT", "WEIGHTS_FILE", "CONFIG_FILE", "config_json", "read_config", "save", "load", "param_shapes",
@@ -55,7 +57,7 @@ def _config_from_json(data: dict, source: str) -> tuple[DrafterSection, str | No
                                  f"expected {FORMAT!r})")
     fields = {f.name for f in dataclasses.fields(DrafterSection)}
     kw = {k: v for k, v in data.items() if k in fields}
-    kw.setdefault("kind", "dspark")  # the first format had DSpark / DFlash only and always wrote it; be lenient
+    kw.setdefault("kind", DSPARK.name)  # every version wrote it; a hand-written config without it means DSpark
     kw["target_layer_ids"] = tuple(kw.get("target_layer_ids") or ())
     try:
         return DrafterSection(**kw), data.get("target_fingerprint")
@@ -71,7 +73,7 @@ def read_config(path: str | Path) -> tuple[DrafterSection, str | None]:
         raise FileNotFoundError(f"'{path}' is not a dspark_jax drafter directory (needs {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE}); train one with `python -m dspark_jax.train` or import a "
                                 "DeepSpec checkpoint with `python -m dspark_jax.convert import`")
-    return _config_from_json(json.loads(cfg_file.read_text()), str(cfg_file))
+    return _config_from_json(read_json(cfg_file, DrafterConfigError), str(cfg_file))
 
 
 def save(drafter, path: str | Path) -> None:

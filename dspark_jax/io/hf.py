@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.io import safetensors_io
+from dspark_jax.io.jsonfile import read_json
 from dspark_jax.io.keymap import KeyRule, export_tensors, flatten, import_tensors
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.transformer import TargetModel, layer_param_shapes
@@ -83,10 +84,7 @@ def read_config(path: str | Path) -> tuple[dict, ModelConfig]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise NotACheckpointError(f"'{path}' is not a Hugging Face checkpoint directory: it has no config.json")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise NotACheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
+    hf = read_json(cfg_file, NotACheckpointError)
     return hf, ModelConfig.from_hf(hf)
 
 

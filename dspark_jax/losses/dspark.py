@@ -13,6 +13,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.drafter import confidence, heads
+from dspark_jax.target.layers import lm_head_logits
+
 
 class LossCoefs(NamedTuple):
     ce: float = 0.1
@@ -81,3 +84,42 @@ def combine(sums: LossSums, coefs: LossCoefs) -> tuple[jnp.ndarray, dict]:
     ce, l1, conf = sums.ce / den, sums.l1 / den, sums.conf / den
     total = coefs.ce * ce + coefs.l1 * l1 + coefs.conf * conf
     return total, {"loss": total, "ce": ce, "l1": l1, "conf_bce": conf}
+
+
+def _gather_rows(x, idx):
+    """x [B,S,...], idx [B,...] (positions) -> x at those positions, idx clipped into range."""
+    s = x.shape[1]
+    flat = jnp.clip(idx, 0, s - 1).reshape(idx.shape[0], -1)
+    out = jnp.take_along_axis(x, flat.reshape(*flat.shape, *([1] * (x.ndim - 2))), axis=1)
+    return out.reshape(*idx.shape, *x.shape[2:])
+
+
+def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, block_valid, chunk: int, decay: float) -> LossSums:
+    """Loss sums over anchor chunks (rematerialised). h [B,A,G,H]; target_hidden [B,S,H]."""
+    b, a, g, _ = h.shape
+    chunk = min(chunk, a)
+    if a % chunk:
+        raise ValueError(f"train.anchor_chunk ({chunk}) must divide data.num_anchors ({a})")
+    n = a // chunk
+    j = jnp.arange(g, dtype=jnp.int32)
+    split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one(xs):
+        h_c, anc_c, val_c = xs
+        pos = anc_c[..., None] + j  # [B,c,G]: slot j's previous token / target row
+        prev = _gather_rows(tokens, pos)
+        labels = _gather_rows(tokens, pos + 1)
+        t_rows = _gather_rows(target_hidden, pos)
+        t_logits = lm_head_logits(t_rows, lm_head)
+        logits = heads.base_logits(p, h_c) + heads.head_bias_train(p, h_c, prev)
+        z = confidence.confidence_logits(p, h_c, prev) if "conf_kernel" in p else None
+        return dspark_loss_sums(logits, t_logits, labels, val_c, z, decay)
+
+    def body(acc, xs):
+        return jax.tree.map(jnp.add, acc, one(xs)), None
+
+    zeros = jax.eval_shape(one, jax.tree.map(lambda x: x[0], (split(h), split(anchors), split(block_valid))))
+    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+    acc, _ = jax.lax.scan(body, acc0, (split(h), split(anchors), split(block_valid)))
+    return acc

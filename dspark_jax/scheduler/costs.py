@@ -42,6 +42,9 @@ from typing import Callable
 
 import numpy as np
 
+from dspark_jax.drafter.registry import KINDS as KIND_NAMES
+from dspark_jax.drafter.registry import get_kind
+from dspark_jax.io.jsonfile import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
@@ -91,10 +94,7 @@ def load_cost_file(path, expect_backend=None, expect_buckets=None) -> dict:
     path = Path(path)
     if not path.exists():
         raise CostTableError(f"cost table {path} does not exist")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CostTableError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path, CostTableError)
     _check(d, str(path), expect_backend, expect_buckets)
     return d
 
@@ -240,7 +240,7 @@ def _prefilled(engine, k: int, seed: int = 0):
     import jax
 
     S, G, V = engine.S, engine.G, engine.target.cfg.vocab_size
-    n = max(min(S // 2 - G, S - G - 2), 2 if engine.mode in ("eagle3", "mtp1") else 1)
+    n = max(min(S // 2 - G, S - G - 2), 1 if engine.kind is None else engine.kind.min_prompt_len)
     prompts = [[(7 * i + 3 * j + 1) % V for j in range(n)] for i in range(k)]
     kd = jax.random.key_data(jax.random.split(jax.random.key(seed), k))
     return engine.prefill_slots(engine.init_state(), list(range(k)), prompts, kd, [S] * k)
@@ -383,11 +383,12 @@ def draft_time_for(d: dict, n_requests: int, kind: str = "dspark", scale_if_miss
     if per is not None:
         return float(np.interp(n_requests, per["draft_requests"], per["t_draft_by_requests"]))
     base = draft_time_at(d, n_requests)
-    return base if kind in ("dspark", "dflash") else scale_if_missing * base
+    return base if get_kind(kind).drafts_in_parallel else scale_if_missing * base
 
 
 def _build_engine(args):
     """A random-init engine of the requested size (timing does not depend on the weights' values)."""
+    from dspark_jax.drafter.kinds.eagle3 import EAGLE3
     from dspark_jax.engine import Engine
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
@@ -400,7 +401,7 @@ def _build_engine(args):
     target = tiny_target(cfg)
     drafter = None if args.drafter == "none" else tiny_drafter(args.drafter, target, gamma=args.gamma)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
-    e3 = args.drafter == "eagle3"  # engine.testing's Eagle3 drafter fuses target layer 0
+    e3 = args.drafter == EAGLE3.name  # testing.tiny's Eagle3 drafter fuses target layer 0
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
               policy=verify_gamma_policy)
     eng = Engine(target, drafter, num_slots=args.num_slots, buckets=buckets, **kw)
@@ -460,7 +461,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
     m.add_argument("--model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
-    m.add_argument("--drafter", default="dspark", choices=["dspark", "dflash", "eagle3", "mtp1", "none"])
+    m.add_argument("--drafter", default="dspark", choices=[*KIND_NAMES, "none"])
     m.add_argument("--num-slots", type=int, default=8)
     m.add_argument("--gamma", type=int, default=7)
     m.add_argument("--max-len", type=int, default=256)

@@ -8,8 +8,6 @@ anti-correlated with the target).
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterSection

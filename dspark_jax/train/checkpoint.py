@@ -9,7 +9,6 @@ and exits cleanly, so a restart resumes exactly.
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path

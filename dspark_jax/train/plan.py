@@ -13,14 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AbstractMesh
 
 from dspark_jax.config import Config, from_cli
-from dspark_jax.config.loader import to_dict
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.target import TargetModel
-from dspark_jax.parallel.sharding import MESH_AXES, logical_to_pspec
+from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.losses.dspark import LossCoefs
 from dspark_jax.train.step import TrainState, make_loss_fn, make_optimizer, make_train_step
 

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterSection
+from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter import (
     Drafter, DrafterConfigError, Frozen, TargetMismatchError, attach_target, default_layer_ids, drafter_checkpoint_state,
     resolve_layer_ids, trainable_state,
@@ -88,8 +89,11 @@ def test_frozen_weights_are_the_targets_and_out_of_training(drafters, micro_targ
     assert not any(getattr(x, "shape", ()) in ((V, H), (H, V)) for _, x in leaves)
 
     def loss(model):
-        h = model.train_hidden(jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8, 1, H)), jnp.array([[3]]), jnp.array([[True]]))
-        return model.base_logits(h).sum() + model.head_bias_train(h, jnp.zeros((1, 1, 4), jnp.int32)).sum()
+        p = model.arrays()
+        ctx = backbone.fuse_context(p, jnp.ones((1, 8, 1, H)), model.cfg)
+        h = backbone.backbone_train(p, model.cfg, jnp.zeros((1, 8), jnp.int32), ctx, jnp.array([[3]]),
+                                    jnp.array([[True]]), gamma=model.gamma, mask_id=model.mask_token_id)
+        return heads.base_logits(p, h).sum() + heads.head_bias_train(p, h, jnp.zeros((1, 1, 4), jnp.int32)).sum()
 
     grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param)))(d)
     assert "embed" not in grads and "lm_head" not in grads

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
 from dspark_jax.drafter.model import Drafter, resolve_config
+from dspark_jax.losses.dspark import combine, dspark_chunked_sums
 
 
 class BlockKind(DrafterKind):
@@ -18,6 +19,7 @@ class BlockKind(DrafterKind):
 
     name = "dspark"
     has_confidence = True
+    drafts_in_parallel = True
 
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
@@ -33,9 +35,6 @@ class BlockKind(DrafterKind):
         return coefs
 
     def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
-        from dspark_jax.losses.dspark import combine
-        from dspark_jax.train.step import dspark_chunked_sums
-
         tokens = batch["tokens"]
         ctx = backbone.fuse_context(params, target_out.features, drafter.cfg)
         h = backbone.backbone_train(params, drafter.cfg, tokens, ctx, batch["anchors"], batch["keep"],
@@ -65,10 +64,10 @@ class BlockKind(DrafterKind):
         return drafter.init_cache(num_slots, max_len), jnp.zeros((num_slots, 1), dtype)
 
     def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
-        r, p = tokens.shape
-        col = jnp.arange(p, dtype=jnp.int32)[None]
+        r, n = tokens.shape
+        col = jnp.arange(n, dtype=jnp.int32)[None]
         valid = (col < plen[:, None] - 1) & join[:, None]
-        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, jnp.broadcast_to(col, (r, p)), valid), last
+        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, jnp.broadcast_to(col, (r, n)), valid), last
 
     def draft_hidden(self, spec, dp, dcache, anchor, pos):
         d = spec.draft

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from dspark_jax.drafter import eagle3 as e3
-from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.drafter.kinds.base import DraftShape
 from dspark_jax.drafter.kinds.recurrent import RecurrentKind
 from dspark_jax.drafter.model import default_layer_ids, resolve_layer_ids, validate_layer_ids
 

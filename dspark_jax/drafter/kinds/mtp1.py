@@ -14,10 +14,11 @@ from dspark_jax.drafter.kinds.recurrent import RecurrentKind
 
 class MTP1Kind(RecurrentKind):
     name = "mtp1"
+    max_gamma = 1
 
     def resolve(self, target_cfg, dcfg):
         return dataclasses.replace(dcfg, kind=self.name, target_layer_ids=(), num_target_features=0, num_layers=1,
-                                   gamma=1, markov_rank=0, confidence_head=False)
+                                   gamma=self.max_gamma, markov_rank=0, confidence_head=False)
 
     def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
         return mtp.MTPDrafter(target_cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)

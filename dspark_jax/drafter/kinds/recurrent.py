@@ -42,14 +42,14 @@ class RecurrentKind(DrafterKind):
                 self.carry_zeros(drafter, spec.tcfg, num_slots, dtype))
 
     def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
-        r, p = tokens.shape
-        col = jnp.arange(p, dtype=jnp.int32)[None]
+        r, n = tokens.shape
+        col = jnp.arange(n, dtype=jnp.int32)[None]
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((r, 1), jnp.int32)], axis=1)
         valid = (col < plen[:, None] - 2) & join[:, None]
         dcache = dcache.with_lengths(jnp.where(join, 0, dcache.lengths))
         carried = self.carry(feats, hidden)
         dcache = self.commit(dp, dcache, carried, nxt, valid, spec.tcfg)
-        new_last = carried[jnp.arange(r), jnp.clip(plen - 2, 0, p - 1)]
+        new_last = carried[jnp.arange(r), jnp.clip(plen - 2, 0, n - 1)]
         return dcache, _where_rows(join, new_last, last)
 
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):

@@ -1,0 +1,31 @@
+"""`python -m dspark_jax`: the commands, each run as `python -m dspark_jax.<command> --help` for its options."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default",
+    "train.plan": "sharding check and per-device memory estimate of a preset, no devices needed",
+    "embedded": "build / locate / verify / report the embedded default target",
+    "regenerate": "regenerate assistant turns with the target into a training dataset",
+    "generate": "speculative (or target-only) decoding of prompts",
+    "eval": "tau with intervals, conditional acceptance, calibration report and plots",
+    "calibrate": "fit Sequential Temperature Scaling on engine traces",
+    "costs": "measure / show verification cost tables",
+    "simulate": "serving simulation of the schedulers under concurrency",
+    "convert": "import / export DeepSpec reference-layout drafters",
+    "bench": "benchmarks (regen, train, engine, grid)",
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    print("usage: python -m dspark_jax.<command> [options]\n\ncommands:")
+    for name, what in COMMANDS.items():
+        print(f"  {name:<11} {what}")
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
