@@ -4,8 +4,8 @@
     res = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=64, sampling=SamplingParams(0.7, 20, 0.8))
     res.results[0].tokens, res.results[0].tau
 
-The mode follows the drafter: `Drafter` (kind dspark / dflash), `Eagle3Drafter`,
-`MTPDrafter`, or None (target-only autoregressive decoding). Compiled programs: one round
+What the drafter does in a round comes from its kind's adapter (drafter/kinds/, found by
+`registry.kind_of`); None is target-only autoregressive decoding. Compiled programs: one round
 (all verification buckets inside one `lax.switch`), one prefill per prompt-length bucket,
 optionally one `lax.while_loop` of rounds. Sampling settings, gamma, threshold, cost table
 and stop ids are traced: switching them never recompiles.
@@ -139,7 +139,7 @@ class Engine:
         self.target, self.drafter = tmodel, drafter
         tcfg = tmodel.cfg
         self.kind = None if drafter is None else (kind or kind_of_drafter(drafter))
-        mode = drafter_mode(drafter)
+        mode = "ar" if self.kind is None else self.kind.name
         shape = None
         if drafter is not None:
             check_target(getattr(drafter, "target_fingerprint", None), tmodel, f"{mode} drafter")

@@ -30,12 +30,6 @@ class CheckpointMismatchError(ValueError):
     pass
 
 
-def _get(tree: dict, path: str):
-    for part in path.split("."):
-        tree = tree[part]
-    return tree
-
-
 def _set(tree: dict, path: str, value):
     parts = path.split(".")
     for part in parts[:-1]:

@@ -38,9 +38,6 @@ class _Silent:
     def set_postfix(self, *a, **k):
         pass
 
-    def set_description(self, *a, **k):
-        pass
-
     def close(self):
         pass
 

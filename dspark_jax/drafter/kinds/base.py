@@ -33,7 +33,6 @@ class DrafterKind:
 
     name: str = ""
     min_prompt_len: int = 1  # tokens a prompt needs before the first draft
-    has_confidence: bool = False  # drafts carry confidence logits the scheduler can use
     needs_target_logits: bool = False  # the training loss reads the target's logits
     drafts_in_parallel: bool = False  # one drafter forward per round, whatever gamma (block drafters)
     max_gamma: int | None = None  # draft tokens per round the kind can make at most (None: any)

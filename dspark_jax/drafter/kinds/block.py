@@ -18,7 +18,6 @@ class BlockKind(DrafterKind):
     """DSpark: the semi-autoregressive drafter (backbone + Markov / RNN head + confidence head)."""
 
     name = "dspark"
-    has_confidence = True
     drafts_in_parallel = True
 
     def resolve(self, target_cfg, dcfg):
@@ -93,7 +92,6 @@ class DFlashKind(BlockKind):
     """DFlash: the same backbone, slots sampled independently, no confidence head, CE loss only."""
 
     name = "dflash"
-    has_confidence = False
 
     def resolve(self, target_cfg, dcfg):
         return super().resolve(target_cfg, dataclasses.replace(dcfg, markov_rank=0, confidence_head=False))
