@@ -108,7 +108,7 @@ def tiny_dspark_drafter_dir(embedded_tiny_dir, tmp_path_factory):
 
     from dspark_jax.config import DrafterSection
     from dspark_jax.drafter import registry
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.drafter.frozen import attach_target
     from dspark_jax.io.hf import load_target
     from dspark_jax.parallel.sharding import create_model
@@ -119,5 +119,5 @@ def tiny_dspark_drafter_dir(embedded_tiny_dir, tmp_path_factory):
     d = create_model(lambda: registry.build(t.cfg, dcfg, rngs=nnx.Rngs(3)))
     attach_target(d, t.model)
     out = tmp_path_factory.mktemp("drafter") / "dspark"
-    drafter_dir.save(d, out)
+    drafter_io.save(d, out)
     return out

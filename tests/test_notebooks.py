@@ -29,10 +29,10 @@ def test_quickstart_notebook(embedded_tiny_dir, tmp_path, monkeypatch):
     res = json.loads((tmp_path / "q" / "results.json").read_text())
     assert res["tau"] >= 1.0 and res["measured_tau"] >= 1.0
     assert (tmp_path / "q" / "acceptance.png").is_file()
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.io.hf import load_target
 
-    drafter_dir.load(res["drafter"], load_target(embedded_tiny_dir).model)  # the checkpoint loads
+    drafter_io.load(res["drafter"], load_target(embedded_tiny_dir).model)  # the checkpoint loads
 
 
 def test_byo_qwen3_notebook(embedded_tiny_dir, tmp_path, monkeypatch):

@@ -369,7 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
     from dspark_jax.calibration.calibrate import CalibrationMissingError, load_temperatures
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.drafter.frozen import TargetMismatchError
     from dspark_jax.engine.generate import load_models
     from dspark_jax.decoding.sampling import SamplingParams
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
         drafters = {}
         for spec in args.drafter:
             name, _, path = spec.rpartition("=")
-            d = drafter_dir.load(path, target.model)
+            d = drafter_io.load(path, target.model)
             try:  # stored STS temperatures for this sampling setting, if any
                 temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
             except CalibrationMissingError:

@@ -34,7 +34,7 @@ from dspark_jax.drafter.frozen import trainable_state
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
 from dspark_jax.drafter.model import HEAD_TYPES, Drafter, DrafterConfigError, validate_layer_ids
-from dspark_jax.io import drafter_dir
+from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.io.hf import decoder_layer_rules
 from dspark_jax.io.keymap import CheckpointMismatchError, KeyRule, export_tensors, import_tensors
 from dspark_jax.target.config import ModelConfig
@@ -174,7 +174,7 @@ def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "con
 
 
 def _expected(target_cfg: ModelConfig, dcfg: DrafterSection, conf_with_markov: bool) -> dict[str, tuple]:
-    shapes = drafter_dir.param_shapes(target_cfg, dcfg)
+    shapes = drafter_io.param_shapes(target_cfg, dcfg)
     H, V = target_cfg.hidden_size, target_cfg.vocab_size
     if dcfg.confidence_head and dcfg.markov_rank and not conf_with_markov:
         shapes["conf_kernel"] = (H, 1)
@@ -217,7 +217,7 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32) -> Draf
     if "conf_kernel" in pure and pure["conf_kernel"].shape[0] == tmodel.cfg.hidden_size and dcfg.markov_rank:
         k = pure["conf_kernel"]
         pure["conf_kernel"] = np.concatenate([k, np.zeros((dcfg.markov_rank, 1), k.dtype)], axis=0)
-    return drafter_dir.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, source=str(ref_dir))
+    return drafter_io.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, source=str(ref_dir))
 
 
 def reference_tensors(drafter: Drafter, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -239,12 +239,12 @@ def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "float32
 
 def import_reference(ref_dir, out_dir, target) -> Drafter:
     drafter = read_reference(ref_dir, target)
-    drafter_dir.save(drafter, out_dir)
+    drafter_io.save(drafter, out_dir)
     return drafter
 
 
 def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512) -> Drafter:
-    drafter = drafter_dir.load(our_dir, _target_model(target))
+    drafter = drafter_io.load(our_dir, _target_model(target))
     write_reference(drafter, ref_dir, dtype, num_anchors)
     return drafter
 

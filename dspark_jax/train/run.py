@@ -140,10 +140,10 @@ def heldout_prompts(ds, n: int) -> list[list[int]]:
 
 def measure_heldout_tau(cfg: Config, target: LoadedTarget, held_ds, drafter_dir) -> float:
     """Accepted length of real speculative decoding (fixed gamma, temperature 1) on held-out prompts."""
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.engine import measure_accepted_length
 
-    drafter = drafter_dir.load(drafter_dir, target.model)
+    drafter = drafter_io.load(drafter_dir, target.model)
     prompts = heldout_prompts(held_ds, cfg.train.measure_prompts)
     stops = tuple(target.tokenizer.stop_ids) if target.tokenizer is not None else ()
     return float(measure_accepted_length(target.model, drafter, prompts, max_new_tokens=cfg.train.measure_max_new_tokens,

@@ -21,7 +21,7 @@ from dspark_jax.config import Config
 from dspark_jax.config.loader import to_dict
 from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter import registry
-from dspark_jax.io import drafter_dir
+from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.parallel.sharding import create_model, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from dspark_jax.train.metrics import MetricsLogger, progress_bar
@@ -119,7 +119,7 @@ def check_vocabulary(ds, vocab_size: int, name: str) -> None:
 
 def model_signature(drafter, target_cfg) -> dict:
     """What must match to resume: the drafter's shape and the target it belongs to."""
-    sig = drafter_dir.config_json(drafter)
+    sig = drafter_io.config_json(drafter)
     sig.pop("param_dtype", None)
     sig["target"] = dataclasses.asdict(target_cfg)
     return json.loads(json.dumps(sig, default=str))
@@ -234,7 +234,7 @@ class Trainer:
             return
         self._saved.add(step)
         meta = {"signature": self.signature, "config": to_dict(self.cfg), "step": step,
-                "drafter_config": drafter_dir.config_json(self.drafter)}
+                "drafter_config": drafter_io.config_json(self.drafter)}
         self.ckpt.save(step, self.state, self.data_iter, meta, wait=wait)
 
     # ------------------------------------------------------------------ evaluation
@@ -287,7 +287,7 @@ class Trainer:
         export = self.out / "drafter"
         if jax.process_index() == 0:
             local_export = self.local_out / "drafter"
-            drafter_dir.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
+            drafter_io.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
             if is_remote(self.out):
                 copy_tree(local_export, export)
         return export

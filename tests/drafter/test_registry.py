@@ -16,7 +16,7 @@ from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import attach_target
 from dspark_jax.drafter.kinds.block import BlockKind
 from dspark_jax.engine import Engine
-from dspark_jax.io import drafter_dir
+from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.parallel.sharding import create_model
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
@@ -39,8 +39,8 @@ def test_every_kind_builds_and_is_found_from_its_module(target, name, tmp_path):
     assert registry.kind_of(d) is registry.KINDS[name]
     assert d.dcfg == registry.resolve(target.cfg, d.dcfg)  # resolving is idempotent
     attach_target(d, target)
-    drafter_dir.save(d, tmp_path)
-    assert registry.kind_of(drafter_dir.load(tmp_path, target)) is registry.KINDS[name]
+    drafter_io.save(d, tmp_path)
+    assert registry.kind_of(drafter_io.load(tmp_path, target)) is registry.KINDS[name]
 
 
 def test_unknown_kind_names_the_choices(target):
@@ -65,8 +65,8 @@ def test_a_fifth_kind_is_one_adapter_and_one_registration(target, tmp_path, monk
     monkeypatch.setitem(registry.KINDS, repeat.name, repeat)
     d = create_model(lambda: registry.build(target.cfg, _dcfg("repeat", target), rngs=nnx.Rngs(0)))
     attach_target(d, target)
-    drafter_dir.save(d, tmp_path)
-    d = drafter_dir.load(tmp_path, target)
+    drafter_io.save(d, tmp_path)
+    d = drafter_io.load(tmp_path, target)
     assert registry.kind_of(d) is repeat
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 5)]

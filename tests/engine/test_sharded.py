@@ -14,8 +14,8 @@ cfg = tiny_config(vocab_size=16, hidden_size=32, num_layers=2)
 t = tiny_target(cfg, logit_scale=1.0)
 d = tiny_drafter("dspark", t, gamma=3)
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [3, 3, 3, 3]]
-def run(tt, dd, mesh=None):
-    eng = Engine(tt, dd, num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,), mesh=mesh)
+def run(tt, dd):
+    eng = Engine(tt, dd, num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,))
     g = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(0.0, 0, 1.0))
     s = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(1.0, 0, 1.0), seed=1)
     return [r.tokens for r in g.results], [r.tokens for r in s.results]
@@ -24,7 +24,7 @@ mesh = make_mesh(data=4, tensor=2)
 ts, ds = shard_model(t, mesh), shard_model(d, mesh)
 assert len(ts.layers.q_proj[...].sharding.device_set) == 8
 with jax.set_mesh(mesh):
-    got = run(ts, ds, mesh)
+    got = run(ts, ds)
 assert got[0] == ref[0], (got[0], ref[0])
 assert got[1] == ref[1], (got[1], ref[1])
 print("OK")

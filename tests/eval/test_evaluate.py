@@ -150,7 +150,7 @@ def _foreign_drafter(tmp_path):
 
     from dspark_jax.config import from_cli
     from dspark_jax.drafter import registry
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.drafter.frozen import attach_target
     from dspark_jax.target import TargetModel
     from dspark_jax.parallel.sharding import create_model
@@ -160,5 +160,5 @@ def _foreign_drafter(tmp_path):
     d = create_model(lambda: registry.build(cfg.target.model, cfg.drafter, rngs=nnx.Rngs(1)))
     attach_target(d, t)
     out = tmp_path / "foreign"
-    drafter_dir.save(d, out)
+    drafter_io.save(d, out)
     return out

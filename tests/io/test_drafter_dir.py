@@ -14,7 +14,7 @@ import pytest
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import registry
 from dspark_jax.engine import Engine
-from dspark_jax.io import drafter_dir
+from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.io.keymap import flatten
 from dspark_jax.io.safetensors_io import load_file
 from dspark_jax.testing.tiny import tiny_config, tiny_target
@@ -31,9 +31,9 @@ def target():
 @pytest.mark.parametrize("kind", sorted(EXPECTED["kinds"]))
 def test_legacy_drafter_loads_and_decodes_as_before(target, kind, tmp_path):
     want = EXPECTED["kinds"][kind]
-    d = drafter_dir.load(LEGACY / kind, target)
+    d = drafter_io.load(LEGACY / kind, target)
     assert registry.kind_of(d).name == kind
-    stored = load_file(LEGACY / kind / drafter_dir.WEIGHTS_FILE)
+    stored = load_file(LEGACY / kind / drafter_io.WEIGHTS_FILE)
     ours = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(nnx.state(d, nnx.Param))).items()}
     assert set(ours) == set(stored)
     for k in stored:
@@ -46,8 +46,8 @@ def test_legacy_drafter_loads_and_decodes_as_before(target, kind, tmp_path):
     if want["z"] is not None:
         np.testing.assert_allclose(res.traces.arrays()["conf_logits"], want["z"], atol=2e-4)
     # re-saved in today's format, it loads to the same weights and config
-    drafter_dir.save(d, tmp_path / kind)
-    again = drafter_dir.load(tmp_path / kind, target)
+    drafter_io.save(d, tmp_path / kind)
+    again = drafter_io.load(tmp_path / kind, target)
     assert again.dcfg == d.dcfg
     for k, v in flatten(nnx.to_pure_dict(nnx.state(again, nnx.Param))).items():
         np.testing.assert_array_equal(np.asarray(v), stored[k])
@@ -55,8 +55,8 @@ def test_legacy_drafter_loads_and_decodes_as_before(target, kind, tmp_path):
 
 def test_not_a_drafter_dir(tmp_path, target):
     with pytest.raises(FileNotFoundError, match="not a dspark_jax drafter directory"):
-        drafter_dir.load(tmp_path, target)
-    (tmp_path / drafter_dir.CONFIG_FILE).write_text(json.dumps({"format": "something else"}))
-    (tmp_path / drafter_dir.WEIGHTS_FILE).write_bytes(b"")
+        drafter_io.load(tmp_path, target)
+    (tmp_path / drafter_io.CONFIG_FILE).write_text(json.dumps({"format": "something else"}))
+    (tmp_path / drafter_io.WEIGHTS_FILE).write_bytes(b"")
     with pytest.raises(ValueError, match="not a dspark_jax drafter config"):
-        drafter_dir.load(tmp_path, target)
+        drafter_io.load(tmp_path, target)

@@ -186,7 +186,7 @@ def test_bad_drafter_config(datasets, tmp_path, override, err, needle):
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
 def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
-    from dspark_jax.io import drafter_dir
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.train.run import prepare_target
 
     cfg = _cfg(datasets, tmp_path, f"drafter.kind={kind}", "train.steps=4", "train.eagle3_steps=2")
@@ -199,7 +199,7 @@ def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
     else:
         assert np.isfinite(ev["eval/loss"])
     target = prepare_target(cfg, None)
-    d = drafter_dir.load(tmp_path / "drafter", target.model)
+    d = drafter_io.load(tmp_path / "drafter", target.model)
     assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
 
 
@@ -219,9 +219,10 @@ def test_gradient_accumulation_averages_micro_batch_gradients(datasets, tmp_path
     tr.data_iter = tr._new_iter()
     batch = tr._device_batch(next(tr.data_iter))
     from dspark_jax.losses.dspark import LossCoefs
+    from dspark_jax.drafter import registry
     from dspark_jax.train.step import make_loss_fn
 
-    lf = make_loss_fn(tr.d_graphdef, tr.t_graphdef, "dspark", LossCoefs(), 4)
+    lf = make_loss_fn(tr.d_graphdef, tr.t_graphdef, registry.get_kind("dspark"), LossCoefs(), 4)
     sgd = optax.sgd(1.0)
     state = TrainState(jax.numpy.zeros((), jax.numpy.int32), tr.state.params, sgd.init(tr.state.params))
     new, _, _ = jax.jit(make_train_step(lf, sgd, 2))(state, tr.frozen, tr.t_state, batch)
