@@ -245,6 +245,11 @@ def import_reference(ref_dir, out_dir, target) -> Drafter:
 
 def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512) -> Drafter:
     drafter = drafter_io.load(our_dir, _target_model(target))
+    kind = registry.kind_of(drafter)
+    if not kind.has_reference_layout:
+        raise ConversionError(f"{our_dir} holds a {kind.name} drafter, which has no DeepSpec reference layout; "
+                              f"only {', '.join(k for k, a in registry.KINDS.items() if a.has_reference_layout)} "
+                              "drafters export")
     write_reference(drafter, ref_dir, dtype, num_anchors)
     return drafter
 

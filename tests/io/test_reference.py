@@ -218,3 +218,16 @@ def test_cli_help_and_errors(target, tmp_path, capsys):
     make_reference(tmp_path / "ref", model, vocab_size=100)
     assert main(["import", str(tmp_path / "ref"), str(tmp_path / "out"), "--target", str(tdir)]) == 2
     assert "vocab_size is 100" in capsys.readouterr().err
+
+
+def test_export_of_a_kind_without_reference_layout_is_refused(target, tmp_path, capsys):
+    from dspark_jax.drafter import registry
+
+    model, tdir = target
+    d = create_model(lambda: registry.build(TCFG, DrafterSection(kind="mtp1"), rngs=nnx.Rngs(0)))
+    attach_target(d, model)
+    save_drafter(d, tmp_path / "ours")
+    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) != 0
+    err = capsys.readouterr().err
+    assert "mtp1 drafter, which has no DeepSpec reference layout" in err and "dspark, dflash" in err
+    assert not (tmp_path / "ref").exists()

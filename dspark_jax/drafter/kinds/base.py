@@ -36,6 +36,7 @@ class DrafterKind:
     needs_target_logits: bool = False  # the training loss reads the target's logits
     drafts_in_parallel: bool = False  # one drafter forward per round, whatever gamma (block drafters)
     max_gamma: int | None = None  # draft tokens per round the kind can make at most (None: any)
+    has_reference_layout: bool = False  # `python -m dspark_jax.convert` reads / writes it in DeepSpec's layout
 
     def __hash__(self):
         return hash((type(self), self.name))

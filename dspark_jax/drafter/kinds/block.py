@@ -19,6 +19,7 @@ class BlockKind(DrafterKind):
 
     name = "dspark"
     drafts_in_parallel = True
+    has_reference_layout = True
 
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
