@@ -8,6 +8,7 @@ COMMANDS = {
     "train": "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default",
     "train.plan": "sharding check and per-device memory estimate of a preset, no devices needed",
     "embedded": "build / locate / verify / report the embedded default target",
+    "models": "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache",
     "regenerate": "regenerate assistant turns with the target into a training dataset",
     "generate": "speculative (or target-only) decoding of prompts",
     "eval": "tau with intervals, conditional acceptance, calibration report and plots",

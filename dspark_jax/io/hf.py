@@ -142,19 +142,6 @@ class LoadedTarget:
         return self.tokenizer
 
 
-def read_chat_template(path: Path) -> str | None:
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    tc = path / "tokenizer_config.json"
-    if tc.is_file():
-        t = json.loads(tc.read_text()).get("chat_template")
-        if isinstance(t, list):  # named templates
-            t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
-        return t
-    return None
-
-
 def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bool = True) -> LoadedTarget:
     """Load a local HF checkpoint (config.json, safetensors, tokenizer.json, chat template)."""
     dt = parse_dtype(dtype)
@@ -169,7 +156,9 @@ def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bo
         from dspark_jax.data.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(path)
-    return LoadedTarget(model, cfg, hf, path, tokenizer, read_chat_template(path))
+    from dspark_jax.data.chat import load_chat_template
+
+    return LoadedTarget(model, cfg, hf, path, tokenizer, load_chat_template(path))
 
 
 def model_pure_dict(model: nnx.Module) -> dict:

@@ -1,0 +1,1 @@
+"""`python -m dspark_jax.models`: fetch real target models (the code lives in `dspark_jax.io.models`)."""

@@ -1,0 +1,5 @@
+import sys
+
+from dspark_jax.io.models import main
+
+sys.exit(main())
