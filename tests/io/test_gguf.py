@@ -243,3 +243,16 @@ def test_greedy_tokens_match_transformers_generate(hf_gguf, ours):
             want = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
         assert r.tokens == want
     assert max(len(r.tokens) for r in res.results) == 32  # a full 32-token continuation was compared
+
+
+def test_smollm2_preset_fits_the_import(smollm):
+    from dspark_jax.config import from_cli
+    from dspark_jax.drafter import registry
+    from dspark_jax.train.run import prepare_target
+
+    cfg = from_cli(["smollm2_135m_dspark", f"target.path={smollm}"])
+    t = prepare_target(cfg)  # raises if the preset's architecture differs from the checkpoint
+    assert (t.cfg.rms_norm_eps, t.cfg.rope.theta) == (cfg.target.model.rms_norm_eps, cfg.target.model.rope.theta)
+    d = registry.resolve(t.cfg, cfg.drafter)
+    assert d.target_layer_ids == (1, 8, 14, 20, 27)
+    assert t.tokenizer.id_to_token(d.mask_token_id) == "<empty_output>"
