@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.io.files import sha256_file
+
 BUILD_VERSION = 1
 CACHE_ENV = "DSPARK_JAX_CACHE"
 MANIFEST = "manifest.json"
@@ -106,16 +108,8 @@ def _cache_name(preset: Preset, seed: int) -> str:
 
 # ------------------------------------------------------------------------ manifest
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(d: Path, info: dict | None = None) -> dict:
-    files = {f: {"size": (d / f).stat().st_size, "sha256": _sha256(d / f)} for f in WEIGHT_FILES}
+    files = {f: {"size": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in WEIGHT_FILES}
     man = {"build_version": BUILD_VERSION, "files": files, **(info or {})}
     (d / MANIFEST).write_text(json.dumps(man, indent=2, sort_keys=True))
     return man
@@ -144,7 +138,7 @@ def verify_target_dir(d) -> str | None:
             return f"{p} is missing"
         if p.stat().st_size != want["size"]:
             return f"{p} has {p.stat().st_size} bytes, manifest says {want['size']}"
-        if _sha256(p) != want["sha256"]:
+        if sha256_file(p) != want["sha256"]:
             return f"{p} does not match its sha256 in the manifest"
     return None
 

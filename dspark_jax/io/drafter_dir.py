@@ -26,7 +26,7 @@ from dspark_jax.drafter.kinds.block import DSPARK
 from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
 from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.io import safetensors_io
-from dspark_jax.io.jsonfile import read_json
+from dspark_jax.io.files import read_json
 from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
 
 __all__ = ["FORMAT", "WEIGHTS_FILE", "CONFIG_FILE", "config_json", "read_config", "save", "load", "param_shapes",

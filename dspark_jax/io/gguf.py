@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_jax.io import safetensors_io
+from dspark_jax.io.files import atomic_dir
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "SUPPORTED_QUANTIZATIONS", "read_gguf", "gguf_config",
            "gguf_tensors", "gguf_tokenizer", "import_gguf", "main"]
@@ -100,6 +99,12 @@ def _architecture(reader) -> str:
     return arch
 
 
+def _f32(x) -> float:
+    """GGUF stores float metadata as float32: back to the shortest decimal that rounds to it
+    (an eps of 1e-5 arrives as 9.99999974e-6 and is written to config.json as 1e-05 again)."""
+    return float(str(np.float32(x)))
+
+
 def gguf_config(reader, dtype: str = "float32") -> dict:
     """The Hugging Face config.json of the model described by the GGUF metadata."""
     arch = _architecture(reader)
@@ -115,8 +120,8 @@ def gguf_config(reader, dtype: str = "float32") -> dict:
         "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
@@ -129,9 +134,9 @@ def gguf_config(reader, dtype: str = "float32") -> dict:
         if scaling != "llama3" and not any(n == "rope_freqs.weight" for n in names):
             raise GGUFError(f"unsupported RoPE scaling {scaling!r} in the GGUF metadata; supported: llama3")
     if "rope_freqs.weight" in names or get("rope.scaling.type") == "llama3":
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope.scaling.factor", 8.0)),
-                               "low_freq_factor": float(get("rope.scaling.low_freq_factor", 1.0)),
-                               "high_freq_factor": float(get("rope.scaling.high_freq_factor", 4.0)),
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": _f32(get("rope.scaling.factor", 8.0)),
+                               "low_freq_factor": _f32(get("rope.scaling.low_freq_factor", 1.0)),
+                               "high_freq_factor": _f32(get("rope.scaling.high_freq_factor", 4.0)),
                                "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
                                                                            8192))}
     return cfg
@@ -231,23 +236,13 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32") -> Path:
     cfg = gguf_config(reader, dtype)
     tok, tcfg, gen = gguf_tokenizer(reader)  # before the weights: a bad tokenizer fails fast
     tensors = gguf_tensors(reader, cfg, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as tmp:
         safetensors_io.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
 
 
 def main(argv=None) -> int:

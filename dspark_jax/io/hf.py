@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.io import safetensors_io
-from dspark_jax.io.jsonfile import read_json
+from dspark_jax.io.files import read_json
 from dspark_jax.io.keymap import KeyRule, export_tensors, flatten, import_tensors
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.transformer import TargetModel, layer_param_shapes

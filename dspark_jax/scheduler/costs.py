@@ -44,7 +44,7 @@ import numpy as np
 
 from dspark_jax.drafter.registry import KINDS as KIND_NAMES
 from dspark_jax.drafter.registry import get_kind
-from dspark_jax.io.jsonfile import read_json
+from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
