@@ -20,6 +20,7 @@ def test_readme_names_the_commands():
 
 
 @pytest.mark.parametrize("module", COMMANDS)
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # earlier tests imported it: harmless
 def test_command_answers_help(module, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [module, "--help"])
     with pytest.raises(SystemExit) as e:
