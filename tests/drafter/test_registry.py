@@ -82,3 +82,13 @@ def test_a_fifth_kind_is_one_adapter_and_one_registration(target, tmp_path, monk
     toks, q, _ = eng.draft(st, eng.control(GREEDY))
     np.testing.assert_array_equal(np.asarray(toks), np.repeat(np.asarray(st.anchor)[:, None], 3, axis=1))
     np.testing.assert_array_equal(np.asarray(q).argmax(-1), np.asarray(toks))
+
+
+def test_an_incomplete_kind_cannot_be_made():
+    from dspark_jax.drafter.kinds.recurrent import RecurrentKind
+
+    class Half(RecurrentKind):  # says nothing about how to draft
+        name = "half"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()

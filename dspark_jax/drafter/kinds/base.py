@@ -13,6 +13,7 @@ position p; the target cache holds positions < p. `dcache` is the kind's own cac
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
 __all__ = ["DraftShape", "DrafterKind"]
@@ -28,8 +29,8 @@ class DraftShape(NamedTuple):
     window: int | None = None
 
 
-class DrafterKind:
-    """Base class: every method a kind must provide. Subclasses set `name`."""
+class DrafterKind(ABC):
+    """Every method a kind must provide (a kind missing one cannot be instantiated). Subclasses set `name`."""
 
     name: str = ""
     min_prompt_len: int = 1  # tokens a prompt needs before the first draft
@@ -48,46 +49,47 @@ class DrafterKind:
         return f"{type(self).__name__}({self.name!r})"
 
     # ---------------------------------------------------------------- build
+    @abstractmethod
     def resolve(self, target_cfg, dcfg):
         """The fully resolved DrafterSection (what checkpoints record)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
         """A freshly initialised module for a resolved `dcfg`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def owns(self, drafter) -> bool:
         """Whether `drafter` (a module) is of this kind."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- train
+    @abstractmethod
     def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
         """(loss, (metrics, sums)); `sums` are held-out acceptance statistics (LossSums) or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
         """Analytic bytes of the kind's largest live training activations per sequence."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- decode
+    @abstractmethod
     def draft_shape(self, drafter, target_cfg, gamma: int | None, layer_ids) -> DraftShape:
-        raise NotImplementedError
+        """The drafter's static facts in an engine; a `gamma` or `layer_ids` it cannot serve raises ValueError."""
 
+    @abstractmethod
     def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
         """(dcache, last) for an engine of `num_slots` x `max_len`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
         """After the target prefilled x_0..x_{n-2}: the drafter's state for the joining rows.
         feats [R, P, m, H] / hidden [R, P, H] of positions 0..P-1; tokens [R, P]; plen [R] = n."""
-        raise NotImplementedError
 
+    @abstractmethod
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
         """-> (tokens [R, G], q [R, G, V] (the exact distributions sampled from), z [R, G], dcache).
         `keys` [R]: per-row keys, so a request's drafts never depend on other slots."""
-        raise NotImplementedError
 
+    @abstractmethod
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         """After verification: the drafter sees the target's view of [old anchor, accepted drafts].
         feats [R, G+1, m, H], hidden [R, G+1, H] of positions pos..pos+G; acc [R] accepted drafts."""
-        raise NotImplementedError

@@ -7,6 +7,8 @@ positions p-1.. and returns `lengths = p`; keys written beyond are dropped by th
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import jax
 import jax.numpy as jnp
 
@@ -25,17 +27,21 @@ class RecurrentKind(DrafterKind):
 
     min_prompt_len = 2
 
+    @abstractmethod
     def carry(self, feats, hidden):
-        raise NotImplementedError
+        """What the kind keeps of the target's output: feats [R, T, m, H] or hidden [R, T, H]."""
 
+    @abstractmethod
     def carry_zeros(self, drafter, target_cfg, num_slots: int, dtype):
-        raise NotImplementedError
+        """The per-slot carry before any request."""
 
+    @abstractmethod
     def commit(self, dp, dcache, carried, tokens, valid, cfg):
-        raise NotImplementedError
+        """Write committed positions (carry [R, T, ...], next tokens [R, T], valid prefix) into the cache."""
 
+    @abstractmethod
     def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
-        raise NotImplementedError
+        """One row's draft: (tokens [1, G], q [1, G, V], cache with lengths = p)."""
 
     def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
         return (create_cache(spec.tcfg, num_slots, max_len, dtype),
