@@ -51,7 +51,6 @@ TENSOR_TABLE = [
     (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{i}.mlp.up_proj.weight"),
     (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{i}.mlp.down_proj.weight"),
 ]
-IGNORED_TENSORS = (r"rope_freqs\.weight",)  # llama3 RoPE scaling factors; config.json carries the parameters
 
 # Pre-tokenizer split regexes of llama.cpp's `tokenizer.ggml.pre` types (llama-vocab.cpp).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -129,16 +128,12 @@ def gguf_config(reader, dtype: str = "float32") -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
-    if get("rope.scaling.type") not in (None, "none"):
-        scaling = get("rope.scaling.type")
-        if scaling != "llama3" and not any(n == "rope_freqs.weight" for n in names):
-            raise GGUFError(f"unsupported RoPE scaling {scaling!r} in the GGUF metadata; supported: llama3")
-    if "rope_freqs.weight" in names or get("rope.scaling.type") == "llama3":
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": _f32(get("rope.scaling.factor", 8.0)),
-                               "low_freq_factor": _f32(get("rope.scaling.low_freq_factor", 1.0)),
-                               "high_freq_factor": _f32(get("rope.scaling.high_freq_factor", 4.0)),
-                               "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
-                                                                           8192))}
+    scaling = get("rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):
+        # Llama 3.1-style GGUFs carry the scaled frequencies as a tensor, not the HF parameters;
+        # rebuilding those parameters is not verified yet, so such files are refused, not guessed.
+        raise GGUFError(f"{getattr(reader.data, 'filename', 'the GGUF file')} uses RoPE scaling "
+                        f"({scaling or 'rope_freqs tensor'}); dspark_jax imports GGUFs with plain RoPE only")
     return cfg
 
 
@@ -164,8 +159,6 @@ def gguf_tensors(reader, cfg: dict, np_dtype=np.float32) -> dict[str, np.ndarray
     permuted = SUPPORTED_ARCHITECTURES[arch][2]
     out, problems = {}, []
     for t in reader.tensors:
-        if any(re.fullmatch(p, t.name) for p in IGNORED_TENSORS):
-            continue
         hf = _hf_name(t.name)
         qtype = t.tensor_type.name
         if hf is None:
@@ -214,8 +207,10 @@ def gguf_tokenizer(reader):
                             if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
                     if k == USER_DEFINED])
-    name = lambda key: (lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None)(
-        _field(reader, key))
+    def name(key):
+        i = _field(reader, key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name("tokenizer.ggml.bos_token_id"),
             "eos_token": name("tokenizer.ggml.eos_token_id"), "pad_token": name("tokenizer.ggml.padding_token_id"),
             "unk_token": name("tokenizer.ggml.unknown_token_id"),

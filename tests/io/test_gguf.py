@@ -33,8 +33,9 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, rng=0):
-    """A 1-layer model in GGUF; returns the HF-layout weights it encodes."""
+def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, rng=0, rope_freqs=False):
+    """A 1-layer model in GGUF; returns the HF-layout weights it encodes. `quant` names the type the
+    up projection is stored in (its returned weight is what that type decodes to)."""
     r = np.random.default_rng(rng)
     hf = {
         "model.embed_tokens.weight": r.normal(size=(V, H)),
@@ -49,6 +50,9 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, r
         "model.layers.0.mlp.up_proj.weight": r.normal(size=(F, H)),
         "model.layers.0.mlp.down_proj.weight": r.normal(size=(H, F)),
     }
+    if arch == "qwen3":
+        hf["model.layers.0.self_attn.q_norm.weight"] = 1 + 0.1 * r.normal(size=D)
+        hf["model.layers.0.self_attn.k_norm.weight"] = 1 + 0.1 * r.normal(size=D)
     hf = {k: v.astype(np.float32) for k, v in hf.items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
@@ -59,7 +63,9 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, r
              "model.layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
              "model.layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
              "model.layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
-             "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+             "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+             "model.layers.0.self_attn.q_norm.weight": "blk.0.attn_q_norm.weight",
+             "model.layers.0.self_attn.k_norm.weight": "blk.0.attn_k_norm.weight"}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(64)
@@ -69,6 +75,7 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, r
     w.add_head_count_kv(NKV)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
+    w.add_key_length(D)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre("smollm")
     w.add_token_list(TOKENS)
@@ -78,15 +85,22 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, r
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     for k, v in hf.items():
         t = v
-        if k.endswith("q_proj.weight"):
+        if arch == "llama" and k.endswith("q_proj.weight"):  # llama.cpp permutes Llama's q/k, not Qwen3's
             t = _permute(v, NH)
-        elif k.endswith("k_proj.weight"):
+        elif arch == "llama" and k.endswith("k_proj.weight"):
             t = _permute(v, NKV)
         if quant == "Q5_0" and k.endswith("up_proj.weight"):
             raw = np.zeros((F, H // 32 * 22), np.uint8)  # Q5_0: 22 bytes per 32 values
             w.add_tensor(names[k], raw, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        elif quant and k.endswith("up_proj.weight"):
+            qt = gguf.GGMLQuantizationType[quant]
+            raw = gguf.quants.quantize(v, qt)
+            w.add_tensor(names[k], raw, raw_dtype=qt)
+            hf[k] = gguf.quants.dequantize(raw, qt).astype(np.float32)
         else:
             w.add_tensor(names[k], t)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.ones(D // 2, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -116,10 +130,29 @@ def test_tiny_import_round_trips_weights_and_tokenizer(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+@pytest.mark.parametrize("arch, quant", [("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("llama", "Q4_0"),
+                                         ("llama", "Q4_1"), ("qwen3", None)])
+def test_each_supported_type_and_architecture_imports(tmp_path, arch, quant):
+    """Every quantization type the README names decodes to what llama.cpp's own dequantizer gives;
+    Qwen3 files (no q/k permutation, q/k norms, explicit head dim) load as Qwen3."""
+    from dspark_jax.io.hf import load_target
+    from dspark_jax.io.safetensors_io import load_file
+
+    want = write_tiny_gguf(tmp_path / "m.gguf", arch=arch, quant=quant, rng=3)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    t = load_target(out)
+    assert t.cfg.arch == arch and t.cfg.head_dim == D and t.cfg.qk_norm == (arch == "qwen3")
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(arch="gpt2"), "unsupported GGUF architecture 'gpt2'; dspark_jax imports: llama, qwen3"),
     (dict(tokenizer_model="llama"), "tokenizer model is 'llama'.*byte-level BPE"),
     (dict(quant="Q5_0"), r"blk\.0\.ffn_up\.weight' is Q5_0[\s\S]*supported quantizations: F32, F16, BF16, Q8_0, Q4_0"),
+    (dict(rope_freqs=True), "uses RoPE scaling .*plain RoPE only"),
 ])
 def test_bad_gguf_gets_one_clear_error(tmp_path, kw, match):
     write_tiny_gguf(tmp_path / "m.gguf", **kw)
