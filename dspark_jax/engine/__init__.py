@@ -11,8 +11,8 @@
 
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.engine import (
-    Engine, EngineError, GenerateResult, RequestResult, default_buckets, drafter_mode, measure_accepted_length,
+    Engine, EngineError, GenerateResult, RequestResult, default_buckets, measure_accepted_length,
 )
 
-__all__ = ["Engine", "EngineError", "GenerateResult", "RequestResult", "Traces", "default_buckets", "drafter_mode",
+__all__ = ["Engine", "EngineError", "GenerateResult", "RequestResult", "Traces", "default_buckets",
            "measure_accepted_length"]

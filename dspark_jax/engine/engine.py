@@ -35,7 +35,7 @@ from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.decoding.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets", "drafter_mode"]
+__all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets"]
 
 MAX_STOP_IDS = 8
 # accepted `skip_drafting` values -> Spec.skip_drafting
@@ -88,11 +88,6 @@ def kind_of_drafter(drafter):
         return registry.kind_of(drafter)
     except ValueError as e:
         raise EngineError(str(e)) from None
-
-
-def drafter_mode(drafter) -> str:
-    """The drafter's kind name, "ar" for target-only decoding (None)."""
-    return "ar" if drafter is None else kind_of_drafter(drafter).name
 
 
 def default_buckets(R: int, G: int) -> tuple[int, ...]:

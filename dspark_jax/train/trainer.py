@@ -300,7 +300,11 @@ class Trainer:
         main = jax.process_index() == 0
         logger = MetricsLogger(self.local_out / "log.jsonl" if main else None,
                                self.local_out / "tensorboard" if main else None)
-        scalars = lambda step, values: values and logger.log({"step": step, **values})
+
+        def scalars(step, values):  # evaluation returns {} without held-out data: nothing to log then
+            if values:
+                logger.log({"step": step, **values})
+
         flag = PreemptionFlag()
         tokens_per_step = tc.batch_size * self.cfg.data.seq_len
         last_good = start
