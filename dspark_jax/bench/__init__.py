@@ -8,5 +8,6 @@ SUBCOMMANDS = {
     "regen": ("dspark_jax.bench.regen", "regeneration tokens/s (batch 1, 16) and compiled vs host decode loop"),
     "train": ("dspark_jax.bench.train", "drafter training step throughput"),
     "engine": ("dspark_jax.bench.engine", "speculative decoding engine throughput"),
+    "vs-torch": ("dspark_jax.bench.vs_torch", "target forward vs transformers; train step, draft, verify vs an older commit"),
     "grid": ("dspark_jax.eval.grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
 }
