@@ -99,15 +99,20 @@ def block_attention(q, ck, cv, bk, bv, ctx_mask, block_valid):
     nkv = ck.shape[2]
     qg = q.reshape(b, a, g, nkv, nq // nkv, d)
     scale = 1.0 / math.sqrt(d)
-    sc = jnp.einsum("bagkrd,bskd->bakrgs", qg, ck, preferred_element_type=jnp.float32) * scale
-    sb = jnp.einsum("bagkrd,bajkd->bakrgj", qg, bk, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(ctx_mask[:, :, None, None, None, :], sc, MASK_VALUE)
+    # Each einsum's output keeps its dot's natural order (batch dims, lhs free, rhs free), so no
+    # score-sized transposes: context scores [b, kv, a, g, r, S], block scores [b, a, kv, g, r, G].
+    sc = jnp.einsum("bagkrd,bskd->bkagrs", qg, ck, preferred_element_type=jnp.float32) * scale
+    sb = jnp.einsum("bagkrd,bajkd->bakgrj", qg, bk, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(ctx_mask[:, None, :, None, None, :], sc, MASK_VALUE)
     sb = jnp.where(block_valid[:, :, None, None, None, None], sb, MASK_VALUE)
-    m = jnp.maximum(sc.max(-1, keepdims=True), sb.max(-1, keepdims=True))
-    ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
-    den = ec.sum(-1, keepdims=True) + eb.sum(-1, keepdims=True)
-    pc, pb = (ec / den).astype(cv.dtype), (eb / den).astype(bv.dtype)
-    out = jnp.einsum("bakrgs,bskd->bagkrd", pc, cv) + jnp.einsum("bakrgj,bajkd->bagkrd", pb, bv)
+    to_block = lambda x: jnp.swapaxes(x, 1, 2)  # [b, kv, a, ...] <-> [b, a, kv, ...] on row statistics
+    m = jax.lax.stop_gradient(jnp.maximum(sc.max(-1), to_block(sb.max(-1))))  # [b, kv, a, g, r]
+    ec, eb = jnp.exp(sc - m[..., None]), jnp.exp(sb - to_block(m)[..., None])
+    den = ec.sum(-1) + to_block(eb.sum(-1))
+    oc = jnp.einsum("bkagrs,bskd->bkagrd", ec.astype(cv.dtype), cv, preferred_element_type=jnp.float32)
+    ob = jnp.einsum("bakgrj,bajkd->bakgrd", eb.astype(bv.dtype), bv, preferred_element_type=jnp.float32)
+    out = (oc + to_block(ob)) / den[..., None]  # normalised after the value matmuls: one pass less over the scores
+    out = out.astype(cv.dtype).transpose(0, 2, 3, 1, 4, 5)  # [b, a, g, kv, r, d]
     return out.reshape(b, a, g, nq, d)
 
 

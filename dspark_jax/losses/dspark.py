@@ -74,9 +74,16 @@ def dspark_loss_sums(logits, target_logits, labels, valid, conf_logits=None, dec
     return LossSums(
         ce=jnp.sum(w * ce), l1=jnp.sum(w * l1), conf=jnp.sum(w * conf), weight=jnp.sum(w),
         accept=jnp.sum(vf * c_star, axis=red), count=jnp.sum(vf, axis=red),
-        correct=jnp.sum(vf * (jnp.argmax(logits, -1) == labels), axis=red),
+        correct=jnp.sum(vf * label_is_argmax(logq, labels), axis=red),
         tau=jnp.sum(full * tau), blocks=jnp.sum(full),
     )
+
+
+def label_is_argmax(logq, labels):
+    """Whether the label holds the largest log-probability (up to exact ties): one gather and the
+    row max log_softmax already has, instead of an index-tracking argmax reduction over V."""
+    at_label = jnp.take_along_axis(logq, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return at_label >= jnp.max(logq, axis=-1)
 
 
 def combine(sums: LossSums, coefs: LossCoefs) -> tuple[jnp.ndarray, dict]:
@@ -95,7 +102,11 @@ def _gather_rows(x, idx):
 
 
 def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, block_valid, chunk: int, decay: float) -> LossSums:
-    """Loss sums over anchor chunks (rematerialised). h [B,A,G,H]; target_hidden [B,S,H]."""
+    """Loss sums over anchor chunks. h [B,A,G,H]; target_hidden [B,S,H].
+
+    With several chunks each is rematerialised in the backward (one chunk's vocabulary-sized
+    activations live at a time); a single chunk is not, since recomputing it saves no memory
+    and costs a second vocabulary-wide forward."""
     b, a, g, _ = h.shape
     chunk = min(chunk, a)
     if a % chunk:
@@ -104,7 +115,6 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
     j = jnp.arange(g, dtype=jnp.int32)
     split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-    @jax.checkpoint
     def one(xs):
         h_c, anc_c, val_c = xs
         pos = anc_c[..., None] + j  # [B,c,G]: slot j's previous token / target row
@@ -115,6 +125,9 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
         logits = heads.base_logits(p, h_c) + heads.head_bias_train(p, h_c, prev)
         z = confidence.confidence_logits(p, h_c, prev) if "conf_kernel" in p else None
         return dspark_loss_sums(logits, t_logits, labels, val_c, z, decay)
+
+    if n > 1:
+        one = jax.checkpoint(one)
 
     def body(acc, xs):
         return jax.tree.map(jnp.add, acc, one(xs)), None

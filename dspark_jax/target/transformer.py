@@ -17,9 +17,10 @@ from flax import nnx
 
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from dspark_jax.target.layers import apply_rope, attention, causal_attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 INIT_STD = 0.02
+ATTENTION_BLOCK = 128  # query block of the causal self-attention without a cache
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -126,6 +127,7 @@ class TargetModel(nnx.Module):
         """
         cfg = self.cfg
         r, t = tokens.shape
+        causal_chunk = positions is None and cache is None  # block-skipping causal attention applies
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
         if valid is None:
@@ -160,7 +162,10 @@ class TargetModel(nnx.Module):
             else:
                 p, slot, ck, cv = layer
             q, k, v = project_qkv(p, x, cos, sin, cfg)
-            if cache is None:
+            if causal_chunk:
+                out = causal_attention(q, k, v, valid, ATTENTION_BLOCK)
+                new_kv = None
+            elif cache is None:
                 out = attention(q, k, v, mask)
                 new_kv = None
             else:
