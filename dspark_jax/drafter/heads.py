@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
-from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.decoding.sampling import SamplingParams, exponential_noise, probs_from_params, sample_with_noise
 from dspark_jax.target.layers import lm_head_logits
 
 __all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]
@@ -111,17 +111,21 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     """
     r, g = h.shape[:2]
     u = base_logits(params, h)
+    # Every slot's sampling noise in one batched draw before the scan (the same values as
+    # `sample(fold_in(key, j), q_j)` would draw): the scan body keeps only the V-wide softmax
+    # and one argmax per slot.
+    noise = jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), u.shape[::2]))(jnp.arange(g))
 
     def body(carry, xs):
         prev, s = carry
-        j, u_j, h_j = xs
+        u_j, h_j, noise_j = xs
         s, b_j = step_bias(params, s, h_j, prev)
         q_j = probs_from_params(u_j + b_j, sampling, path)
-        tok = sample(jax.random.fold_in(key, j), q_j)
+        tok = sample_with_noise(q_j, noise_j)
         z_j = confidence_logits(params, h_j, prev)
         return (tok, s), (tok, q_j, z_j)
 
     s0 = init_state(params, (r,), h.dtype)
-    xs = (jnp.arange(g), jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0))
+    xs = (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0), noise)
     _, (toks, q, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), xs)
     return toks.T, jnp.moveaxis(q, 0, 1), z.T
