@@ -38,8 +38,11 @@ def base_logits(params: dict, h):
 
 
 def project_bias(params: dict, z):
-    """W2 projection r -> V, float32."""
-    return jnp.einsum("...r,rv->...v", z, params["markov_w2"].astype(z.dtype), preferred_element_type=jnp.float32)
+    """W2 projection r -> V, float32. A 2-D matmul over the flattened rows: as a batched einsum,
+    XLA (CPU) transposed the whole [rows, V] gradient to form W2's gradient in training."""
+    w2 = params["markov_w2"].astype(z.dtype)
+    out = jnp.dot(z.reshape(-1, z.shape[-1]), w2, preferred_element_type=jnp.float32)
+    return out.reshape(*z.shape[:-1], w2.shape[1])
 
 
 def _gate(params, h, e):
