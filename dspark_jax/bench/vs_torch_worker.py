@@ -1,6 +1,6 @@
 """One side of `python -m dspark_jax.bench vs-torch`: builds its models, compiles, then times regions on request.
 
-Run as a script (`python vs_torch_worker.py jax|torch`), never imported: the parent starts one
+Run as a script (`python vs_torch_worker.py jax|torch|probe`), never imported: the parent starts one
 worker per side with PYTHONPATH pointing at the tree to measure, so the same file times the
 current checkout and an older commit (it uses only APIs both have). Protocol, one JSON object
 per line: the worker prints {"ready": ..., "regions": [...]} once compiled, then answers each
@@ -149,13 +149,13 @@ def torch_regions() -> dict:
 
 
 def main() -> int:
-    side = sys.argv[1]
-    regions = jax_regions() if side == "jax" else torch_regions()
+    side = sys.argv[1]  # jax | torch | probe (no regions: reports where dspark_jax was imported from)
+    regions = {"jax": jax_regions, "torch": torch_regions, "probe": dict}[side]()
     for fn in regions.values():  # compile / warm up
         fn()
         fn()
     origin = "torch"
-    if side == "jax":
+    if side != "torch":
         import dspark_jax
 
         origin = os.path.dirname(os.path.dirname(os.path.abspath(dspark_jax.__file__)))

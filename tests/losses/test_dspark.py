@@ -63,3 +63,18 @@ def test_gradient_of_confidence_loss_reaches_logits_only_through_z():
     only_conf = LossCoefs(ce=0.0, l1=0.0, conf=1.0)
     g_logits, g_z = jax.grad(lambda l, z: combine(dspark_loss_sums(l, tl, labels, valid, z), only_conf)[0], argnums=(0, 1))(logits, z)
     assert np.all(np.asarray(g_logits) == 0) and np.any(np.asarray(g_z) != 0)
+
+
+def test_top1_statistics_match_numpy_argmax():
+    """`correct` (label == argmax q, read from the log-softmax row max) and the per-slot counts
+    equal numpy's argmax, and labels set to the argmax are all counted."""
+    rng = np.random.default_rng(3)
+    shape = (3, 4, 6)
+    logits = rng.normal(size=shape + (13,)) * 3
+    labels = rng.integers(0, 13, shape)
+    labels[0] = np.argmax(logits[0], -1)  # one row of blocks exactly right
+    valid = np.cumprod(rng.random(shape) < 0.9, -1).astype(bool)
+    sums = dspark_loss_sums(jnp.asarray(logits), jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(valid))
+    want = (valid & (np.argmax(logits, -1) == labels)).sum(axis=(0, 1))
+    np.testing.assert_array_equal(np.asarray(sums.correct), want)
+    assert want.sum() >= valid[0].sum()  # the exact row is counted whole

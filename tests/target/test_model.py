@@ -114,3 +114,51 @@ def test_llama3_rope_scaling_matches_reference_formula():
     np.testing.assert_allclose(inv[lo], base[lo] / 8.0, rtol=1e-6)
     mid = ~hi & ~lo
     assert mid.any() and np.all(inv[mid] < base[mid]) and np.all(inv[mid] > base[mid] / 8.0)
+
+
+def _np_attention(q, k, v, mask):
+    """Plain numpy grouped-query attention: q [B,T,Nq,D], k/v [B,S,Nkv,D], mask [B,T,S]."""
+    b, t, nq, d = q.shape
+    g = nq // k.shape[2]
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, kr) / np.sqrt(d)
+    s = np.where(mask[:, None], s, -1e30)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, vr)
+
+
+def test_attention_layouts_match_numpy_and_block_skipping_is_exact():
+    """The heads-first attention equals a numpy reference; the block-skipping causal variant equals
+    the dense causal mask for a length that is not a multiple of the block, with padded keys."""
+    from dspark_jax.target.layers import causal_attention
+
+    rng = np.random.default_rng(0)
+    b, t, nq, nkv, d = 2, 37, 6, 2, 8
+    q, k, v = (rng.normal(size=(b, t, n, d)).astype(np.float32) for n in (nq, nkv, nkv))
+    key_valid = np.ones((b, t), bool)
+    key_valid[1, 30:] = False
+    mask = np.tril(np.ones((t, t), bool))[None] & key_valid[:, None, :]
+    want = _np_attention(q, k, v, mask)
+    np.testing.assert_allclose(attention(*map(jnp.asarray, (q, k, v, mask))), want, atol=2e-5)
+    for block in (8, 16, 37, 64):
+        got = causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(key_valid), block)
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"block {block}")
+    # a variant that lets every block see all keys (no causal mask inside the block) is caught
+    leaky = np.tril(np.ones((t, t), bool), k=3)[None] & key_valid[:, None, :]
+    assert np.abs(_np_attention(q, k, v, leaky) - want).max() > 1e-2
+
+
+def test_block_skipping_forward_equals_dense_forward(micro_target, monkeypatch):
+    """The model's no-cache forward takes the block-skipping path; with a block smaller than the
+    sequence it matches the same forward through the dense mask (cache-free, explicit positions)."""
+    import dspark_jax.target.transformer as transformer
+
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, micro_target.cfg.vocab_size, (2, 21)), jnp.int32)
+    valid = jnp.ones(tokens.shape, bool).at[1, 15:].set(False)
+    positions = jnp.broadcast_to(jnp.arange(21, dtype=jnp.int32), tokens.shape)
+    dense = micro_target(tokens, positions=positions, valid=valid, feature_layers=(0,))  # positions given: dense mask
+    monkeypatch.setattr(transformer, "ATTENTION_BLOCK", 8)
+    blocked = micro_target(tokens, valid=valid, feature_layers=(0,))
+    np.testing.assert_allclose(blocked.logits, dense.logits, atol=1e-4)
+    np.testing.assert_allclose(blocked.features, dense.features, atol=1e-4)
