@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "sample_with_noise", "exponential_noise",
-           "probs_from_params"]
+           "first_argmax", "probs_from_params"]
 
 
 class SamplingParams(NamedTuple):
@@ -57,16 +57,30 @@ def _truncate_sorted(s_logits, k, k_on, tp):
 
 
 def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
-    """Which of `sampling_probs`' paths serves every given row: 0 plain, 1 top-k <= TOPK_CAP, 2 full sort.
+    """Which of `sampling_probs`' paths serves every given row: 0 plain, 1 top-k <= TOPK_CAP,
+    2 full sort; plus 3 when some row is greedy (its one-hot argmax is needed too).
 
     Pass it as `path=` when `sampling_probs` runs under a per-row `vmap`: computed there, the
-    index would be batched and `lax.switch` would run all three paths for every row."""
+    index would be batched and `lax.switch` would run all three paths (and the greedy argmax)
+    for every row."""
+    t = jnp.asarray(temperature, jnp.float32)
     k = jnp.asarray(top_k, jnp.int32)
     tp = jnp.asarray(top_p, jnp.float32)
     k_on = (k > 0) & (k < vocab_size)
     no_trunc = jnp.all(~k_on & (tp >= 1.0))
     small = jnp.all(k_on & (k <= min(TOPK_CAP, vocab_size)))
-    return jnp.where(no_trunc, 0, jnp.where(small, 1, 2)).astype(jnp.int32)
+    branch = jnp.where(no_trunc, 0, jnp.where(small, 1, 2))
+    return (branch + 3 * jnp.any(t <= 0.0)).astype(jnp.int32)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``argmax`` over the last axis, first index on ties: the row max, then the smallest index
+    holding it. Same result as `jnp.argmax` (for NaN-free rows), about 3x faster on CPU than its
+    index-tracking reduction at vocabulary width."""
+    v = x.shape[-1]
+    idx = jnp.arange(v, dtype=jnp.int32)
+    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), idx, v), axis=-1)
+    return jnp.minimum(first, v - 1)
 
 
 def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=None) -> jax.Array:
@@ -100,15 +114,15 @@ def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=
         s_probs = _truncate_sorted(jnp.take_along_axis(scaled, order, axis=-1), k, k_on, tp)
         return jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
 
-    branch = sampling_path(t, k, tp, V) if path is None else path
-    probs = jax.lax.switch(branch, (plain, small_k, full_sort), None)
+    path = sampling_path(t, k, tp, V) if path is None else path
+    probs = jax.lax.switch(path % 3, (plain, small_k, full_sort), None)
 
     def with_greedy_rows(probs):
-        one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+        one_hot = jax.nn.one_hot(first_argmax(logits), V, dtype=jnp.float32)
         return jnp.where(greedy[..., None], one_hot, probs)
 
-    # The argmax over V only when some row is greedy (under a per-row vmap this becomes a select).
-    return jax.lax.cond(jnp.any(greedy), with_greedy_rows, lambda p: p, probs)
+    # The argmax over V only when some row is greedy.
+    return jax.lax.cond(path >= 3, with_greedy_rows, lambda p: p, probs)
 
 
 def probs_from_params(logits: jax.Array, params: SamplingParams, path=None) -> jax.Array:
@@ -130,7 +144,7 @@ def sample_with_noise(probs: jax.Array, noise: jax.Array) -> jax.Array:
     logarithm of the probabilities: one log per entry instead of three. Zero-probability tokens
     score 0 and are never drawn, so a one-hot (greedy) row always yields its argmax.
     """
-    return jnp.argmax(jnp.asarray(probs, jnp.float32) / noise, axis=-1).astype(jnp.int32)
+    return first_argmax(jnp.asarray(probs, jnp.float32) / noise)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -124,3 +124,23 @@ def test_engine_draft_keeps_one_sampling_branch():
         samp = eng.control().sampling
         jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s, s.keys, samp))(st)
         assert "cond[" in str(jaxpr), kind
+
+
+def test_first_argmax_and_greedy_path_flag():
+    """`first_argmax` is `jnp.argmax` (first index on ties); `sampling_path` adds 3 exactly when a
+    row is greedy, and greedy rows still come out one-hot when the flag is passed in."""
+    from dspark_jax.decoding.sampling import first_argmax, sampling_path
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(np.round(rng.normal(size=(64, 40)) * 2) / 2, jnp.float32)  # many ties
+    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, -1))
+    t, k, p = jnp.asarray([1.0, 0.0]), jnp.asarray([0, 0]), jnp.asarray([1.0, 1.0])
+    assert int(sampling_path(t, k, p, 40)) == 3
+    assert int(sampling_path(jnp.asarray([1.0, 0.5]), k, p, 40)) == 0
+    assert int(sampling_path(jnp.asarray([0.0, 0.5]), jnp.asarray([0, 5]), p, 40)) == 5
+    got = sampling_probs(x[:2], t, k, p, path=sampling_path(t, k, p, 40))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jax.nn.one_hot(jnp.argmax(x[1]), 40)))
+    np.testing.assert_allclose(got[0], jax.nn.softmax(x[0]), atol=1e-6)
+    # a path without the greedy flag gives the greedy row a softmax instead of its one-hot: caught
+    wrong = sampling_probs(x[:2], t, k, p, path=jnp.int32(0))
+    assert not np.allclose(np.asarray(wrong[1]), np.asarray(got[1]))
