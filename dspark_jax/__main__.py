@@ -9,6 +9,7 @@ COMMANDS = {
     "train.plan": "sharding check and per-device memory estimate of a preset, no devices needed",
     "embedded": "build / locate / verify / report the embedded default target",
     "models": "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache",
+    "recipe": "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time (e.g. smollm2-135m-instruct)",
     "regenerate": "regenerate assistant turns with the target into a training dataset",
     "generate": "speculative (or target-only) decoding of prompts",
     "eval": "tau with intervals, conditional acceptance, calibration report and plots",
@@ -16,7 +17,7 @@ COMMANDS = {
     "costs": "measure / show verification cost tables",
     "simulate": "serving simulation of the schedulers under concurrency",
     "convert": "import / export DeepSpec reference-layout drafters",
-    "bench": "benchmarks (regen, train, engine, grid)",
+    "bench": "benchmarks (regen, train, engine, vs-torch, grid)",
 }
 
 

@@ -41,6 +41,9 @@ def _args(argv):
     ap.add_argument("--sections", default="loop,speed,tau,head")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the speed section "
+                    "(0 = greedy; default 1)")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return ap.parse_args(argv)
 
 
@@ -129,7 +132,8 @@ def bench_speed(target, drafter, prompts, args, out):
     from dspark_jax.engine import Engine
     from dspark_jax.decoding.sampling import SamplingParams
 
-    sp = SamplingParams(1.0, 0, 1.0)
+    sp = SamplingParams(args.temperature, 0, 1.0)
+    name = registry.kind_of(drafter).name
     for R in (1, 8):
         ps = prompts[: max(R, 8)]
         S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
@@ -143,11 +147,12 @@ def bench_speed(target, drafter, prompts, args, out):
         t_draft, t_verify = _parts(ds, _started(ds, ps, args.max_new_tokens), ctl)
         _, t_ar = _parts(ar, _started(ar, ps, args.max_new_tokens), ar.control(sp))
         bound = rd.tau * t_ar / (t_draft + t_verify)
-        rec = {"batch": R, "ar_tok_s": ra.tokens_per_s, "dspark_tok_s": rd.tokens_per_s,
+        rec = {"batch": R, "temperature": args.temperature, "drafter": name, "ar_tok_s": ra.tokens_per_s,
+               "spec_tok_s": rd.tokens_per_s,
                "speedup": rd.tokens_per_s / ra.tokens_per_s, "tau": rd.tau, "T_ar_ms": 1e3 * t_ar,
                "T_draft_ms": 1e3 * t_draft, "T_verify_ms": 1e3 * t_verify, "bound": bound}
         out[f"speed_b{R}"] = rec
-        print(f"[speed] batch {R}: AR {ra.tokens_per_s:.1f} tok/s, DSpark {rd.tokens_per_s:.1f} tok/s "
+        print(f"[speed] batch {R}, T {args.temperature:g}: AR {ra.tokens_per_s:.1f} tok/s, {name} {rd.tokens_per_s:.1f} tok/s "
               f"(x{rec['speedup']:.2f}); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
               f"T_verify {1e3 * t_verify:.2f} ms -> bound x{bound:.2f}")
 
@@ -230,4 +235,8 @@ def main(argv=None) -> int:
     if "head" in sections:
         bench_head(target, prompts, args, out)
     print(json.dumps(out, indent=1, default=float))
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(out, indent=1, default=float))
     return 0

@@ -1,0 +1,68 @@
+"""`python -m dspark_jax.recipe NAME --out DIR [section.key=value ...]`: a whole recipe, resumable.
+
+    python -m dspark_jax.recipe smollm2-135m-instruct --out runs/smollm2
+    python -m dspark_jax.recipe smollm2-135m-instruct --out runs/smollm2 data.num_prompts=400 train.steps=60
+
+Fetches the target (or takes --target), trains every drafter of the recipe on the same regenerated
+data, evaluates them side by side on the public prompt sets at each temperature (tau with 95 %
+intervals, per-position acceptance, STS before / after) and times them against target-only decoding;
+writes OUT/report.md and OUT/summary.json. Rerun the same command after an interruption: finished
+stages are skipped, training resumes from its checkpoints, regeneration from its cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dspark_jax.recipe.recipes import RECIPES
+from dspark_jax.recipe.run import STAGES, RecipeError, run_recipe
+
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval_datasets"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.recipe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(RECIPES), help="the recipe")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every training run")
+    ap.add_argument("--out", required=True, help="output directory (one subfolder per drafter, eval_T*, logs)")
+    ap.add_argument("--target", default=None, help="HF checkpoint directory instead of fetching the recipe's model")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights of the fetched target")
+    ap.add_argument("--eval-dir", default=str(DEFAULT_EVAL_DIR),
+                    help=f"folder of the prompt-set jsonl files (default {DEFAULT_EVAL_DIR})")
+    ap.add_argument("--num-eval-prompts", type=int, default=80, help="prompts per set (default 80)")
+    ap.add_argument("--eval-max-new-tokens", type=int, default=128)
+    ap.add_argument("--speed-prompts", type=int, default=8)
+    ap.add_argument("--speed-max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default=None, help="comma-separated (default: the recipe's, 0,1)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run (default all)")
+    args = ap.parse_args(argv)
+    recipe = RECIPES[args.name]
+    stages = tuple(s for s in args.stages.split(",") if s)
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        ap.error(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    temps = None if args.temperatures is None else tuple(float(t) for t in args.temperatures.split(","))
+    try:
+        if args.target:
+            target = Path(args.target)
+        elif recipe.model:
+            from dspark_jax.io.models import fetch
+
+            target = fetch(recipe.model, args.dtype)
+        else:
+            raise RecipeError(f"recipe {recipe.name} has no model to fetch: pass --target DIR")
+        run_recipe(recipe, Path(args.out), target, overrides=args.overrides, eval_dir=Path(args.eval_dir),
+                   num_eval_prompts=args.num_eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
+                   speed_prompts=args.speed_prompts, speed_max_new_tokens=args.speed_max_new_tokens,
+                   temperatures=temps, stages=stages)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Run a recipe stage by stage; each finished stage leaves its output, and a rerun skips it.
+
+Stages (each a subprocess of an ordinary command, so a stage's memory is freed before the next
+and its log is the command's own output):
+  target  `models fetch` (or --target)
+  train   `python -m dspark_jax.train PRESET target.path=... train.output_dir=OUT/<kind>` per drafter
+          (done: OUT/<kind>/summary.json; an interrupted run resumes from its checkpoints, and the
+          regeneration it starts with is cached and shared by drafters with the same data section)
+  eval    `python -m dspark_jax.eval` on the prompt sets, all drafters side by side, per temperature
+          (done: OUT/eval_T<t>/results.json)
+  speed   `python -m dspark_jax.bench engine --sections speed` per drafter and temperature
+          (done: OUT/speed_<kind>_T<t>.json)
+  report  OUT/report.md and OUT/summary.json from whatever is done (always rewritten)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dspark_jax.recipe.recipes import Recipe
+
+STAGES = ("train", "eval", "speed")
+
+
+class RecipeError(RuntimeError):
+    pass
+
+
+def run_stage(name: str, cmd: list[str], log_path: Path, echo: bool = True) -> None:
+    """Run `cmd`, its output shown and appended to `log_path`; a failure names the log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[recipe] {name}: {' '.join(cmd)}", flush=True)
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            if echo:
+                sys.stdout.write(line)
+        rc = proc.wait()
+    if rc:
+        raise RecipeError(f"stage '{name}' failed (exit {rc}); its output is in {log_path}. Fix the cause and "
+                          "rerun the same command: finished stages are skipped, training resumes from its checkpoints")
+
+
+def _py(module: str, *args) -> list[str]:
+    return [sys.executable, "-m", module, *map(str, args)]
+
+
+def eval_dir_of(recipe: Recipe, eval_dir: Path) -> list[Path]:
+    sets = [eval_dir / f"{s}.jsonl" for s in recipe.eval_sets]
+    missing = [str(p) for p in sets if not p.is_file()]
+    if missing:
+        raise RecipeError(f"prompt sets not found: {', '.join(missing)}; pass --eval-dir with the folder holding "
+                          f"{', '.join(s + '.jsonl' for s in recipe.eval_sets)} (e.g. ../shared/eval_datasets)")
+    return sets
+
+
+def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_dir: Path, num_eval_prompts: int = 80,
+               eval_max_new_tokens: int = 128, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
+               temperatures=None, stages=STAGES, echo: bool = True) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    temps = tuple(recipe.eval_temperatures if temperatures is None else temperatures)
+    sets = eval_dir_of(recipe, eval_dir) if {"eval", "speed"} & set(stages) else []
+    drafter_dir = {k: out / k / "drafter" for k in recipe.kinds}
+    for kind, (preset, kind_overrides) in recipe.kinds.items():
+        if "train" in stages and not (out / kind / "summary.json").is_file():
+            cmd = _py("dspark_jax.train", *([preset] if preset else []), f"target.path={target}",
+                      f"train.output_dir={out / kind}", *kind_overrides, *overrides)
+            run_stage(f"train {kind}", cmd, logs / f"train_{kind}.log", echo)
+    for t in temps:
+        res = out / f"eval_T{t:g}"
+        if "eval" in stages and not (res / "results.json").is_file():
+            cmd = _py("dspark_jax.eval", "--target", target, *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
+                      "--prompts", *sets, "--num-prompts", num_eval_prompts, "--max-new-tokens", eval_max_new_tokens,
+                      "--temperature", t, "--out", res)
+            run_stage(f"eval T={t:g}", cmd, logs / f"eval_T{t:g}.log", echo)
+    speed_set = eval_dir / f"{recipe.speed_set}.jsonl"
+    for kind, d in drafter_dir.items():
+        for t in temps:
+            res = out / f"speed_{kind}_T{t:g}.json"
+            if "speed" in stages and not res.is_file():
+                cmd = _py("dspark_jax.bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
+                          "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
+                          "--temperature", t, "--reps", 3, "--json", res)
+                run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
+    summary = collect(recipe, out, target, temps)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    (out / "report.md").write_text(report_markdown(summary))
+    print(f"[recipe] report: {out / 'report.md'}", flush=True)
+    return summary
+
+
+def _read(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
+    """Everything the finished stages wrote, in one dict (missing stages are None)."""
+    train = {}
+    for kind in recipe.kinds:
+        s = _read(out / kind / "summary.json")
+        if s:
+            ev = s.get("eval") or {}
+            train[kind] = {"steps": s.get("step"), "heldout_tau": ev.get("eval/expected_accepted_length"),
+                           "heldout_tau_ci95": ev.get("eval/expected_accepted_length_ci95"),
+                           "measured_tau": s.get("measured_tau"), "wall_s": s.get("wall_s"), "phases_s": s.get("phases_s")}
+    evals = {f"{t:g}": (_read(out / f"eval_T{t:g}" / "results.json") or {}).get("results") for t in temps}
+    speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in temps} for k in recipe.kinds}
+    return {"recipe": recipe.name, "target": str(target), "notes": recipe.notes, "kinds": list(recipe.kinds),
+            "train": train, "eval": evals, "speed": speed}
+
+
+def _ci(r) -> str:
+    return f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r else "-"
+
+
+def report_markdown(s: dict) -> str:
+    kinds = s["kinds"]
+    lines = [f"# Recipe `{s['recipe']}`", "", s["notes"], "", f"Target: `{s['target']}`", "", "## Training", "",
+             "| drafter | steps | held-out expected tau [95% CI] | measured tau | wall |", "|---|---|---|---|---|"]
+    for k in kinds:
+        t = s["train"].get(k)
+        if t:
+            ci = t["heldout_tau_ci95"] or [float("nan")] * 2
+            lines.append(f"| {k} | {t['steps']} | {t['heldout_tau'] or float('nan'):.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | "
+                         f"{t['measured_tau'] or float('nan'):.3f} | {(t['wall_s'] or 0) / 60:.1f} min |")
+        else:
+            lines.append(f"| {k} | not trained yet | | | |")
+    base = "dflash" if "dflash" in kinds else None
+    for t, res in s["eval"].items():
+        lines += ["", f"## Accepted length tau on the prompt sets, T = {t}", ""]
+        if not res:
+            lines.append("not evaluated yet")
+            continue
+        head = "| set | " + " | ".join(kinds) + (" | dspark / dflash |" if base and "dspark" in kinds else " |")
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for sname, per in res.items():
+            row = f"| {sname} | " + " | ".join(_ci(per.get(k)) for k in kinds) + " |"
+            if base and "dspark" in kinds and per.get("dspark") and per.get(base):
+                row += f" {per['dspark']['tau'] / per[base]['tau']:.3f} |"
+            lines.append(row)
+    lines += ["", "## Wall clock (tokens/s, `bench engine --sections speed`)", "",
+              "| drafter | T | batch | target-only | speculative | speedup | tau | T_ar ms | T_draft ms | T_verify ms | bound |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in kinds:
+        for t, sp in (s["speed"].get(k) or {}).items():
+            for key in sorted((sp or {})):
+                if key.startswith("speed_b"):
+                    r = sp[key]
+                    lines.append(f"| {k} | {t} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+                                 f"x{r['speedup']:.2f} | {r['tau']:.2f} | {r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
+                                 f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} |")
+    return "\n".join(lines) + "\n"
