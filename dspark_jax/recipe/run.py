@@ -16,6 +16,7 @@ and its log is the command's own output):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,17 +31,22 @@ class RecipeError(RuntimeError):
 
 
 def run_stage(name: str, cmd: list[str], log_path: Path, echo: bool = True) -> None:
-    """Run `cmd`, its output shown and appended to `log_path`; a failure names the log."""
+    """Run `cmd`, its output passed through as it comes (progress bars included) and appended to
+    `log_path`; a failure names the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[recipe] {name}: {' '.join(cmd)}", flush=True)
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a piped child would otherwise hold its output back
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:
-            log.write(line)
-            if echo:
-                sys.stdout.write(line)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            log.write(chunk)
+            log.flush()
+            if echo:  # notebooks' stdout has no byte buffer
+                raw = getattr(sys.stdout, "buffer", None)
+                raw.write(chunk) if raw is not None else sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
         rc = proc.wait()
     if rc:
         raise RecipeError(f"stage '{name}' failed (exit {rc}); its output is in {log_path}. Fix the cause and "
