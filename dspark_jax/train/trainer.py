@@ -312,7 +312,10 @@ class Trainer:
         stop_at = self.total_steps if tc.stop_after_steps is None else min(self.total_steps, start + tc.stop_after_steps)
         preempted = False
         bar = progress_bar(total=self.total_steps, initial=start, desc="train", unit="step", enabled=self.progress)
-        t_last, n_last = time.perf_counter(), step
+        # Throughput: steps are dispatched asynchronously, so the clock is read only after the
+        # logged step's results are on the host, and time spent in evaluation and checkpoint saves
+        # (after the steps before them have finished) is left out.
+        t_last, n_last, paused = time.perf_counter(), step, 0.0
         try:
             with self.phases("training"):
                 while step < stop_at:
@@ -320,18 +323,25 @@ class Trainer:
                     self.state, metrics, _ = self.train_step(self.state, self.frozen, self.t_state, self._device_batch(batch))
                     step += 1
                     if step % tc.log_every == 0 or step == stop_at:
+                        jax.block_until_ready(metrics)
+                        now = time.perf_counter()
                         m = self._step_metrics(step, metrics, last_good, tokens_per_step * (step - n_last),
-                                               time.perf_counter() - t_last)
-                        t_last, n_last = time.perf_counter(), step
+                                               now - t_last - paused)
+                        t_last, n_last, paused = now, step, 0.0
                         scalars(step, m)
                         bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
-                    if tc.eval_every and step % tc.eval_every == 0 and step < stop_at:
-                        with self.phases("evaluation"):
-                            scalars(step, self.evaluate())
-                    if self.ckpt.should_save(step):
-                        self.save(step)
-                        last_good = step
+                    evaluate = tc.eval_every and step % tc.eval_every == 0 and step < stop_at
+                    if evaluate or self.ckpt.should_save(step):
+                        jax.block_until_ready(self.state)
+                        t_pause = time.perf_counter()
+                        if evaluate:
+                            with self.phases("evaluation"):
+                                scalars(step, self.evaluate())
+                        if self.ckpt.should_save(step):
+                            self.save(step)
+                            last_good = step
+                        paused += time.perf_counter() - t_pause
                     if self.ckpt.agreed_preemption(step, bool(flag)):
                         self.log(f"preemption signal: saving step {step} and exiting")
                         self.save(step, wait=True)
