@@ -5,7 +5,7 @@
 
 Sections (all ratios measured in one run):
 - loop: host loop over the compiled round vs one compiled lax.while_loop (target-only and DSpark).
-- speed: tokens/s DSpark vs target-only at batch 1 and 8, beside the bound
+- speed: tokens/s of the --drafter (any kind) vs target-only at batch 1 and 8 and --temperature, beside the bound
   tau * T_ar / (T_draft + T_verify) from separately timed parts.
 - tau: accepted length (gamma = block size, T = 1) per given drafter with a 95 % bootstrap
   interval over prompts.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -236,7 +237,5 @@ def main(argv=None) -> int:
         bench_head(target, prompts, args, out)
     print(json.dumps(out, indent=1, default=float))
     if args.json:
-        from pathlib import Path
-
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))
     return 0

@@ -2,7 +2,7 @@
 
     python -m dspark_jax.bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--reps 5] [--json OUT]
 
-Three worker processes (dspark_jax/bench/vs_torch_worker.py) build the `bench_cpu` shapes
+Three worker processes (dspark_jax/bench/vs_torch_worker.py) build the `bench_cpu` preset's shapes
 (target vocab 8192, hidden 256, 8 layers, 8/4 heads, head_dim 32, MLP 768; DSpark drafter 2
 layers, Markov rank 64, gamma 7; sequence 512, 64 anchors, batch 1) and compile: transformers'
 Qwen3ForCausalLM (torch), this checkout, and this repository at `--baseline-ref` (extracted with
@@ -122,7 +122,6 @@ def main(argv=None) -> int:
           f"taken within a round: median [min, max]")
     head = f"{'region':<26}" + "".join(f"{w.name:>20}" for w in workers) + "".join(f"{'ours / ' + o:>30}" for o in others)
     print(head)
-    table = {}
     for r in regions:
         row = f"{r:<26}"
         for w in workers:
@@ -132,7 +131,6 @@ def main(argv=None) -> int:
             if per_round.get((o, r)):
                 ratio = np.asarray(per_round[(ours, r)]) / np.asarray(per_round[(o, r)])
                 row += f"{np.median(ratio):>14.2f} [{ratio.min():.2f}, {ratio.max():.2f}]"
-                table[(r, o)] = ratio.tolist()
             else:
                 row += f"{'-':>30}"
         print(row)

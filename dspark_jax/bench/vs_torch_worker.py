@@ -17,15 +17,23 @@ import time
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # this file's folder holds modules (train.py, engine.py) that must not shadow others
 
-# The bench_cpu shape (configs/bench_cpu.yaml); keep in sync with it.
-VOCAB, HIDDEN, MLP, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 8192, 256, 768, 8, 8, 4, 32
-SEQ, FEATURE_LAYERS, GAMMA, CONTEXT, NEW = 512, (1, 3, 5), 7, 256, 4
+# Drafting and verification: one slot with CONTEXT tokens, the last NEW of them not yet seen by the drafter.
+CONTEXT, NEW = 256, 4
 
 
-def _tokens(n, seed=0):
+def bench_config():
+    """The `bench_cpu` preset (of the tree being measured): every shape below comes from it."""
+    import tempfile
+
+    from dspark_jax.config import from_cli
+
+    return from_cli(["bench_cpu", f"train.output_dir={tempfile.mkdtemp(prefix='vs_torch_')}", "train.checkpoint_every=0"])
+
+
+def _tokens(vocab, n, seed=0):
     import numpy as np
 
-    return np.random.default_rng(seed).integers(0, VOCAB - 1, (1, n)).astype(np.int32)
+    return np.random.default_rng(seed).integers(0, vocab - 1, (1, n)).astype(np.int32)
 
 
 def jax_regions() -> dict:
@@ -35,54 +43,44 @@ def jax_regions() -> dict:
     import numpy as np
     from flax import nnx
 
-    from dspark_jax.config import DrafterSection
+    from dspark_jax.data.pipeline import make_example
     from dspark_jax.decoding import rejection
     from dspark_jax.decoding.sampling import SamplingParams, probs_from_params
-    from dspark_jax.drafter import heads
+    from dspark_jax.drafter import heads, registry
     from dspark_jax.drafter.frozen import attach_target
-    from dspark_jax.drafter.model import Drafter
     from dspark_jax.engine import Engine
     from dspark_jax.engine.verify import verify_packed
     from dspark_jax.parallel.sharding import create_model
-    from dspark_jax.target import TargetModel
-    from dspark_jax.target.config import ModelConfig
+    from dspark_jax.train.run import prepare_target
+    from dspark_jax.train.trainer import Trainer
 
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_layers=LAYERS, num_heads=HEADS,
-                      num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, tie_word_embeddings=True, arch="qwen3",
-                      max_position_embeddings=4096)
-    target = create_model(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)))
+    bc = bench_config()
+    target = prepare_target(bc).model  # random weights of the preset's shape
+    cfg, seq_len, layer_ids = target.cfg, bc.data.seq_len, tuple(bc.drafter.target_layer_ids)
+    gamma, vocab = bc.drafter.gamma, target.cfg.vocab_size
     tgraph, tstate = nnx.split(target)
     regions = {}
 
     @jax.jit
     def forward(state, tokens):
-        out = nnx.merge(tgraph, state)(tokens, feature_layers=FEATURE_LAYERS)
+        out = nnx.merge(tgraph, state)(tokens, feature_layers=layer_ids)
         return out.logits, out.features
 
     @jax.jit
     def features_only(state, tokens):
-        out = nnx.merge(tgraph, state)(tokens, feature_layers=FEATURE_LAYERS, return_logits=False)
+        out = nnx.merge(tgraph, state)(tokens, feature_layers=layer_ids, return_logits=False)
         return out.hidden, out.features
 
-    seq = jnp.asarray(_tokens(SEQ))
+    seq = jnp.asarray(_tokens(vocab, seq_len))
     regions["target forward"] = lambda: jax.block_until_ready(forward(tstate, seq))
     regions["train: target features"] = lambda: jax.block_until_ready(features_only(tstate, seq))
 
-    # --- train step: the bench_cpu preset through the real Trainer, synthetic records
-    import tempfile
-
-    from dspark_jax.config import from_cli
-    from dspark_jax.data.pipeline import make_example
-    from dspark_jax.train.run import prepare_target
-    from dspark_jax.train.trainer import Trainer
-
-    tcfg = from_cli(["bench_cpu", f"train.output_dir={tempfile.mkdtemp(prefix='vs_torch_')}", "train.checkpoint_every=0"])
-    loaded = prepare_target(tcfg)
+    # --- train step: the real Trainer on synthetic records (everything after 8 tokens is a response)
     rng = np.random.default_rng(0)
-    recs = [{"tokens": rng.integers(0, VOCAB - 1, SEQ).astype(np.int32),
-             "loss_mask": np.r_[np.zeros(8, bool), np.ones(SEQ - 8, bool)]} for _ in range(2)]
-    tr = Trainer(tcfg, loaded.model, recs, None, progress=False)
-    ex = [make_example(r, j, tr.spec) for j, r in enumerate(recs[:1])]
+    recs = [{"tokens": rng.integers(0, vocab - 1, seq_len).astype(np.int32),
+             "loss_mask": np.r_[np.zeros(8, bool), np.ones(seq_len - 8, bool)]} for _ in range(2)]
+    tr = Trainer(bc, target, recs, None, progress=False)
+    ex = [make_example(r, j, tr.spec) for j, r in enumerate(recs[: bc.train.batch_size])]
     dev = tr._device_batch({k: np.stack([e[k] for e in ex]) for k in ex[0]})
     train_state = [tr.state]
 
@@ -92,36 +90,34 @@ def jax_regions() -> dict:
 
     regions["train step (online)"] = step
 
-    # --- draft round and verification: a random DSpark drafter, one slot, context 252 + 4 new
-    dcfg = DrafterSection(kind="dspark", num_layers=2, gamma=GAMMA, target_layer_ids=FEATURE_LAYERS, markov_rank=64,
-                          mask_token_id=VOCAB - 1)
-    drafter = create_model(lambda: Drafter(cfg, dcfg, rngs=nnx.Rngs(1)))
+    # --- draft round and verification: a random drafter of the preset, one slot, context CONTEXT - NEW + NEW
+    drafter = create_model(lambda: registry.build(cfg, bc.drafter, rngs=nnx.Rngs(1)))
     attach_target(drafter, target)
-    eng = Engine(target, drafter, num_slots=1, max_len=2 * CONTEXT, buckets=(GAMMA + 1,))
+    eng = Engine(target, drafter, num_slots=1, max_len=2 * CONTEXT, buckets=(gamma + 1,))
     sp = SamplingParams(1.0, 0, 1.0)
     ctl = eng.control(sp)
     st = eng.init_state()
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 1)))
-    st = eng.prefill_slots(st, [0], [list(_tokens(CONTEXT - NEW, 1)[0])], kd, [CONTEXT])
+    st = eng.prefill_slots(st, [0], [list(_tokens(vocab, CONTEXT - NEW, 1)[0])], kd, [CONTEXT])
     st, _ = eng.step(st, ctl)  # a live state: the drafter context holds the prompt and one round
     regions["draft round"] = lambda: jax.block_until_ready(eng.draft(st, ctl))
 
-    h = jax.random.normal(jax.random.key(2), (1, GAMMA, HIDDEN), jnp.float32)
+    h = jax.random.normal(jax.random.key(2), (1, gamma, cfg.hidden_size), jnp.float32)
     anchor = jnp.zeros((1,), jnp.int32)
     dp = eng.dp
     sample_block = jax.jit(lambda dp, h, key: heads.sample_block(key, dp, h, anchor, sp))
     regions["draft: sample_block"] = lambda: jax.block_until_ready(sample_block(dp, h, jax.random.key(3)))
 
-    toks = jnp.asarray(_tokens(GAMMA + 1, 4))
+    toks = jnp.asarray(_tokens(vocab, gamma + 1, 4))
     valid = jnp.ones(toks.shape, bool)
     start = jnp.full((1,), CONTEXT - NEW, jnp.int32)
-    q = jax.nn.softmax(jax.random.normal(jax.random.key(5), (1, GAMMA, VOCAB)), -1)
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(5), (1, gamma, vocab)), -1)
 
     @jax.jit
     def verify(tp, cache, key):
-        out = verify_packed(tp, cfg, cache, toks, start, valid, bucket=GAMMA + 1, feature_layers=FEATURE_LAYERS)
+        out = verify_packed(tp, cfg, cache, toks, start, valid, bucket=gamma + 1, feature_layers=layer_ids)
         p = probs_from_params(out.logits, sp)
-        return rejection.verify(key, toks[:, 1:], q, p, jnp.full((1,), GAMMA, jnp.int32)), out.cache.k
+        return rejection.verify(key, toks[:, 1:], q, p, jnp.full((1,), gamma, jnp.int32)), out.cache.k
 
     cache = st.cache
     regions["verify 8 + rejection"] = lambda: jax.block_until_ready(verify(eng.tp, cache, jax.random.key(6)))
@@ -132,13 +128,16 @@ def torch_regions() -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    bc = bench_config()
+    m, seq_len = bc.target.model, bc.data.seq_len
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("VS_TORCH_THREADS", os.cpu_count() or 1)))
-    hf = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     tie_word_embeddings=True, max_position_embeddings=4096)
+    hf = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                     head_dim=m.head_dim, rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope.theta,
+                     tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings)
     model = Qwen3ForCausalLM(hf).eval()
-    seq = torch.from_numpy(_tokens(SEQ)).long()
+    seq = torch.from_numpy(_tokens(m.vocab_size, seq_len)).long()
 
     def forward():
         with torch.inference_mode():

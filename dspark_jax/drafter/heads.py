@@ -117,7 +117,7 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     # Every slot's sampling noise in one batched draw before the scan (the same values as
     # `sample(fold_in(key, j), q_j)` would draw): the scan body keeps only the V-wide softmax
     # and one argmax per slot.
-    noise = jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), u.shape[::2]))(jnp.arange(g))
+    noise = jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), (r, u.shape[-1])))(jnp.arange(g))
 
     def body(carry, xs):
         prev, s = carry

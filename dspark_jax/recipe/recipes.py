@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,7 @@ class Recipe:
     eval_sets: tuple[str, ...]  # jsonl stems in the eval directory (../shared/eval_datasets)
     speed_set: str  # the set the wall-clock comparison decodes
     notes: str = ""
-    eval_temperatures: tuple[float, ...] = field(default=(0.0, 1.0))
+    eval_temperatures: tuple[float, ...] = (0.0, 1.0)
 
 
 RECIPES = {

@@ -1,8 +1,8 @@
 """Run a recipe stage by stage; each finished stage leaves its output, and a rerun skips it.
 
-Stages (each a subprocess of an ordinary command, so a stage's memory is freed before the next
-and its log is the command's own output):
-  target  `models fetch` (or --target)
+Before the stages the caller resolves the target (`models fetch`, or --target). Stages (each a
+subprocess of an ordinary command, so a stage's memory is freed before the next and its log is
+the command's own output):
   train   `python -m dspark_jax.train PRESET target.path=... train.output_dir=OUT/<kind>` per drafter
           (done: OUT/<kind>/summary.json; an interrupted run resumes from its checkpoints, and the
           regeneration it starts with is cached and shared by drafters with the same data section)
@@ -10,7 +10,7 @@ and its log is the command's own output):
           (done: OUT/eval_T<t>/results.json)
   speed   `python -m dspark_jax.bench engine --sections speed` per drafter and temperature
           (done: OUT/speed_<kind>_T<t>.json)
-  report  OUT/report.md and OUT/summary.json from whatever is done (always rewritten)
+Then OUT/report.md and OUT/summary.json are rewritten from whatever is done.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _py(module: str, *args) -> list[str]:
     return [sys.executable, "-m", module, *map(str, args)]
 
 
-def eval_dir_of(recipe: Recipe, eval_dir: Path) -> list[Path]:
+def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
     sets = [eval_dir / f"{s}.jsonl" for s in recipe.eval_sets]
     missing = [str(p) for p in sets if not p.is_file()]
     if missing:
@@ -72,7 +72,7 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     temps = tuple(recipe.eval_temperatures if temperatures is None else temperatures)
-    sets = eval_dir_of(recipe, eval_dir) if {"eval", "speed"} & set(stages) else []
+    sets = prompt_set_files(recipe, eval_dir) if {"eval", "speed"} & set(stages) else []
     drafter_dir = {k: out / k / "drafter" for k in recipe.kinds}
     for kind, (preset, kind_overrides) in recipe.kinds.items():
         if "train" in stages and not (out / kind / "summary.json").is_file():

@@ -127,7 +127,7 @@ class TargetModel(nnx.Module):
         """
         cfg = self.cfg
         r, t = tokens.shape
-        causal_chunk = positions is None and cache is None  # block-skipping causal attention applies
+        causal_chunk = positions is None and cache is None  # tokens at 0..T-1 attending to themselves
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
         if valid is None:
@@ -146,7 +146,8 @@ class TargetModel(nnx.Module):
         feats0 = jnp.zeros((max(m, 1), r, t, cfg.hidden_size), dtype)
 
         if cache is None:
-            mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+            # explicit positions: a dense mask; default ones: block-skipping causal attention, no mask
+            mask = None if causal_chunk else (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
             xs = (params, jnp.asarray(slot_of_layer))
         else:
             key_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
@@ -162,11 +163,8 @@ class TargetModel(nnx.Module):
             else:
                 p, slot, ck, cv = layer
             q, k, v = project_qkv(p, x, cos, sin, cfg)
-            if causal_chunk:
-                out = causal_attention(q, k, v, valid, ATTENTION_BLOCK)
-                new_kv = None
-            elif cache is None:
-                out = attention(q, k, v, mask)
+            if cache is None:
+                out = causal_attention(q, k, v, valid, ATTENTION_BLOCK) if causal_chunk else attention(q, k, v, mask)
                 new_kv = None
             else:
                 ck, cv = KVCache.write_layer(ck, cv, rows, write_pos, k, v)

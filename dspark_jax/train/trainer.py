@@ -332,13 +332,14 @@ class Trainer:
                         bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
                     evaluate = tc.eval_every and step % tc.eval_every == 0 and step < stop_at
-                    if evaluate or self.ckpt.should_save(step):
+                    save = self.ckpt.should_save(step)
+                    if evaluate or save:
                         jax.block_until_ready(self.state)
                         t_pause = time.perf_counter()
                         if evaluate:
                             with self.phases("evaluation"):
                                 scalars(step, self.evaluate())
-                        if self.ckpt.should_save(step):
+                        if save:
                             self.save(step)
                             last_good = step
                         paused += time.perf_counter() - t_pause
