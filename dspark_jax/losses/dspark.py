@@ -80,8 +80,8 @@ def dspark_loss_sums(logits, target_logits, labels, valid, conf_logits=None, dec
 
 
 def label_is_argmax(logq, labels):
-    """Whether the label holds the largest log-probability (up to exact ties): one gather and the
-    row max log_softmax already has, instead of an index-tracking argmax reduction over V."""
+    """Whether the label holds the largest log-probability (a tie for the max counts): a gather and a
+    plain max over V instead of an index-tracking argmax reduction (19 ms of a bench_cpu step)."""
     at_label = jnp.take_along_axis(logq, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return at_label >= jnp.max(logq, axis=-1)
 
@@ -105,8 +105,9 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, blo
     """Loss sums over anchor chunks. h [B,A,G,H]; target_hidden [B,S,H].
 
     With several chunks each is rematerialised in the backward (one chunk's vocabulary-sized
-    activations live at a time); a single chunk is not, since recomputing it saves no memory
-    and costs a second vocabulary-wide forward."""
+    activations live at a time); a single chunk is not: recomputing it costs a second
+    vocabulary-wide forward and saved no memory (the compiled bench_cpu step on CPU needs 114.6 MiB
+    of temporaries without, 144.0 MiB with the rematerialisation)."""
     b, a, g, _ = h.shape
     chunk = min(chunk, a)
     if a % chunk:
