@@ -171,13 +171,13 @@ def update_context(params: dict, cfg: ModelConfig, cache: KVCache, features, pos
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     rows = jnp.arange(r)[:, None]
 
-    def body(_, layer):
-        p, ck, cv = layer
+    def body(kv, layer):
+        p, li = layer
         k, v = context_kv(p, ctx, cos, sin, cfg)
-        ck, cv = KVCache.write_layer(ck, cv, rows, write, k, v)
-        return None, (ck, cv)
+        return KVCache.write_layer_at(*kv, li, rows, write, k, v), None  # in place: the cache is carried
 
-    _, (k, v) = jax.lax.scan(body, None, (params["layers"], cache.k, cache.v))
+    layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
+    (k, v), _ = jax.lax.scan(body, (cache.k, cache.v), (params["layers"], layer_ids))
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1).astype(jnp.int32)
     lengths = jnp.where(valid.any(axis=1), end, cache.lengths)
     return KVCache(k, v, lengths)

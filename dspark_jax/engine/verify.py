@@ -95,19 +95,21 @@ def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, val
     feats0 = jnp.zeros((m, bucket, cfg.hidden_size), dtype)
 
     def body(carry, layer):
-        x, feats = carry
-        p, fslot, ck, cv = layer
+        x, feats, (ck, cv) = carry  # the whole cache is carried: each layer writes its slice in place
+        p, fslot, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        ck, cv = KVCache.write_layer(ck, cv, pk.slot, pk.pos, k[0], v[0])
+        ck, cv = KVCache.write_layer_at(ck, cv, li, pk.slot, pk.pos, k[0], v[0])
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
-        o = attention(qv, ck.astype(dtype), cv.astype(dtype), mask)  # [R, T, Nq, D]
+        o = attention(qv, ck[li].astype(dtype), cv[li].astype(dtype), mask)  # [R, T, Nq, D]
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)
             feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
-        return (x, feats), (ck, cv)
+        return (x, feats, (ck, cv)), None
 
-    (x, feats), (k, v) = jax.lax.scan(body, (x, feats0), (tp["layers"], jnp.asarray(slot_of_layer), cache.k, cache.v))
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, feats, (k, v)), _ = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
+                                         (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
     logits = lm_head_logits(h, tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]

@@ -37,3 +37,10 @@ class KVCache(NamedTuple):
         write in the project (target, verification, drafter context, Eagle3 / MTP-1) is this."""
         return (k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop"),
                 v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop"))
+
+    @staticmethod
+    def write_layer_at(k_all, v_all, layer, rows, positions, k, v):
+        """`write_layer` into layer `layer` of the whole stacked cache [L, R, S, Nkv, D]: the
+        update stays in place when the cache is a loop carry (no copy of the whole cache)."""
+        return (k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop"),
+                v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop"))

@@ -154,29 +154,30 @@ class TargetModel(nnx.Module):
             mask = key_idx[None, None, :] <= positions[:, :, None]
             write_pos = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
             rows = jnp.arange(r)[:, None]
-            xs = (params, jnp.asarray(slot_of_layer), cache.k, cache.v)
+            xs = (params, jnp.asarray(slot_of_layer), jnp.arange(cfg.num_layers, dtype=jnp.int32))
 
         def body(carry, layer):
-            x, feats = carry
+            # the whole cache rides in the carry and each layer writes its slice in place; as
+            # scan xs -> ys it would be copied whole every forward
+            x, feats, kv = carry
             if cache is None:
                 p, slot = layer
             else:
-                p, slot, ck, cv = layer
+                p, slot, li = layer
             q, k, v = project_qkv(p, x, cos, sin, cfg)
             if cache is None:
                 out = causal_attention(q, k, v, valid, ATTENTION_BLOCK) if causal_chunk else attention(q, k, v, mask)
-                new_kv = None
             else:
-                ck, cv = KVCache.write_layer(ck, cv, rows, write_pos, k, v)
-                out = attention(q, ck.astype(dtype), cv.astype(dtype), mask)
-                new_kv = (ck, cv)
+                kv = KVCache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)
+                out = attention(q, kv[0][li].astype(dtype), kv[1][li].astype(dtype), mask)
             x = finish_layer(p, x, out, cfg)
             if m:
                 idx = jnp.maximum(slot, 0)
                 feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))
-            return (x, feats), new_kv
+            return (x, feats, kv), None
 
-        (x, feats), new_kv = jax.lax.scan(body, (x, feats0), xs)
+        kv0 = None if cache is None else (cache.k, cache.v)
+        (x, feats, new_kv), _ = jax.lax.scan(body, (x, feats0, kv0), xs)
         hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         new_cache = None if cache is None else cache._replace(k=new_kv[0], v=new_kv[1])
         features = jnp.moveaxis(feats, 0, 2) if m else None
