@@ -1,7 +1,8 @@
 """The training input pipeline: token dataset -> fixed-length records with anchors -> batches.
 
-One fixed sequence length (no packing). Deterministic for a seed; the grain iterator's
-state is checkpointed with the model, and each host reads its own shard of the records.
+One fixed sequence length (no packing). Deterministic for a seed and independent of the
+number of hosts; the grain iterator's state is checkpointed with the model, and each host
+reads only the records of its own rows.
 """
 
 from __future__ import annotations
@@ -59,15 +60,42 @@ def check_dataset(ds: TokenDataset, name: str = "dataset", sample: int = 64) -> 
 
 def make_pipeline(ds, spec: RecordSpec, batch_size: int, *, shuffle: bool = True, num_epochs: int | None = None,
                   process_index: int | None = None, process_count: int | None = None):
-    """A grain IterDataset of batches (dict of numpy arrays) for this host."""
+    """A grain IterDataset of this host's batches (dicts of numpy arrays) of `batch_size` rows.
+
+    One global record order (shuffled by the seed alone) cut into host-sized batches, and host p
+    takes batches p, p + hosts, ...: global batch g = the hosts' g-th batches in process order =
+    records [g * B, (g + 1) * B) of that order, whatever the number of hosts. So a run on 2 hosts
+    x 4 chips sees the same batches as one on 1 host x 8, and each host reads only its own rows
+    (the dataset is random access; nothing outside this host's batches is loaded)."""
     pi = jax.process_index() if process_index is None else process_index
     pc = jax.process_count() if process_count is None else process_count
-    src = grain.MapDataset.source(ds)
-    if pc > 1:
-        src = src[pi::pc]
-    src = src.map_with_index(lambda i, r: (i, r))
+    src = grain.MapDataset.source(ds).map_with_index(lambda i, r: (i, r))
     if shuffle:
         src = src.seed(spec.seed).shuffle()
     src = src.repeat(num_epochs)
-    src = src.map(lambda ir: make_example(ir[1], ir[0] * pc + pi, spec))
-    return src.batch(batch_size, drop_remainder=True).to_iter_dataset()
+    src = src.map(lambda ir: make_example(ir[1], ir[0], spec))
+    batches = src.batch(batch_size, drop_remainder=True)
+    if pc > 1:
+        batches = batches[pi::pc]
+    return batches.to_iter_dataset()
+
+
+def heldout_batches(ds, spec: RecordSpec, batch_size: int, *, process_index: int | None = None,
+                    process_count: int | None = None):
+    """Every record of `ds` once, in batches of `batch_size` for this host (records i = host, host +
+    hosts, ...), the last ones padded with empty examples that carry no loss and no blocks.
+
+    Every host yields the same number of batches, ceil(ceil(n / hosts) / batch_size), computed
+    from n alone: an evaluation step is a collective, so a host with one batch more than the
+    others would wait for them forever, and dropping remainders would lose held-out records."""
+    pi = jax.process_index() if process_index is None else process_index
+    pc = jax.process_count() if process_count is None else process_count
+    n = len(ds)
+    num_batches = -(-(-(-n // pc)) // batch_size)
+    mine = list(range(pi, n, pc))
+    empty = {"tokens": np.zeros((0,), np.int32), "loss_mask": np.zeros((0,), bool)}
+    for b in range(num_batches):
+        idx = mine[b * batch_size:(b + 1) * batch_size]
+        rows = [make_example(ds[i], i, spec) for i in idx]
+        rows += [make_example(empty, 0, spec)] * (batch_size - len(rows))
+        yield {k: np.stack([r[k] for r in rows]) for k in rows[0]}

@@ -34,7 +34,10 @@ def maybe_initialize_distributed() -> None:
     if len(hosts) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         import jax
 
-        jax.distributed.initialize()
+        env = os.environ
+        explicit = {"num_processes": int(env["JAX_NUM_PROCESSES"]), "process_id": int(env["JAX_PROCESS_ID"])} \
+            if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env else {}
+        jax.distributed.initialize(**explicit)
 
 
 def main(argv=None) -> int:

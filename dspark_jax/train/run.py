@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.config import Config
@@ -138,12 +139,19 @@ def heldout_prompts(ds, n: int) -> list[list[int]]:
     return out
 
 
-def measure_heldout_tau(cfg: Config, target: LoadedTarget, held_ds, drafter_dir) -> float:
-    """Accepted length of real speculative decoding (fixed gamma, temperature 1) on held-out prompts."""
+def measure_heldout_tau(cfg: Config, target: LoadedTarget, held_ds, drafter) -> float:
+    """Accepted length of real speculative decoding (fixed gamma, temperature 1) on held-out prompts.
+
+    `drafter`: a drafter directory, or the trained drafter (any parameter layout; it is rebuilt
+    on this process's devices, next to the target)."""
     from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.engine import measure_accepted_length
 
-    drafter = drafter_io.load(drafter_dir, target.model)
+    if isinstance(drafter, (str, Path)):
+        drafter = drafter_io.load(drafter, target.model)
+    else:
+        params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+        drafter = drafter_io.from_params(target.model, drafter.dcfg, params)
     prompts = heldout_prompts(held_ds, cfg.train.measure_prompts)
     stops = tuple(target.tokenizer.stop_ids) if target.tokenizer is not None else ()
     return float(measure_accepted_length(target.model, drafter, prompts, max_new_tokens=cfg.train.measure_max_new_tokens,
@@ -157,7 +165,7 @@ def format_summary(summary: dict, phases: Phases) -> str:
         "=" * 60,
         f"training finished at step {summary['step']}/{summary['total_steps']}" + (" (preempted)" if summary["preempted"] else ""),
         f"checkpoint:      {summary['checkpoint']}",
-        f"drafter export:  {summary['drafter']}",
+        f"drafter export:  {summary['drafter'] or 'none (preempted: rerun the same command to resume)'}",
     ]
     if "eval/expected_accepted_length" in ev:
         lines += [
@@ -188,7 +196,9 @@ def run(cfg: Config, progress: bool = True) -> dict:
         trainer.close()
     if held_ds is not None and cfg.train.measure_prompts > 0 and not summary["preempted"]:
         with phases("speculative decoding"):
-            summary["measured_tau"] = measure_heldout_tau(cfg, target, held_ds, summary["drafter_local"])
+            summary["measured_tau"] = measure_heldout_tau(cfg, target, held_ds, trainer.exported)
+        if jax.process_index() != 0:  # process 0 prints it in the summary
+            print(f"[process {jax.process_index()}] held-out measured accepted length: {summary['measured_tau']:.3f}")
     summary["wall_s"] = time.perf_counter() - t0
     summary["phases_s"] = dict(phases.times)
     if jax.process_index() == 0:

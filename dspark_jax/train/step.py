@@ -52,30 +52,63 @@ def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, com
     return loss_fn
 
 
-def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1):
-    """One optimiser update. With `grad_accum` > 1 the batch is split into that many
-    micro-batches whose gradients are summed in a `lax.scan`, so activations exist for one
-    micro-batch at a time (the loss is a per-micro-batch mean, averaged)."""
+def loss_weight(metrics: dict, sums):
+    """The denominator of a micro-batch's mean loss: the block kinds' summed position weights, the
+    `loss_weight` a kind reports (MTP-1: its label count), else 1 (Eagle3 normalises each of its
+    steps on its own, so its micro-batch losses are averaged)."""
+    if sums is not None:
+        return sums.weight
+    return metrics.get("loss_weight", jnp.float32(1.0))
 
-    def grads_of(params, frozen, target_state, batch):
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, target_state, batch)
+
+def split_micro(batch, n: int, sharding=None):
+    """[B, ...] -> [n, B / n, ...], micro-batch k = rows k, k + n, k + 2n, ...
+
+    Strided, as MaxText's gradient accumulation does: a batch is sharded over chips in contiguous
+    blocks of rows, so each chip holds the same number of every micro-batch's rows and no
+    micro-step waits on a few chips (contiguous slices would put each micro-batch on 1 / n of them).
+    `sharding` (e.g. P(None, batch axes)) pins that layout."""
+    out = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+
+
+def _accumulate(value_and_grad, n: int, batch, micro_sharding):
+    """`value_and_grad(micro_batch)` -> (grads or (), metrics, sums). Sum over `n` strided micro-batches of (grad of loss * w, metrics * w, sums, w), divided by
+    the total w: one denominator for the whole batch, as if it had been one micro-batch."""
+
+    micro = split_micro(batch, n, micro_sharding)
+
+    def body(acc, mb):
+        g, metrics, sums = value_and_grad(mb)
+        w = jax.lax.stop_gradient(loss_weight(metrics, sums))
+        g = jax.tree.map(lambda x: x * w, g)
+        metrics = jax.tree.map(lambda m: m * w, metrics)
+        return jax.tree.map(jnp.add, acc, (g, metrics, sums, w)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(lambda b: (*value_and_grad(b), jnp.float32(0)), first)
+    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (g, metrics, sums, w), _ = jax.lax.scan(body, acc0, micro)
+    w = jnp.maximum(w, 1e-6)
+    return jax.tree.map(lambda x: x / w, g), jax.tree.map(lambda m: m / w, metrics), sums
+
+
+def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1, micro_sharding=None):
+    """One optimiser update. With `grad_accum` > 1 the batch is split into that many strided
+    micro-batches (`split_micro`) whose weighted gradients are summed in a `lax.scan`, so
+    activations exist for one micro-batch at a time; the loss keeps one denominator over the
+    whole batch (`loss_weight`), so the update equals the one-micro-batch update."""
 
     def train_step(state: TrainState, frozen, target_state, batch):
         if grad_accum == 1:
-            (loss, (metrics, sums)), grads = grads_of(state.params, frozen, target_state, batch)
+            (loss, (metrics, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, frozen, target_state, batch)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+            def grads_of(mb):
+                (_, (metrics, sums)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen, target_state, mb)
+                return g, metrics, sums
 
-            def body(acc, mb):
-                (loss, (metrics, sums)), g = grads_of(state.params, frozen, target_state, mb)
-                return jax.tree.map(jnp.add, acc, (g, metrics, sums)), None
-
-            first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(lambda b: (lambda r: (r[1], r[0][1][0], r[0][1][1]))(grads_of(state.params, frozen, target_state, b)), first)
-            acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (grads, metrics, sums), _ = jax.lax.scan(body, acc0, micro)
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            metrics = jax.tree.map(lambda m: m / grad_accum, metrics)
+            grads, metrics, sums = _accumulate(grads_of, grad_accum, batch, micro_sharding)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
@@ -84,9 +117,20 @@ def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1):
     return train_step
 
 
-def make_eval_step(loss_fn: Callable):
+def make_eval_step(loss_fn: Callable, micro_batches: int = 1, micro_sharding=None):
+    """Held-out (metrics, sums) of a batch, in `micro_batches` strided micro-batches (as training
+    does, so evaluation needs no more activation memory than a training micro-step)."""
+
     def eval_step(params, frozen, target_state, batch):
-        _, (metrics, sums) = loss_fn(params, frozen, target_state, batch)
+        if micro_batches == 1:
+            _, (metrics, sums) = loss_fn(params, frozen, target_state, batch)
+            return metrics, sums
+
+        def of(mb):
+            _, (metrics, sums) = loss_fn(params, frozen, target_state, mb)
+            return (), metrics, sums  # no gradient
+
+        _, metrics, sums = _accumulate(of, micro_batches, batch, micro_sharding)
         return metrics, sums
 
     return eval_step

@@ -25,7 +25,7 @@ from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.parallel.sharding import create_model, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from dspark_jax.train.metrics import MetricsLogger, progress_bar
-from dspark_jax.data.pipeline import RecordSpec, check_dataset, make_pipeline
+from dspark_jax.data.pipeline import RecordSpec, check_dataset, heldout_batches, make_pipeline
 from dspark_jax.losses.dspark import LossCoefs
 from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
 
@@ -180,9 +180,10 @@ class Trainer:
         loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind), coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
-        self.train_step = jax.jit(make_train_step(loss_fn, self.tx, tc.grad_accum), donate_argnums=(0,),
+        micro_sh = NamedSharding(self.mesh, P(None, ("data", "fsdp")))
+        self.train_step = jax.jit(make_train_step(loss_fn, self.tx, tc.grad_accum, micro_sh), donate_argnums=(0,),
                                   out_shardings=(state_sh, None, None))
-        self.eval_step = jax.jit(make_eval_step(loss_fn))
+        self.eval_step = jax.jit(make_eval_step(loss_fn, tc.grad_accum, micro_sh))
         self.ckpt = Checkpointer(self.out / "checkpoints", tc.checkpoint_every, tc.keep_checkpoints)
         self.data_iter = None
         self._saved: set[int] = set()
@@ -241,8 +242,7 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.heldout_ds is None or len(self.heldout_ds) == 0:
             return {}
-        it = make_pipeline(self.heldout_ds, dataclasses.replace(self.spec, seed=self.cfg.seed + 1), self.local_batch,
-                           shuffle=False, num_epochs=1)
+        it = heldout_batches(self.heldout_ds, dataclasses.replace(self.spec, seed=self.cfg.seed + 1), self.local_batch)
         tot = None
         losses: list[float] = []
         per_batch: list[tuple[float, float]] = []  # (sum of block tau, blocks): bootstrap unit
@@ -282,15 +282,29 @@ class Trainer:
         m["lr"] = float(self.schedule(step))
         return m
 
+    def host_params(self):
+        """The drafter's parameters as whole numpy arrays, on every process. A collective (every
+        process must call it): with fsdp over several hosts no process holds a whole parameter,
+        so they are gathered over the mesh first."""
+        whole = jax.jit(lambda t: t, out_shardings=NamedSharding(self.mesh, P()))(self.state.params)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), whole)
+
     def _export(self):
-        """Write the final drafter (reference layout) on process 0; copied to gs:// outputs."""
+        """Gather the final drafter on every process, write it (reference layout) on process 0,
+        copy it to gs:// outputs, and wait until it is written. Returns (export dir, the drafter
+        with host parameters: every process can decode with it without reading the file)."""
         export = self.out / "drafter"
+        drafter = nnx.merge(self.d_graphdef, self.host_params(), self.frozen)
         if jax.process_index() == 0:
             local_export = self.local_out / "drafter"
-            drafter_io.save(nnx.merge(self.d_graphdef, self.state.params, self.frozen), local_export)
+            drafter_io.save(drafter, local_export)
             if is_remote(self.out):
                 copy_tree(local_export, export)
-        return export
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dspark_jax drafter export")
+        return export, drafter
 
     def fit(self) -> dict:
         tc = self.cfg.train
@@ -351,15 +365,19 @@ class Trainer:
         finally:
             bar.close()
             flag.restore()
-        if not preempted:
-            self.save(step, wait=True)
         self.ckpt.wait()
+        if preempted:  # the VM is going away: the checkpoint is written, nothing else is started
+            logger.close()
+            self.exported = None
+            return {"step": step, "total_steps": self.total_steps, "preempted": True,
+                    "checkpoint": str(self.ckpt.directory / str(step)), "drafter": None, "eval": {}}
+        self.save(step, wait=True)
         with self.phases("evaluation"):
             final_eval = self.evaluate()
         scalars(step, final_eval)
         logger.close()
-        export = self._export()
-        return {"step": step, "total_steps": self.total_steps, "preempted": preempted,
+        export, self.exported = self._export()
+        return {"step": step, "total_steps": self.total_steps, "preempted": False,
                 "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export),
                 "drafter_local": str(self.local_out / "drafter"), "eval": final_eval}
 

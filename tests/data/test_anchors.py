@@ -83,6 +83,45 @@ def test_pipeline_resumes_exactly():
     assert len(t0) == 5 and len(t1) == 5 and not (t0 & t1)
 
 
+def _recs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(20, 40))
+        out.append({"tokens": rng.integers(0, 50, k).astype(np.int32), "loss_mask": np.r_[np.zeros(5, bool), np.ones(k - 5, bool)]})
+    return out
+
+
+def test_host_batches_concatenate_to_the_single_host_batches():
+    """2 hosts x 2 rows, in process order, are the 1-host 4-row batches (shuffled, across epochs):
+    what makes a 2-process run equal to a 1-process run. A per-host shard of the records would not."""
+    recs = _recs(10)
+    spec = RecordSpec(seq_len=32, num_anchors=4, gamma=3, pad_id=0, seed=3)
+    one = iter(make_pipeline(_ListDS(recs), spec, 4, process_index=0, process_count=1))
+    hosts = [iter(make_pipeline(_ListDS(recs), spec, 2, process_index=p, process_count=2)) for p in range(2)]
+    for _ in range(6):  # 24 rows: past two epochs of 10
+        want = next(one)
+        got = [next(h) for h in hosts]
+        for key in want:
+            np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), want[key])
+
+
+def test_heldout_batches_are_even_across_hosts_and_drop_nothing():
+    """23 records on 2 hosts x 4 rows: 12 / 11 records would be 3 / 2 full batches (a hang in the
+    collective evaluation step, and 3 records dropped); both hosts get 3 batches, every record
+    appears exactly once, and padding rows carry no blocks."""
+    from dspark_jax.data.pipeline import heldout_batches
+
+    recs = _recs(23, seed=1)
+    spec = RecordSpec(seq_len=40, num_anchors=4, gamma=3, pad_id=0, seed=1)
+    per_host = [list(heldout_batches(_ListDS(recs), spec, 4, process_index=p, process_count=2)) for p in range(2)]
+    assert [len(b) for b in per_host] == [3, 3]
+    rows = [(b["tokens"][i], b["keep"][i]) for bs in per_host for b in bs for i in range(4)]
+    real = [tuple(t[:20]) for t, k in rows if k.any()]
+    assert sorted(real) == sorted(tuple(r["tokens"][:20]) for r in recs)
+    assert sum(not k.any() for _, k in rows) == 24 - 23
+
+
 def test_make_example_truncates_and_pads():
     rec = {"tokens": np.arange(10, dtype=np.int32), "loss_mask": np.ones(10, bool)}
     ex = make_example(rec, 0, RecordSpec(seq_len=6, num_anchors=8, gamma=2, pad_id=99))

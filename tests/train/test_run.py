@@ -203,36 +203,41 @@ def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
     assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
 
 
-def test_gradient_accumulation_averages_micro_batch_gradients(datasets, tmp_path):
+def test_gradient_accumulation_equals_the_whole_batch_update(datasets, tmp_path):
     """With SGD(lr=1) the update is minus the gradient: accumulated over 2 micro-batches it must
-    equal the mean of the two micro-batches' own gradients (and differ from either alone)."""
+    equal the whole batch's gradient (one loss denominator for the batch), which differs from the
+    mean of the micro-batches' own mean-loss gradients (what a per-micro-batch mean would give)."""
     import jax
     import optax
 
     from dspark_jax.data.dataset import TokenDataset
+    from dspark_jax.drafter import registry
+    from dspark_jax.losses.dspark import LossCoefs
     from dspark_jax.train.run import prepare_target
-    from dspark_jax.train.step import TrainState, make_train_step
+    from dspark_jax.train.step import TrainState, make_loss_fn, make_train_step, split_micro
     from dspark_jax.train.trainer import Trainer
 
     cfg = _cfg(datasets, tmp_path, "train.grad_accum=2")
     tr = Trainer(cfg, prepare_target(cfg, None).model, TokenDataset(datasets[0]), None, progress=False)
     tr.data_iter = tr._new_iter()
     batch = tr._device_batch(next(tr.data_iter))
-    from dspark_jax.losses.dspark import LossCoefs
-    from dspark_jax.drafter import registry
-    from dspark_jax.train.step import make_loss_fn
-
     lf = make_loss_fn(tr.d_graphdef, tr.t_graphdef, registry.get_kind("dspark"), LossCoefs(), 4)
     sgd = optax.sgd(1.0)
     state = TrainState(jax.numpy.zeros((), jax.numpy.int32), tr.state.params, sgd.init(tr.state.params))
-    new, _, _ = jax.jit(make_train_step(lf, sgd, 2))(state, tr.frozen, tr.t_state, batch)
-    halves = [jax.tree.map(lambda x: x[i * 2:(i + 1) * 2], batch) for i in range(2)]
-    g = [jax.grad(lambda p, b: lf(p, tr.frozen, tr.t_state, b)[0])(tr.state.params, h) for h in halves]
+    new, metrics, _ = jax.jit(make_train_step(lf, sgd, 2))(state, tr.frozen, tr.t_state, batch)
+    grad_of = jax.jit(jax.grad(lambda p, b: lf(p, tr.frozen, tr.t_state, b)[0]))
+    whole = grad_of(tr.state.params, batch)
+    micro = split_micro(batch, 2)
+    assert np.array_equal(np.asarray(micro["tokens"][1]), np.asarray(batch["tokens"])[1::2])  # strided rows
+    halves = [grad_of(tr.state.params, jax.tree.map(lambda x: x[i], micro)) for i in range(2)]
     upd = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), tr.state.params, new.params)
-    want = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2, g[0], g[1])
-    for u, w, g0 in zip(jax.tree.leaves(upd), jax.tree.leaves(want), jax.tree.leaves(g[0])):
+    mean_of_halves = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2, *halves)
+    for u, w in zip(jax.tree.leaves(upd), jax.tree.leaves(whole)):
         np.testing.assert_allclose(u, w, atol=1e-6, rtol=1e-4)
-    assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-5 for a, b in zip(jax.tree.leaves(g[0]), jax.tree.leaves(g[1])))
+    assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in
+               zip(jax.tree.leaves(mean_of_halves), jax.tree.leaves(whole))) > 1e-4
+    np.testing.assert_allclose(float(metrics["loss"]), float(lf(tr.state.params, tr.frozen, tr.t_state, batch)[0]),
+                               rtol=1e-5)
     tr.close()
 
 
