@@ -134,17 +134,48 @@ def format_plan(name: str, p: dict) -> str:
     return "\n".join(lines)
 
 
+def format_compiled(mem: dict, estimate: float, hbm_gib: float | None = None) -> str:
+    from dspark_jax.train.compiled import peak
+
+    lines = ["compiled per-chip memory (XLA memory_analysis of the step lowered with the trainer's shardings):"]
+    for step, m in mem.items():
+        tot = peak(m)
+        fit = f"; {hbm_gib:g} GiB chip: margin {hbm_gib - tot / GIB:.2f} GiB" if hbm_gib else ""
+        lines.append(f"  {step:<6} arguments {m['arguments'] / GIB:7.2f}  outputs {m['outputs'] / GIB:7.2f} "
+                     f"(aliased {m['aliased'] / GIB:.2f})  temporaries {m['temporaries'] / GIB:7.2f}  "
+                     f"-> peak {tot / GIB:7.2f} GiB{fit}")
+    lines.append(f"  analytic estimate above: {estimate / GIB:.2f} GiB")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m dspark_jax.train.plan CONFIG.yaml [section.key=value ...]\n"
+        print("usage: python -m dspark_jax.train.plan CONFIG.yaml [section.key=value ...] [--compile] [--hbm-gib N]\n"
               "Checks sharding divisibility on the config's mesh, traces the step abstractly and prints\n"
-              "a per-device memory estimate.")
+              "a per-device memory estimate. --compile also compiles the real train and eval steps for the\n"
+              "mesh on fake CPU devices and prints their per-chip memory (XLA memory_analysis);\n"
+              "--hbm-gib prints the margin against a chip of that much memory (v5e 16, v6e 32, v5p 95).")
         return 0
+    compile_ = "--compile" in argv
+    hbm = None
+    if "--hbm-gib" in argv:
+        i = argv.index("--hbm-gib")
+        hbm = float(argv[i + 1])
+        del argv[i:i + 2]
+    argv = [a for a in argv if a != "--compile"]
     cfg = from_cli(argv)
+    if compile_:
+        from dspark_jax.train.compiled import use_fake_devices
+
+        use_fake_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
     p = plan(cfg)
     check_step_shapes(cfg)
     print(format_plan(argv[0], p))
+    if compile_ and not p["problems"]:
+        from dspark_jax.train.compiled import compile_steps
+
+        print(format_compiled(compile_steps(cfg), p["total"], hbm))
     return 1 if p["problems"] else 0
 
 

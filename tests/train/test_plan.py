@@ -1,6 +1,8 @@
 """TPU presets: every sharded dimension divides on the intended mesh, the step traces at
 full shape on abstract arrays, and the per-device estimate fits a v5p chip (95 GiB)."""
 
+import json
+
 import pytest
 
 from dspark_jax.config import from_cli
@@ -27,3 +29,33 @@ def test_plan_reports_indivisible_dimension():
     cfg = from_cli(["qwen3_8b_dspark", "mesh.fsdp=7", "mesh.data=1"])
     p = plan(cfg)
     assert any("not divisible by mesh axes ('fsdp',)" in x for x in p["problems"])
+
+
+COMPILED = r"""
+import json, jax
+from dspark_jax.train.compiled import compile_steps, peak
+from dspark_jax.config import from_cli
+import dspark_jax.train.step as st
+base = ["micro", "mesh.data=1", "mesh.fsdp=8", "data.seq_len=256", "data.num_anchors=16", "train.anchor_chunk=16"]
+one = compile_steps(from_cli(base + ["train.batch_size=8", "train.grad_accum=1"]))
+two = compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]))
+# the broken variant: contiguous micro-batches (each on half of the chips)
+st.split_micro = lambda batch, n, sharding=None: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+contiguous = compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("train",))
+print(json.dumps({"one": one, "two": two, "contiguous": contiguous, "peak": peak(two["train"])}))
+"""
+
+
+def test_compiled_memory_of_gradient_accumulation_matches_the_micro_batch():
+    """Compiled on 8 fake devices (XLA memory_analysis per chip): batch 16 in 2 strided micro-batches
+    needs at most 1.2x the temporaries of batch 8 in one; contiguous micro-batches (each living on
+    half of the chips) need more than that, so the bound catches them."""
+    from tests.conftest import run_multidevice
+
+    out = json.loads(run_multidevice(COMPILED).strip().splitlines()[-1])
+    one, two, contiguous = out["one"], out["two"], out["contiguous"]
+    for step in ("train", "eval"):
+        assert two[step]["temporaries"] <= 1.2 * one[step]["temporaries"], (step, one[step], two[step])
+        assert two[step]["arguments"] > 0 and two[step]["temporaries"] > 0
+    assert contiguous["train"]["temporaries"] > 1.2 * one["train"]["temporaries"]
+    assert out["peak"] >= two["train"]["arguments"]

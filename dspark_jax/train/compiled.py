@@ -1,0 +1,98 @@
+"""Per-chip memory of the real train and eval steps, from compiled programs (no arrays allocated).
+
+The step is lowered with the trainer's shardings on the preset's mesh of fake CPU devices
+(`jax_num_cpu_devices`) and compiled; XLA's `memory_analysis()` of the SPMD program is one
+chip's: arguments (state, frozen target, batch shard), outputs, temporaries. XLA:CPU and XLA:TPU
+schedule and fuse differently, so the TPU figure differs somewhat, but unlike the analytic
+estimate in `plan.py` this is what a compiler made of the actual step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dspark_jax.config import Config
+from dspark_jax.drafter import registry
+from dspark_jax.drafter.frozen import Frozen
+from dspark_jax.losses.dspark import LossCoefs
+from dspark_jax.parallel.sharding import make_mesh, state_shardings
+from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
+
+
+def use_fake_devices(n: int) -> None:
+    """Ask for `n` CPU devices; must run before JAX initialises its backend."""
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _abstract(tree, shardings):
+    """Shape/dtype structs laid out on `shardings` (a prefix of `tree`: one per NNX variable or array)."""
+    def one(sh, x):
+        if isinstance(x, nnx.Variable):
+            return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    return jax.tree.map(one, shardings, tree)
+
+
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+            "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
+            "generated_code": int(m.generated_code_size_in_bytes)}
+
+
+def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, int]]:
+    """{"train": bytes, "eval": bytes} per chip of the compiled steps at the config's shapes."""
+    from dspark_jax.train.plan import abstract_models
+
+    m = cfg.mesh
+    n = m.data * m.fsdp * m.tensor
+    if jax.device_count() < n:
+        raise RuntimeError(f"compiling for mesh {m.data}x{m.fsdp}x{m.tensor} needs {n} devices but {jax.device_count()} "
+                           f"exist: call use_fake_devices({n}) before JAX starts (the plan command does)")
+    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n])
+    target, drafter = abstract_models(cfg)
+    dg, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
+    tg, tstate = nnx.split(target)
+    tc = cfg.train
+    tx, _ = make_optimizer(tc.lr, 1000, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
+    compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
+    loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf,
+                           tc.loss_decay), tc.anchor_chunk, compute, tc.eagle3_steps)
+    rep = NamedSharding(mesh, P())
+    p_sh = state_shardings(params, mesh)
+    params_a = _abstract(params, p_sh)
+    opt = jax.eval_shape(tx.init, params_a)
+    # Adam moments are laid out like their parameters, counters replicated (as the trainer does)
+    leaf_sh = jax.tree.map(lambda x: x.sharding, params_a)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt, leaf_sh, transform_non_params=lambda _: rep)
+    opt_a = _abstract(opt, opt_sh)
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params_a, opt_a)
+    frozen_a = _abstract(frozen, state_shardings(frozen, mesh))
+    tstate_a = _abstract(tstate, state_shardings(tstate, mesh))
+    b, s, a = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors
+    g = registry.resolve(cfg.target.model, cfg.drafter).gamma
+    bsh = NamedSharding(mesh, P(("data", "fsdp")))
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=bsh)
+    batch = {"tokens": sds((b, s), jnp.int32), "loss_mask": sds((b, s), bool), "seq_valid": sds((b, s), bool),
+             "anchors": sds((b, a), jnp.int32), "keep": sds((b, a), bool), "block_valid": sds((b, a, g), bool)}
+    micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp")))
+    out = {}
+    if "train" in steps:
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        train = jax.jit(make_train_step(loss_fn, tx, tc.grad_accum, micro_sh), donate_argnums=(0,),
+                        out_shardings=(state_sh, None, None))
+        out["train"] = _memory(train.lower(state, frozen_a, tstate_a, batch).compile())
+    if "eval" in steps:
+        ev = jax.jit(make_eval_step(loss_fn, tc.grad_accum, micro_sh))
+        out["eval"] = _memory(ev.lower(params_a, frozen_a, tstate_a, batch).compile())
+    return out
+
+
+def peak(mem: dict[str, int]) -> int:
+    """What a chip must hold at once: arguments + outputs not aliased to them + temporaries."""
+    return mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temporaries"]
