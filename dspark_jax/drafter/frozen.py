@@ -47,7 +47,9 @@ def target_fingerprint(target) -> str:
         cfg.pop(k, None)
     embed = target.embed[...]
     rows = np.unique(np.linspace(0, embed.shape[0] - 1, min(embed.shape[0], _FINGERPRINT_ROWS)).astype(np.int64))
-    sample = np.asarray(jax.device_get(embed[rows])).astype(np.float32).astype(ml_dtypes.bfloat16)
+    from dspark_jax.parallel.sharding import host_array
+
+    sample = host_array(embed[rows]).astype(np.float32).astype(ml_dtypes.bfloat16)
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     h.update(np.ascontiguousarray(sample).tobytes())
     return h.hexdigest()[:16]
@@ -56,7 +58,7 @@ def target_fingerprint(target) -> str:
 def attach_target(drafter, target) -> None:
     """Copy the target's embedding and LM head into the drafter's Frozen variables.
 
-    Shapes are checked; the values are cast to the drafter's parameter dtype. Also records
+    Shapes are checked; the arrays are shared with the target, in its dtype. Also records
     `drafter.target_fingerprint`, which checkpoints carry so a drafter is never silently
     paired with another target.
     """
@@ -68,8 +70,10 @@ def attach_target(drafter, target) -> None:
             f"target embedding {tuple(embed.shape)} / LM head {tuple(head.shape)} do not fit the drafter's "
             f"{tuple(want_e)} / {tuple(want_h)}: build the drafter from this target's ModelConfig"
         )
-    drafter.embed.set_value(embed.astype(drafter.embed[...].dtype))
-    drafter.lm_head.set_value(head.astype(drafter.lm_head[...].dtype))
+    # the target's own arrays, in its dtype and layout: no second copy of the two largest weights
+    # (the drafter casts them to its compute dtype inside its step, an exact widening from bf16)
+    drafter.embed.set_value(embed)
+    drafter.lm_head.set_value(head)
     drafter.target_fingerprint = target_fingerprint(target)
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import read_json
-from dspark_jax.io.keymap import KeyRule, export_tensors, flatten, import_tensors
+from dspark_jax.io.keymap import KeyRule, LayerStack, export_tensors, flatten, import_tensors
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.transformer import TargetModel, layer_param_shapes
 
@@ -113,18 +113,48 @@ def read_weights(path: str | Path) -> dict[str, np.ndarray]:
 
 def build_from_pure(cfg: ModelConfig, pure: dict, dtype, mesh=None, model_dtype=None) -> TargetModel:
     """Construct a TargetModel without random init and fill it from a nested dict of arrays."""
-    from dspark_jax.parallel.sharding import state_shardings
-
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=model_dtype))
     graphdef, state = nnx.split(abstract)
-    cast = jax.tree.map(lambda a: np.asarray(a).astype(dtype), pure)
-    nnx.replace_by_pure_dict(state, cast)
     if mesh is not None:
-        state = jax.device_put(state, state_shardings(state, mesh))
-    else:
-        state = jax.tree.map(jnp.asarray, state)
+        # each device's block is read from the (memory-mapped) checkpoint on its own host: no host
+        # holds the whole model, no chip receives more than its shard
+        from jax.sharding import NamedSharding
+
+        from dspark_jax.parallel.sharding import logical_to_pspec
+
+        variables = dict(nnx.to_flat_state(state))
+        placed = {}
+        for path, leaf in flatten_pure(pure):
+            var = variables[path]
+            sh = NamedSharding(mesh, logical_to_pspec(var.get_metadata().get("out_sharding"), var.shape, mesh))
+            placed[path] = jax.make_array_from_callback(
+                tuple(leaf.shape), sh, lambda idx, a=leaf: np.asarray(a[idx]).astype(dtype))
+        nnx.replace_by_pure_dict(state, _nest(placed))
+        return nnx.merge(graphdef, state)
+    cast = jax.tree.map(lambda a: np.asarray(a).astype(dtype), pure, is_leaf=lambda x: isinstance(x, LayerStack))
+    nnx.replace_by_pure_dict(state, cast)
+    state = jax.tree.map(jnp.asarray, state)
     return nnx.merge(graphdef, state)
+
+
+def flatten_pure(tree: dict, prefix: tuple = ()):
+    """(path tuple, leaf) of a nested dict, depth first."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from flatten_pure(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = v
+    return out
 
 
 @dataclass
@@ -149,7 +179,8 @@ def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bo
     hf, cfg = read_config(path)
     tensors = read_weights(path)
     ignore = IGNORED_KEYS + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
-    pure = import_tensors(tensors, TARGET_KEY_TABLE, expected_shapes(cfg), cfg.num_layers, source=str(path), ignore=ignore)
+    pure = import_tensors(tensors, TARGET_KEY_TABLE, expected_shapes(cfg), cfg.num_layers, source=str(path), ignore=ignore,
+                          lazy=mesh is not None)
     model = build_from_pure(cfg, pure, dt, mesh)
     tokenizer = None
     if load_tokenizer and (path / "tokenizer.json").is_file():

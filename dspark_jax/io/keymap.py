@@ -48,10 +48,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def import_tensors(tensors: dict[str, np.ndarray], rules: list[KeyRule], expected: dict[str, tuple],
-                   num_layers: int, source: str = "checkpoint", ignore: tuple[str, ...] = ()) -> dict:
+                   num_layers: int, source: str = "checkpoint", ignore: tuple[str, ...] = (),
+                   lazy: bool = False) -> dict:
     """Checkpoint tensors -> nested dict matching `expected` (flat path -> full shape).
 
-    Raises CheckpointMismatchError listing all missing, unexpected and mis-shaped keys.
+    `lazy`: per-layer tensors become a `LayerStack` (nothing copied until indexed) instead of
+    one stacked array. Raises CheckpointMismatchError listing all missing, unexpected and
+    mis-shaped keys.
     """
     compiled = [(re.compile(r.pattern + "$"), r) for r in rules]
     found: dict[str, dict] = {}
@@ -110,9 +113,33 @@ def import_tensors(tensors: dict[str, np.ndarray], rules: list[KeyRule], expecte
     for path, shape in expected.items():
         v = found[path]
         if isinstance(v, dict):
-            v = np.stack([v[i] for i in range(num_layers)])
+            v = LayerStack([v[i] for i in range(num_layers)]) if lazy else np.stack([v[i] for i in range(num_layers)])
         _set(out, path, v)
     return out
+
+
+class LayerStack:
+    """Per-layer arrays (memory-mapped views) seen as one [layers, ...] array that reads only
+    what is indexed: `stack[index]` for an index tuple of slices materialises that block alone.
+    `jax.make_array_from_callback` asks for each local device's block, so a host loads just
+    the parts of a checkpoint its chips hold."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.shape = (len(layers), *layers[0].shape)
+        self.dtype = layers[0].dtype
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        first, rest = index[0], index[1:]
+        picked = self.layers[first] if isinstance(first, slice) else [self.layers[first]]
+        block = np.stack([np.asarray(a[rest]) for a in picked])
+        return block if isinstance(first, slice) else block[0]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.stack([np.asarray(a) for a in self.layers])
+        return out if dtype is None else out.astype(dtype)
 
 
 def export_tensors(tree: dict, rules: list[KeyRule], num_layers: int) -> dict[str, np.ndarray]:

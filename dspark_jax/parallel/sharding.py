@@ -112,3 +112,12 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx.
     shardings = state_shardings(state, mesh, rules)
     state = jax.device_put(state, shardings)
     return nnx.merge(graphdef, state)
+
+
+def host_array(x) -> np.ndarray:
+    """A jax array as one numpy array on this host, also when it spans several processes (then
+    it is all-gathered first, which makes this a collective: every process must call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    whole = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
+    return np.asarray(whole.addressable_data(0))

@@ -28,13 +28,15 @@ EXPECTED_ERRORS = (ConfigError, TrainingError, DrafterConfigError, NoAssistantTo
                    CheckpointMismatchError, UnsupportedModelError, TargetMismatchError, FileNotFoundError)
 
 
-def prepare_target(cfg: Config, phases: Phases | None = None) -> LoadedTarget:
-    """The frozen target: a local HF checkpoint, a random model of a given shape, or the embedded default."""
+def prepare_target(cfg: Config, phases: Phases | None = None, mesh=None) -> LoadedTarget:
+    """The frozen target: a local HF checkpoint, a random model of a given shape, or the embedded default.
+
+    With a `mesh`, the weights go straight onto it (each host reads its own chips' blocks)."""
     tc = cfg.target
     phases = phases or Phases()
     if tc.path:
         with phases("load target"):
-            target = load_target(tc.path, dtype=tc.dtype)
+            target = load_target(tc.path, dtype=tc.dtype, mesh=mesh)
         if tc.model is not None:  # a preset that names an architecture: the checkpoint must be it
             keys = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
             diff = [f"{k} {getattr(target.cfg, k)} != {getattr(tc.model, k)}" for k in keys if getattr(target.cfg, k) != getattr(tc.model, k)]
@@ -53,14 +55,14 @@ def prepare_target(cfg: Config, phases: Phases | None = None) -> LoadedTarget:
         from dspark_jax.parallel.sharding import create_model
 
         dt = jnp.bfloat16 if tc.dtype == "bfloat16" else jnp.float32
-        model = create_model(lambda: TargetModel(tc.model, rngs=nnx.Rngs(cfg.seed + 1000), param_dtype=dt))
+        model = create_model(lambda: TargetModel(tc.model, rngs=nnx.Rngs(cfg.seed + 1000), param_dtype=dt), mesh)
         return LoadedTarget(model, tc.model, tc.model.to_hf(), Path("<random>"), None, None)
     from dspark_jax.embedded.target import embedded_target_dir
 
     with phases("target build"):
         path = embedded_target_dir(build=True, progress=True)
     with phases("load target"):
-        return load_target(path, dtype=tc.dtype)
+        return load_target(path, dtype=tc.dtype, mesh=mesh)
 
 
 def with_mask_token(cfg: Config, target: LoadedTarget) -> Config:
@@ -185,11 +187,14 @@ def format_summary(summary: dict, phases: Phases) -> str:
 def run(cfg: Config, progress: bool = True) -> dict:
     phases = Phases()
     t0 = time.perf_counter()
-    target = prepare_target(cfg, phases)
+    from dspark_jax.parallel.sharding import make_mesh
+
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    target = prepare_target(cfg, phases, mesh)
     cfg = with_mask_token(cfg, target)
     train_ds, held_ds = prepare_data(cfg, target, phases)
     with phases("setup and compile"):
-        trainer = Trainer(cfg, target.model, train_ds, held_ds, progress=progress, phases=phases)
+        trainer = Trainer(cfg, target.model, train_ds, held_ds, progress=progress, phases=phases, mesh=mesh)
     try:
         summary = trainer.fit()
     finally:

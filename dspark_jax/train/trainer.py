@@ -129,7 +129,7 @@ class Trainer:
     """Holds the sharded target, drafter and optimiser; `fit` runs the loop."""
 
     def __init__(self, cfg: Config, target, train_ds, heldout_ds=None, *, log=print, progress: bool = True,
-                 phases: Phases | None = None):
+                 phases: Phases | None = None, mesh=None):
         self.cfg = cfg
         self.log = log if jax.process_index() == 0 else (lambda *a, **k: None)
         self.progress = progress and jax.process_index() == 0
@@ -139,7 +139,7 @@ class Trainer:
         check_output_dir(self.out)
         check_output_dir(self.local_out)
         tc = cfg.train
-        self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         dcfg = registry.resolve(target.cfg, cfg.drafter)
         self.dcfg = dcfg
         drafter = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed), ttt_steps=tc.eagle3_steps),

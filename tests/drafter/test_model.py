@@ -172,7 +172,9 @@ def test_bfloat16_parameters_roundtrip(micro_cfg, micro_target, tmp_path):
     dcfg = dataclasses.replace(micro_cfg.drafter, head_type="rnn")
     d = create_model(lambda: Drafter(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
     attach_target(d, micro_target)
-    assert d.fc[...].dtype == jnp.bfloat16 and d.embed[...].dtype == jnp.bfloat16
+    assert d.fc[...].dtype == jnp.bfloat16
+    assert d.embed[...] is micro_target.embed[...]  # the target's own array is shared, not copied
+    assert d.arrays()["embed"].dtype == jnp.bfloat16
     save_drafter(d, tmp_path)
     back = load_drafter(tmp_path, micro_target, param_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(back.joint_kernel[...], np.float32), np.asarray(d.joint_kernel[...], np.float32))

@@ -138,3 +138,49 @@ def test_pickle_weights_never_loaded(tmp_path, hf_checkpoints):
     (d / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(NotACheckpointError, match="pickled weights are never loaded"):
         load_target(d)
+
+
+SHARDED_LOAD = r"""
+import json, sys, numpy as np, jax
+from dspark_jax import load_target
+from dspark_jax.io import keymap
+from dspark_jax.parallel.sharding import make_mesh
+
+path = sys.argv[1]
+reads = []
+orig = keymap.LayerStack.__getitem__
+def counting(self, index):
+    out = orig(self, index)
+    reads.append(out.size)
+    return out
+keymap.LayerStack.__getitem__ = counting
+whole = load_target(path, dtype="bfloat16")
+reads.clear()
+mesh = make_mesh(1, 4, 2)
+sharded = load_target(path, dtype="bfloat16", mesh=mesh)
+q = sharded.model.layers.q_proj[...]
+res = {"q_spec": str(q.sharding.spec), "q_shard": list(q.addressable_shards[0].data.shape), "q_shape": list(q.shape),
+       "layer_reads": sum(reads), "layer_elems": sum(int(np.prod(v.shape)) for v in jax.tree.leaves(sharded.model.layers.arrays())),
+       "equal": all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in
+                    zip(jax.tree.leaves(jax.tree.map(lambda x: x, whole.model.layers.arrays())), jax.tree.leaves(sharded.model.layers.arrays()))),
+       "embed_equal": bool(np.array_equal(np.asarray(whole.model.embed[...], np.float32), np.asarray(sharded.model.embed[...], np.float32))),
+       "dtype": str(q.dtype)}
+print(json.dumps(res))
+"""
+
+
+def test_load_target_onto_a_mesh_reads_only_each_devices_block(hf_checkpoints):
+    """Loaded onto a 4 x 2 (fsdp x tensor) mesh, every weight lands in its shards with the
+    values of the whole load, and the per-layer tensors are read block by block: the elements
+    read add up to what the 8 devices hold (each block once per device holding it), never the
+    whole stack per device."""
+    from tests.conftest import run_multidevice
+
+    path, _ = hf_checkpoints["qwen3_bf16"]
+    out = json.loads(run_multidevice(SHARDED_LOAD.replace("sys.argv[1]", repr(str(path)))).strip().splitlines()[-1])
+    assert out["equal"] and out["embed_equal"] and out["dtype"] == "bfloat16"
+    assert out["q_spec"] == "P(None, 'fsdp', 'tensor')"
+    assert out["q_shard"] == [out["q_shape"][0], out["q_shape"][1] // 4, out["q_shape"][2] // 2]
+    # every layer weight is sharded 8 ways or replicated on one axis: at most 2x the model's layer
+    # elements are read in total (8 devices reading whole stacks would be 8x)
+    assert out["layer_reads"] <= 2 * out["layer_elems"]
