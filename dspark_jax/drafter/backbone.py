@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
@@ -148,7 +149,8 @@ def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *
         ck, cv = context_kv(p, ctx, cos_c, sin_c, cfg)
         split = lambda t: t.reshape(b, a, g, *t.shape[2:])
         out = block_attention(split(q), ck, cv, split(k), split(v), cmask, keep)
-        return finish_layer(p, x, out.reshape(b, a * g, *out.shape[3:]), cfg), None
+        x = finish_layer(p, x, out.reshape(b, a * g, *out.shape[3:]), cfg)
+        return constrain(x, ("batch", "seq", "act_embed")), None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

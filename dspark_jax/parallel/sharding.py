@@ -30,6 +30,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("head_dim", None),
     ("seq", None),
+    # activations: rows over the batch axes, features whole (fsdp shards weights, not activations)
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_vocab", "tensor"),
 )
 
 
@@ -46,8 +50,22 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Me
                 f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {n} devices, but {len(devices)} are present; "
                 "set mesh.data/fsdp/tensor so their product equals the device count (data=-1 fills the rest)"
             )
-    arr = np.asarray(devices).reshape(data, fsdp, tensor)
-    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(device_grid((data, fsdp, tensor), devices), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def device_grid(shape: tuple[int, int, int], devices) -> np.ndarray:
+    """Devices arranged as (data, fsdp, tensor) by jax's mesh utilities: on TPU the axes follow
+    the chips' physical interconnect (ICI); over several slices (multislice) `data` spans the
+    slices, the only axis whose traffic (one gradient all-reduce per step) suits the slower DCN."""
+    from jax.experimental import mesh_utils
+
+    slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+    if len(slices) > 1:
+        n = len(slices)
+        if shape[0] % n:
+            raise ValueError(f"mesh.data={shape[0]} must be a multiple of the {n} slices (data spans the slices)")
+        return mesh_utils.create_hybrid_device_mesh((shape[0] // n, *shape[1:]), (n, 1, 1), devices)
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
 
 
 def logical_to_pspec(names: Sequence[str | None] | None, shape: Sequence[int] | None = None,
@@ -121,3 +139,13 @@ def host_array(x) -> np.ndarray:
         return np.asarray(jax.device_get(x))
     whole = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
     return np.asarray(whole.addressable_data(0))
+
+
+def constrain(x, names: Sequence[str | None], rules=LOGICAL_AXIS_RULES):
+    """Pin activation `x` to the layout the rules table gives its logical `names` on the mesh
+    set by `jax.set_mesh` (the trainer sets it); without one, `x` is returned as is. So model
+    code states what an axis is, never which devices hold it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or len(names) != x.ndim:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_pspec(names, x.shape, mesh, rules))

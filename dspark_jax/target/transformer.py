@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import apply_rope, attention, causal_attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
@@ -136,7 +137,7 @@ class TargetModel(nnx.Module):
             if not 0 <= i < cfg.num_layers:
                 raise ValueError(f"feature layer id {i} outside the target's {cfg.num_layers} layers")
         dtype = self._dtype()
-        x = self.embed_tokens(tokens)
+        x = constrain(self.embed_tokens(tokens), ("batch", "seq", "act_embed"))
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope))
         params = self.layers.arrays(dtype)
         slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
@@ -170,7 +171,7 @@ class TargetModel(nnx.Module):
             else:
                 kv = KVCache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)
                 out = attention(q, kv[0][li].astype(dtype), kv[1][li].astype(dtype), mask)
-            x = finish_layer(p, x, out, cfg)
+            x = constrain(finish_layer(p, x, out, cfg), ("batch", "seq", "act_embed"))
             if m:
                 idx = jnp.maximum(slot, 0)
                 feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))

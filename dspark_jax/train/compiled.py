@@ -28,12 +28,12 @@ def use_fake_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def _abstract(tree, shardings):
+def _abstract(tree, shardings, dtype=None):
     """Shape/dtype structs laid out on `shardings` (a prefix of `tree`: one per NNX variable or array)."""
     def one(sh, x):
         if isinstance(x, nnx.Variable):
-            return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+            return x.replace(jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sh))
+        return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sh)
 
     return jax.tree.map(one, shardings, tree)
 
@@ -72,7 +72,10 @@ def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, i
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt, leaf_sh, transform_non_params=lambda _: rep)
     opt_a = _abstract(opt, opt_sh)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params_a, opt_a)
-    frozen_a = _abstract(frozen, state_shardings(frozen, mesh))
+    # the drafter's frozen embedding / LM head are the target's arrays (its dtype); XLA counts
+    # them as arguments a second time although at run time they are the same buffers
+    frozen_a = _abstract(frozen, state_shardings(frozen, mesh),
+                         jnp.bfloat16 if cfg.target.dtype == "bfloat16" else jnp.float32)
     tstate_a = _abstract(tstate, state_shardings(tstate, mesh))
     b, s, a = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors
     g = registry.resolve(cfg.target.model, cfg.drafter).gamma
@@ -81,6 +84,11 @@ def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, i
     batch = {"tokens": sds((b, s), jnp.int32), "loss_mask": sds((b, s), bool), "seq_valid": sds((b, s), bool),
              "anchors": sds((b, a), jnp.int32), "keep": sds((b, a), bool), "block_valid": sds((b, a, g), bool)}
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp")))
+    with jax.set_mesh(mesh):
+        return _compile(steps, loss_fn, tx, tc, state, frozen_a, tstate_a, params_a, batch, micro_sh)
+
+
+def _compile(steps, loss_fn, tx, tc, state, frozen_a, tstate_a, params_a, batch, micro_sh):
     out = {}
     if "train" in steps:
         state_sh = jax.tree.map(lambda x: x.sharding, state)

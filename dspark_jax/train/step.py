@@ -43,11 +43,13 @@ def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, com
     def loss_fn(params, frozen, target_state, batch):
         drafter = nnx.merge(d_graphdef, params, frozen)
         target = nnx.merge(t_graphdef, target_state)
-        out = target(batch["tokens"], valid=batch["seq_valid"], feature_layers=tuple(drafter.dcfg.target_layer_ids),
-                     return_logits=kind.needs_target_logits)
-        out = jax.tree.map(jax.lax.stop_gradient, out)
-        return kind.loss(drafter.arrays(compute_dtype), drafter, out, batch, coefs=coefs, chunk=chunk,
-                         ttt_steps=eagle3_steps)
+        with jax.named_scope("target_forward"):  # profiles read by stage
+            out = target(batch["tokens"], valid=batch["seq_valid"], feature_layers=tuple(drafter.dcfg.target_layer_ids),
+                         return_logits=kind.needs_target_logits)
+            out = jax.tree.map(jax.lax.stop_gradient, out)
+        with jax.named_scope(f"drafter_{kind.name}_loss"):
+            return kind.loss(drafter.arrays(compute_dtype), drafter, out, batch, coefs=coefs, chunk=chunk,
+                             ttt_steps=eagle3_steps)
 
     return loss_fn
 
@@ -109,8 +111,9 @@ def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1, micro_sharding=N
                 return g, metrics, sums
 
             grads, metrics, sums = _accumulate(grads_of, grad_accum, batch, micro_sharding)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return TrainState(state.step + 1, params, opt_state), metrics, sums
 

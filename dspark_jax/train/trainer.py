@@ -87,11 +87,35 @@ def check_output_dir(path) -> None:
 
 
 def copy_tree(src: Path, dst) -> None:
-    """Copy a local directory to a local or remote (epath) directory."""
+    """Copy a local directory (recursively) to a local or remote (epath) directory."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
+        elif f.is_dir():
+            copy_tree(f, dst / f.name)
+
+
+class LogMirror:
+    """Copies the run's log.jsonl and TensorBoard files from the local mirror to a remote output
+    dir every `every_s` seconds and at the end, so they outlive the VM (`remote` None: no-op)."""
+
+    def __init__(self, local: Path, remote, every_s: float = 60.0):
+        self.local, self.remote, self.every_s = local, remote, every_s
+        self.last = time.monotonic()
+        self.syncs = 0
+
+    def sync(self, force: bool = False) -> None:
+        if self.remote is None or (not force and time.monotonic() - self.last < self.every_s):
+            return
+        self.remote.mkdir(parents=True, exist_ok=True)
+        log = self.local / "log.jsonl"
+        if log.is_file():
+            (self.remote / "log.jsonl").write_bytes(log.read_bytes())
+        if (self.local / "tensorboard").is_dir():
+            copy_tree(self.local / "tensorboard", self.remote / "tensorboard")
+        self.last = time.monotonic()
+        self.syncs += 1
 
 
 def bootstrap_ratio(pairs: list[tuple[float, float]], n: int = 2000, seed: int = 0) -> list[float]:
@@ -307,6 +331,10 @@ class Trainer:
         return export, drafter
 
     def fit(self) -> dict:
+        with jax.set_mesh(self.mesh):  # activation constraints (parallel.sharding.constrain) read it
+            return self._fit()
+
+    def _fit(self) -> dict:
         tc = self.cfg.train
         self.data_iter = self._new_iter()
         start = self.maybe_resume()
@@ -314,6 +342,7 @@ class Trainer:
         main = jax.process_index() == 0
         logger = MetricsLogger(self.local_out / "log.jsonl" if main else None,
                                self.local_out / "tensorboard" if main else None)
+        self.mirror = LogMirror(self.local_out, self.out if main and is_remote(self.out) else None)
 
         def scalars(step, values):  # evaluation returns {} without held-out data: nothing to log then
             if values:
@@ -343,6 +372,7 @@ class Trainer:
                                                now - t_last - paused)
                         t_last, n_last, paused = now, step, 0.0
                         scalars(step, m)
+                        self.mirror.sync()
                         bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
                     bar.update(1)
                     evaluate = tc.eval_every and step % tc.eval_every == 0 and step < stop_at
@@ -368,6 +398,7 @@ class Trainer:
         self.ckpt.wait()
         if preempted:  # the VM is going away: the checkpoint is written, nothing else is started
             logger.close()
+            self.mirror.sync(force=True)
             self.exported = None
             return {"step": step, "total_steps": self.total_steps, "preempted": True,
                     "checkpoint": str(self.ckpt.directory / str(step)), "drafter": None, "eval": {}}
@@ -376,6 +407,7 @@ class Trainer:
             final_eval = self.evaluate()
         scalars(step, final_eval)
         logger.close()
+        self.mirror.sync(force=True)
         export, self.exported = self._export()
         return {"step": step, "total_steps": self.total_steps, "preempted": False,
                 "checkpoint": str(self.ckpt.directory / str(step)), "drafter": str(export),

@@ -66,3 +66,20 @@ def test_build_sharded_on_8_devices_matches_single_device():
     assert res["q_shard"] == [2, 32, 32]  # [layers, 64/fsdp, 64/tensor]
     assert res["embed_spec"] == "P('tensor', 'fsdp')"
     assert res["embed_shard"] == [256, 32]
+
+
+def test_device_grid_keeps_cpu_order_and_puts_data_across_slices():
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+    import pytest
+
+    from dspark_jax.parallel.sharding import device_grid
+
+    devs = jax.devices()
+    grid = device_grid((len(devs), 1, 1), devs)
+    assert list(grid.reshape(-1)) == list(devs)
+    two_slices = [SimpleNamespace(slice_index=i // 2, id=i) for i in range(4)]
+    with pytest.raises(ValueError, match="mesh.data=1 must be a multiple of the 2 slices"):
+        device_grid((1, 4, 1), two_slices)

@@ -32,30 +32,43 @@ def test_plan_reports_indivisible_dimension():
 
 
 COMPILED = r"""
-import json, jax
-from dspark_jax.train.compiled import compile_steps, peak
+import json, re, jax
+import dspark_jax.train.compiled as C
 from dspark_jax.config import from_cli
 import dspark_jax.train.step as st
+
+texts = []
+_memory = C._memory
+def keep_hlo(compiled):
+    texts.append(compiled.as_text())
+    return _memory(compiled)
+C._memory = keep_hlo
+permutes = lambda: len(re.findall(r"collective-permute(-start)?\(", texts[-1]))
 base = ["micro", "mesh.data=1", "mesh.fsdp=8", "data.seq_len=256", "data.num_anchors=16", "train.anchor_chunk=16"]
-one = compile_steps(from_cli(base + ["train.batch_size=8", "train.grad_accum=1"]))
-two = compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]))
+one = C.compile_steps(from_cli(base + ["train.batch_size=8", "train.grad_accum=1"]))
+two = C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("train",))
+two_permutes = permutes()
+two.update(C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("eval",)))
 # the broken variant: contiguous micro-batches (each on half of the chips)
 st.split_micro = lambda batch, n, sharding=None: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-contiguous = compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("train",))
-print(json.dumps({"one": one, "two": two, "contiguous": contiguous, "peak": peak(two["train"])}))
+contiguous = C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("train",))
+print(json.dumps({"one": one, "two": two, "contiguous": contiguous, "peak": C.peak(two["train"]),
+                  "two_permutes": two_permutes, "contiguous_permutes": permutes()}))
 """
 
 
 def test_compiled_memory_of_gradient_accumulation_matches_the_micro_batch():
     """Compiled on 8 fake devices (XLA memory_analysis per chip): batch 16 in 2 strided micro-batches
-    needs at most 1.2x the temporaries of batch 8 in one; contiguous micro-batches (each living on
-    half of the chips) need more than that, so the bound catches them."""
+    needs at most 1.2x the temporaries of batch 8 in one, and moves no rows between chips (no
+    collective-permute in the program); contiguous micro-batches (each on half of the chips) must
+    be moved onto all chips every micro-step, which the compiled program shows."""
     from tests.conftest import run_multidevice
 
     out = json.loads(run_multidevice(COMPILED).strip().splitlines()[-1])
-    one, two, contiguous = out["one"], out["two"], out["contiguous"]
+    one, two = out["one"], out["two"]
     for step in ("train", "eval"):
         assert two[step]["temporaries"] <= 1.2 * one[step]["temporaries"], (step, one[step], two[step])
         assert two[step]["arguments"] > 0 and two[step]["temporaries"] > 0
-    assert contiguous["train"]["temporaries"] > 1.2 * one["train"]["temporaries"]
+    assert out["two_permutes"] == 0
+    assert out["contiguous_permutes"] > 0
     assert out["peak"] >= two["train"]["arguments"]

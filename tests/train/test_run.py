@@ -251,6 +251,30 @@ def test_remote_output_dir_keeps_logs_in_a_local_mirror(monkeypatch, tmp_path):
     assert r2 == l2 == tmp_path / "x"
 
 
+def test_remote_output_dir_receives_logs_during_and_after_the_run(datasets, tmp_path, monkeypatch):
+    """With a remote output dir, log.jsonl and the TensorBoard events are copied there while
+    training (every `every_s`) and at the end; a VM that dies keeps all but the last minute."""
+    from dspark_jax.train import trainer as tr
+
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    monkeypatch.setattr(tr, "output_paths", lambda _: (remote, local))
+    monkeypatch.setattr(tr, "is_remote", lambda p: p == remote)
+    counts = []
+    orig = tr.LogMirror.sync
+
+    def counting(self, force=False):
+        self.every_s = 0.0  # sync at every logged step
+        orig(self, force)
+        counts.append(self.syncs)
+
+    monkeypatch.setattr(tr.LogMirror, "sync", counting)
+    run(_cfg(datasets, tmp_path / "ignored", "train.steps=4", "train.checkpoint_every=0"), progress=False)
+    assert counts[-1] >= 5  # 4 logged steps + the final sync
+    assert (remote / "log.jsonl").read_bytes() == (local / "log.jsonl").read_bytes()
+    events = sorted(p.relative_to(local) for p in (local / "tensorboard").rglob("*") if p.is_file())
+    assert events and all((remote / e).is_file() for e in events)
+
+
 def test_logged_throughput_accounts_for_the_whole_training_time(datasets, tmp_path):
     """Steps are dispatched asynchronously: the logged tokens/s must include waiting for the device.
     Summed over the logged intervals, tokens / (tokens/s) is the time spent training; timing only the
