@@ -90,6 +90,9 @@ class TrainSection:
     b2: float = 0.999
     clip_norm: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights stay float32
+    # "drafter_layers": recompute each drafter layer (its block-to-context attention scores) in the
+    # backward instead of storing all layers' at once; the frozen target never stores any
+    remat: Literal["none", "drafter_layers"] = "none"
     loss_ce: float = 0.1
     loss_l1: float = 0.9
     loss_conf: float = 1.0

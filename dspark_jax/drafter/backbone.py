@@ -122,13 +122,15 @@ def _inv_freq(cfg: ModelConfig):
 
 
 def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *, gamma: int, mask_id: int,
-                   window: int | None = None):
+                   window: int | None = None, remat: bool = False):
     """Training forward of all anchor blocks at once.
 
     tokens [B,S]; ctx [B,S,H] (fused, `fuse_context`); anchors [B,A] (any order, may
     overlap); keep [B,A] (False = dummy block, sees nothing, finite output).
     Block a holds `[x_p, MASK...]` at positions p..p+G-1 and sees context positions < p
     (within `window` if set) and itself. Returns h [B,A,G,H] after the final RMSNorm.
+    `remat`: each layer is recomputed in the backward pass, so one layer's attention scores
+    (heads x A*G x S) are alive at a time instead of every layer's.
     """
     b, s = tokens.shape
     a = anchors.shape[1]
@@ -152,7 +154,7 @@ def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *
         x = finish_layer(p, x, out.reshape(b, a * g, *out.shape[3:]), cfg)
         return constrain(x, ("batch", "seq", "act_embed")), None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, params["layers"])
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h.reshape(b, a, g, -1)
 

@@ -62,7 +62,7 @@ def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, i
     tx, _ = make_optimizer(tc.lr, 1000, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
     compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
     loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf,
-                           tc.loss_decay), tc.anchor_chunk, compute, tc.eagle3_steps)
+                           tc.loss_decay), tc.anchor_chunk, compute, tc.eagle3_steps, tc.remat)
     rep = NamedSharding(mesh, P())
     p_sh = state_shardings(params, mesh)
     params_a = _abstract(params, p_sh)

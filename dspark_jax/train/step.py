@@ -35,10 +35,16 @@ def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, b1: f
 
 
 def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, compute_dtype=None,
-                 eagle3_steps: int = 7):
+                 eagle3_steps: int = 7, remat: str = "none"):
     """(params, frozen, target_state, batch) -> (loss, (metrics, sums)) for any drafter kind: the
     frozen target runs once, then the kind's adapter (drafter/kinds/) computes its loss; `sums`
     are held-out acceptance statistics (LossSums) for the block drafters and None otherwise."""
+
+    if remat != "none" and not kind.supports_remat:
+        from dspark_jax.config.loader import ConfigError
+
+        raise ConfigError(f"train.remat={remat} is not available for {kind.name} drafters (only for block drafters: "
+                          "dspark, dflash); set train.remat=none")
 
     def loss_fn(params, frozen, target_state, batch):
         drafter = nnx.merge(d_graphdef, params, frozen)
@@ -49,7 +55,7 @@ def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, com
             out = jax.tree.map(jax.lax.stop_gradient, out)
         with jax.named_scope(f"drafter_{kind.name}_loss"):
             return kind.loss(drafter.arrays(compute_dtype), drafter, out, batch, coefs=coefs, chunk=chunk,
-                             ttt_steps=eagle3_steps)
+                             ttt_steps=eagle3_steps, remat=remat == "drafter_layers")
 
     return loss_fn
 

@@ -201,7 +201,8 @@ class Trainer:
         self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
         coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
-        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind), coefs, tc.anchor_chunk, compute, tc.eagle3_steps)
+        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind), coefs, tc.anchor_chunk, compute,
+                               tc.eagle3_steps, tc.remat)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
         micro_sh = NamedSharding(self.mesh, P(None, ("data", "fsdp")))

@@ -251,6 +251,35 @@ def test_remote_output_dir_keeps_logs_in_a_local_mirror(monkeypatch, tmp_path):
     assert r2 == l2 == tmp_path / "x"
 
 
+def test_remat_of_drafter_layers_keeps_the_gradient(datasets, tmp_path):
+    """train.remat=drafter_layers recomputes each drafter layer in the backward: same loss and
+    gradient (to rounding) as storing them; kinds without the option say so."""
+    import jax
+
+    from dspark_jax.config.loader import ConfigError
+    from dspark_jax.data.dataset import TokenDataset
+    from dspark_jax.drafter import registry
+    from dspark_jax.losses.dspark import LossCoefs
+    from dspark_jax.train.run import prepare_target
+    from dspark_jax.train.step import make_loss_fn
+    from dspark_jax.train.trainer import Trainer
+
+    cfg = _cfg(datasets, tmp_path, "drafter.num_layers=2")
+    tr = Trainer(cfg, prepare_target(cfg, None).model, TokenDataset(datasets[0]), None, progress=False)
+    tr.data_iter = tr._new_iter()
+    batch = tr._device_batch(next(tr.data_iter))
+    grads = {}
+    for remat in ("none", "drafter_layers"):
+        lf = make_loss_fn(tr.d_graphdef, tr.t_graphdef, registry.get_kind("dspark"), LossCoefs(), 4, remat=remat)
+        grads[remat] = jax.jit(jax.value_and_grad(lambda p: lf(p, tr.frozen, tr.t_state, batch)[0]))(tr.state.params)
+    np.testing.assert_allclose(float(grads["drafter_layers"][0]), float(grads["none"][0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads["drafter_layers"][1]), jax.tree.leaves(grads["none"][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    with pytest.raises(ConfigError, match="train.remat=drafter_layers is not available for mtp1"):
+        make_loss_fn(tr.d_graphdef, tr.t_graphdef, registry.get_kind("mtp1"), LossCoefs(), 4, remat="drafter_layers")
+    tr.close()
+
+
 def test_remote_output_dir_receives_logs_during_and_after_the_run(datasets, tmp_path, monkeypatch):
     """With a remote output dir, log.jsonl and the TensorBoard events are copied there while
     training (every `every_s`) and at the end; a VM that dies keeps all but the last minute."""

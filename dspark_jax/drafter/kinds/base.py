@@ -37,6 +37,7 @@ class DrafterKind(ABC):
     needs_target_logits: bool = False  # the training loss reads the target's logits
     drafts_in_parallel: bool = False  # one drafter forward per round, whatever gamma (block drafters)
     max_gamma: int | None = None  # draft tokens per round the kind can make at most (None: any)
+    supports_remat: bool = False  # `loss(..., remat=True)` recomputes the drafter layers
     has_reference_layout: bool = False  # `python -m dspark_jax.convert` reads / writes it in DeepSpec's layout
 
     def __hash__(self):
@@ -63,8 +64,10 @@ class DrafterKind(ABC):
 
     # ---------------------------------------------------------------- train
     @abstractmethod
-    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
-        """(loss, (metrics, sums)); `sums` are held-out acceptance statistics (LossSums) or None."""
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int, remat: bool = False):
+        """(loss, (metrics, sums)); `sums` are held-out acceptance statistics (LossSums) or None.
+        `remat`: recompute the drafter's layers in the backward (kinds that support it; see
+        `supports_remat`)."""
 
     @abstractmethod
     def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:

@@ -20,6 +20,7 @@ class BlockKind(DrafterKind):
     name = "dspark"
     drafts_in_parallel = True
     has_reference_layout = True
+    supports_remat = True
 
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
@@ -34,12 +35,12 @@ class BlockKind(DrafterKind):
     def loss_coefs(self, coefs):
         return coefs
 
-    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int, remat: bool = False):
         tokens = batch["tokens"]
         ctx = backbone.fuse_context(params, target_out.features, drafter.cfg)
         h = backbone.backbone_train(params, drafter.cfg, tokens, ctx, batch["anchors"], batch["keep"],
                                     gamma=drafter.gamma, mask_id=drafter.mask_token_id,
-                                    window=drafter.dcfg.sliding_window)
+                                    window=drafter.dcfg.sliding_window, remat=remat)
         sums = dspark_chunked_sums(params, h, tokens, target_out.hidden, params["lm_head"], batch["anchors"],
                                    batch["block_valid"], chunk, coefs.decay)
         loss, metrics = combine(sums, self.loss_coefs(coefs))
@@ -49,7 +50,8 @@ class BlockKind(DrafterKind):
         q = num_anchors * d.gamma
         per_layer = t.num_heads * q * (seq_len + d.gamma) * (4 + act_bytes) \
             + q * (3 * t.hidden_size + 3 * t.intermediate_size) * act_bytes
-        return {"drafter layers (kept for backward)": d.num_layers * per_layer,
+        kept = 1 if tc.remat == "drafter_layers" else d.num_layers  # recomputed layers: one alive at a time
+        return {"drafter layers (kept for backward)": kept * per_layer,
                 "loss chunk (q, p, grads; fp32)": 6 * min(tc.anchor_chunk, num_anchors) * d.gamma * t.vocab_size * 4}
 
     # ---------------------------------------------------------------- decode

@@ -31,7 +31,7 @@ class Eagle3Kind(RecurrentKind):
     def owns(self, drafter) -> bool:
         return isinstance(drafter, e3.Eagle3Drafter)
 
-    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int, remat: bool = False):
         h = e3.eagle3_train_hidden(params, batch["tokens"], target_out.features, batch["seq_valid"], cfg=drafter.cfg,
                                    ttt_steps=ttt_steps)
         loss, per_step = e3.eagle3_loss(h, target_out.logits, batch["loss_mask"],

@@ -26,7 +26,7 @@ class MTP1Kind(RecurrentKind):
     def owns(self, drafter) -> bool:
         return isinstance(drafter, mtp.MTPDrafter)
 
-    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int):
+    def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int, remat: bool = False):
         logits = mtp.mtp_train_logits(params, batch["tokens"], target_out.hidden, batch["seq_valid"], cfg=drafter.cfg)
         loss = mtp.mtp_loss(logits, batch["tokens"], batch["loss_mask"])
         labels = jnp.sum(batch["loss_mask"][:, 2:]).astype(jnp.float32)  # mtp_loss's denominator
