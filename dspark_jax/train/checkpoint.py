@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -64,7 +65,7 @@ class Checkpointer:
             return bool(local_flag)
         from jax.experimental import multihost_utils
 
-        return bool(multihost_utils.process_allgather(jax.numpy.asarray(bool(local_flag))).any())
+        return bool(np.asarray(multihost_utils.process_allgather(np.asarray(bool(local_flag)))).any())
 
     def save(self, step: int, state, data_iter=None, meta: dict | None = None, wait: bool = False):
         items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta or {})}

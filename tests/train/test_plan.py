@@ -12,7 +12,9 @@ V5P_HBM_GIB = 95
 
 
 @pytest.mark.parametrize("preset", ["qwen3_4b_dspark", "qwen3_8b_dspark", "qwen3_14b_dspark",
-                                    "qwen3_8b_dflash", "qwen3_8b_eagle3", "qwen3_8b_mtp1"])
+                                    "qwen3_8b_dflash", "qwen3_8b_eagle3", "qwen3_8b_mtp1",
+                                    "qwen3_4b_dspark_v5e", "qwen3_4b_dspark_v6e", "qwen3_8b_dspark_v5e",
+                                    "qwen3_8b_dspark_v6e"])
 def test_preset_plans_on_its_mesh(preset):
     cfg = from_cli([preset])
     p = plan(cfg)
