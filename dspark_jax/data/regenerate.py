@@ -68,7 +68,7 @@ def distinct_ngram_ratio(seqs, n: int = 4) -> float:
     return len(grams) / total if total else 1.0
 
 
-def _load(target):
+def _load(target, dtype: str = "float32"):
     from dspark_jax.io.hf import LoadedTarget, load_target
 
     if isinstance(target, LoadedTarget):
@@ -77,7 +77,7 @@ def _load(target):
         from dspark_jax.embedded.target import embedded_target_dir
 
         target = embedded_target_dir()
-    return load_target(target)
+    return load_target(target, dtype=dtype)
 
 
 def _existing_settings(out: Path) -> dict | None:
@@ -90,7 +90,8 @@ def _existing_settings(out: Path) -> dict | None:
 def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_size: int = 16,
                max_new_tokens: int = 128, max_prompt_len: int = 128,
                sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, resume: bool = False,
-               overwrite: bool = False, progress: bool = True, on_record=None, verbose: bool = True) -> dict:
+               overwrite: bool = False, progress: bool = True, on_record=None, verbose: bool = True,
+               dtype: str = "float32") -> dict:
     """Write ``num`` regenerated records to ``out_dir`` (a ``DatasetWriter`` dataset); returns stats.
 
     ``target``: a directory, a ``LoadedTarget``, or None for the embedded default.
@@ -103,7 +104,7 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     from dspark_jax.data.dataset import DatasetWriter
     from dspark_jax.target.generation import generate
 
-    lt = _load(target)
+    lt = _load(target, dtype)
     tok = lt.require_tokenizer()
     template = lt.chat_template
     n_avail = len(conversations)
@@ -195,9 +196,12 @@ def default_prompts(seed: int = 0) -> list:
 
 
 def main(argv=None) -> int:
+    from dspark_jax.io.hf import add_dtype_argument
+
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.regenerate",
                                  description="Regenerate assistant turns with the target and write a training dataset.")
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    add_dtype_argument(ap)
     ap.add_argument("--prompts", default=None,
                     help='jsonl of {"conversations": [...]} or {"turns": [...]} (default: embedded corpora train split)')
     ap.add_argument("--out", required=True, help="output dataset directory")
@@ -222,7 +226,7 @@ def main(argv=None) -> int:
         convs = default_prompts(a.seed)
     regenerate(a.target, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=a.max_new_tokens,
                max_prompt_len=a.max_prompt_len, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
-               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress)
+               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress, dtype=a.dtype)
     return 0
 
 

@@ -20,8 +20,11 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
+    from dspark_jax.io.hf import add_dtype_argument
+
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    add_dtype_argument(ap)
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
     from dspark_jax.drafter.registry import KINDS
 
@@ -75,8 +78,11 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
     return convs
 
 
-def load_models(target_dir=None, drafter_dir=None, mode=None):
-    """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer."""
+def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "float32"):
+    """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer.
+    `dtype` is the target's ("auto": as stored); the drafter computes in the same dtype."""
+    import jax.numpy as jnp
+
     from dspark_jax.io.drafter_dir import load as load_drafter
     from dspark_jax.io.hf import load_target
 
@@ -84,10 +90,11 @@ def load_models(target_dir=None, drafter_dir=None, mode=None):
         from dspark_jax.embedded.target import embedded_target_dir
 
         target_dir = embedded_target_dir(build=True, progress=True)
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype=dtype)
     drafter = None
     if drafter_dir:
-        drafter = load_drafter(drafter_dir, target)
+        tdt = target.model.embed[...].dtype
+        drafter = load_drafter(drafter_dir, target, dtype=None if tdt == jnp.float32 else tdt)
     kind = drafter.dcfg.kind if drafter is not None else "ar"
     mode = mode or kind
     if mode == "ar":
@@ -158,7 +165,7 @@ def main(argv=None) -> int:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         convs = read_prompts(args.prompts)
         table, sts = scheduling_inputs(args, sampling)
-        target, drafter, mode = load_models(args.target, args.drafter, args.mode)
+        target, drafter, mode = load_models(args.target, args.drafter, args.mode, args.dtype)
         res, ids, texts = generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,

@@ -346,9 +346,12 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
 
 
 def main(argv=None) -> int:
+    from dspark_jax.io.hf import add_dtype_argument
+
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    add_dtype_argument(ap)
     ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]DIR",
                     help="a trained drafter directory; repeat for several (NAME defaults to its kind)")
     ap.add_argument("--prompts", nargs="*", default=None, help="prompt set jsonl files (default: embedded held-out code/math/prose)")
@@ -376,7 +379,7 @@ def main(argv=None) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     try:
-        target, _, _ = load_models(args.target, None, "ar")
+        target, _, _ = load_models(args.target, None, "ar", args.dtype)
         tok = target.require_tokenizer()
         drafters = {}
         for spec in args.drafter:

@@ -58,6 +58,20 @@ class NotACheckpointError(FileNotFoundError):
     pass
 
 
+def checkpoint_dtype(path: str | Path) -> str:
+    """"bfloat16" when the checkpoint's config says its weights are stored in bf16, else "float32"."""
+    cfg = Path(path) / "config.json"
+    hf = read_json(cfg, NotACheckpointError) if cfg.is_file() else {}
+    return "bfloat16" if str(hf.get("torch_dtype") or hf.get("dtype") or "") in ("bfloat16", "torch.bfloat16") else "float32"
+
+
+def add_dtype_argument(ap) -> None:
+    """`--dtype auto|float32|bfloat16` for every command that loads a target."""
+    ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                    help="weights and compute dtype of the target (default auto: bfloat16 for a checkpoint stored in "
+                         "bfloat16, else float32; an 8B model is 16 GB in bf16, 32 GB in float32)")
+
+
 def parse_dtype(dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -173,9 +187,11 @@ class LoadedTarget:
 
 
 def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bool = True) -> LoadedTarget:
-    """Load a local HF checkpoint (config.json, safetensors, tokenizer.json, chat template)."""
-    dt = parse_dtype(dtype)
+    """Load a local HF checkpoint (config.json, safetensors, tokenizer.json, chat template).
+
+    `dtype`: "float32", "bfloat16" or "auto" (the dtype the checkpoint is stored in)."""
     path = Path(path)
+    dt = parse_dtype(checkpoint_dtype(path) if dtype == "auto" else dtype)
     hf, cfg = read_config(path)
     tensors = read_weights(path)
     ignore = IGNORED_KEYS + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())

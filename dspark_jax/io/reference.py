@@ -71,7 +71,7 @@ def _target_model(target):
     if isinstance(target, (str, Path)):
         from dspark_jax.io.hf import load_target
 
-        return load_target(target, load_tokenizer=False).model
+        return load_target(target, dtype="auto", load_tokenizer=False).model  # as stored: bf16 halves the memory
     return target if hasattr(target, "lm_head_weight") else target.model
 
 

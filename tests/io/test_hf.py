@@ -184,3 +184,26 @@ def test_load_target_onto_a_mesh_reads_only_each_devices_block(hf_checkpoints):
     # every layer weight is sharded 8 ways or replicated on one axis: at most 2x the model's layer
     # elements are read in total (8 devices reading whole stacks would be 8x)
     assert out["layer_reads"] <= 2 * out["layer_elems"]
+
+
+def test_auto_dtype_follows_the_stored_weights(hf_checkpoints, capsys):
+    """`--dtype auto` (every inference command's default) loads a bf16 checkpoint in bf16 (half the
+    memory) and a float32 one in float32."""
+    import argparse
+
+    from dspark_jax.io.hf import add_dtype_argument, checkpoint_dtype
+
+    assert checkpoint_dtype(hf_checkpoints["qwen3_bf16"][0]) == "bfloat16"
+    assert checkpoint_dtype(hf_checkpoints["qwen3_f32"][0]) == "float32"
+    assert load_target(hf_checkpoints["qwen3_bf16"][0], dtype="auto").model.embed[...].dtype == jnp.bfloat16
+    assert load_target(hf_checkpoints["qwen3_f32"][0], dtype="auto").model.embed[...].dtype == jnp.float32
+    ap = argparse.ArgumentParser()
+    add_dtype_argument(ap)
+    assert ap.parse_args([]).dtype == "auto"
+    for cmd in ("dspark_jax.engine.generate", "dspark_jax.data.regenerate", "dspark_jax.eval.evaluate"):
+        import importlib
+
+        mod = importlib.import_module(cmd)
+        with pytest.raises(SystemExit):
+            (mod.parse_args if hasattr(mod, "parse_args") else mod.main)(["--help"])
+        assert "--dtype {auto,float32,bfloat16}" in capsys.readouterr().out, cmd
