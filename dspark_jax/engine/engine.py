@@ -127,10 +127,18 @@ class Engine:
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None,
                  theta: str = "latency", cost: str | None = None, skip_drafting: bool | str = False,
-                 probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify):
+                 probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify, mesh=None):
         """`kind` (the drafter's adapter, default from the registry) and `verify` (batched rejection
-        sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing)."""
+        sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing).
+        `mesh` (a (data, fsdp, tensor) mesh): weights laid out by the rules table, the decode state
+        with slots over `data` and KV heads over `tensor` (`decode_shardings`)."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
+        self.mesh = mesh
+        if mesh is not None:
+            from dspark_jax.parallel.sharding import shard_model
+
+            tmodel = shard_model(tmodel, mesh)
+            drafter = None if drafter is None else shard_model(drafter, mesh)
         self.target, self.drafter = tmodel, drafter
         tcfg = tmodel.cfg
         self.kind = None if drafter is None else (kind or kind_of_drafter(drafter))
@@ -184,8 +192,12 @@ class Engine:
 
             return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)
 
-        self._prefill = jax.jit(_prefill, donate_argnums=(2,))
-        self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,))
+        # with a mesh, the state keeps its layout from call to call (and its donated buffers)
+        st_sh = None if mesh is None else decode_shardings(jax.eval_shape(self._fresh_state), mesh)
+        pin = (lambda *rest: {}) if st_sh is None else (lambda *rest: {"out_shardings": (st_sh, *rest)})
+        self._state_sh = st_sh
+        self._prefill = jax.jit(_prefill, donate_argnums=(2,), **({} if st_sh is None else {"out_shardings": st_sh}))
+        self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **pin(None))
         self._loop = jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,))
         self._draft = jax.jit(functools.partial(draft_part, spec)) if G else None
         self.round_calls = 0
@@ -193,6 +205,10 @@ class Engine:
     # ------------------------------------------------------------ state / controls
 
     def init_state(self) -> DecodeState:
+        st = self._fresh_state()
+        return st if self.mesh is None else jax.device_put(st, self._state_sh)
+
+    def _fresh_state(self) -> DecodeState:
         R, S, G, cfg = self.R, self.S, self.G, self.target.cfg
         dt = self.tp["layers"]["q_proj"].dtype
         if self.kind is not None:
@@ -363,3 +379,31 @@ def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 6
     res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(1.0, 0, 1.0),
                        seed=seed, stop_ids=stop_ids)
     return res.tau
+
+
+def decode_shardings(state: DecodeState, mesh):
+    """Layout of a DecodeState on `mesh`: per-slot arrays split over `data` (slots), KV caches
+    [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. An axis that does not
+    divide its dimension is left whole (`logical_to_pspec`)."""
+    from jax.sharding import NamedSharding
+
+    from dspark_jax.parallel.sharding import logical_to_pspec
+
+    r = state.anchor.shape[0]
+
+    def one(x, names):
+        return NamedSharding(mesh, logical_to_pspec(names, x.shape, mesh))
+
+    def per_slot(x):
+        if x.ndim == 0:
+            return one(x, ())
+        names = ["batch" if d == r and i == 0 else None for i, d in enumerate(x.shape)]
+        return one(x, names)
+
+    def cache(c):
+        kv = lambda a: one(a, (None, "batch", None, "kv_heads", None))
+        return type(c)(kv(c.k), kv(c.v), per_slot(c.lengths))
+
+    out = jax.tree.map(per_slot, state._replace(cache=None, dcache=None))
+    hist = one(state.a_hist, (None, "batch", None))
+    return out._replace(cache=cache(state.cache), dcache=cache(state.dcache), a_hist=hist)

@@ -25,6 +25,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
+    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
+                    help="run on a device mesh, e.g. 1,1,8: weights by the rules table, request slots over data, "
+                         "KV heads over tensor (default: one device)")
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
     from dspark_jax.drafter.registry import KINDS
 
@@ -108,7 +111,7 @@ def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "floa
 
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
                    policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
-                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64):
+                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64, mesh=None):
     """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
 
     `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
@@ -122,7 +125,7 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     buckets = None if table is None else [int(b) for b in table.buckets]
     eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
                  buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
-                 probe_every=probe_every, probe_max=probe_max)
+                 probe_every=probe_every, probe_max=probe_max, mesh=mesh)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
@@ -152,6 +155,19 @@ def scheduling_inputs(args, sampling):
     return table, sts
 
 
+def parse_mesh(text: str | None):
+    """"D,F,T" -> a (data, fsdp, tensor) mesh over this host's devices (None -> None)."""
+    if not text:
+        return None
+    try:
+        d, f, t = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: give three integers DATA,FSDP,TENSOR, e.g. 1,1,8") from None
+    from dspark_jax.parallel.sharding import make_mesh
+
+    return make_mesh(d, f, t)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.drafter.frozen import TargetMismatchError
@@ -170,7 +186,8 @@ def main(argv=None) -> int:
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
-            skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max)
+            skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max,
+            mesh=parse_mesh(args.mesh))
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)
