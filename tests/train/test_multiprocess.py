@@ -18,23 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from dspark_jax.data.dataset import DatasetWriter
 from dspark_jax.testing.multiprocess import launch
+from tests.train.test_run import _write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 420
-
-
-def _write(path, n, seed):
-    rng = np.random.default_rng(seed)
-    w = DatasetWriter(path, vocab_size=512, overwrite=True)
-    for _ in range(n):
-        k = int(rng.integers(24, 48))
-        m = np.zeros(k, bool)
-        m[6:] = True
-        w.add(rng.integers(0, 500, k), m)
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
