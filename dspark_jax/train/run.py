@@ -55,6 +55,11 @@ def prepare_target(cfg: Config, phases: Phases | None = None, mesh=None) -> Load
         from dspark_jax.parallel.sharding import create_model
 
         dt = jnp.bfloat16 if tc.dtype == "bfloat16" else jnp.float32
+        # always initialised by one jitted program (on the mesh, or one device): eager initialisation
+        # draws other values, and a drafter must find the same random target when it is reloaded
+        from dspark_jax.parallel.sharding import make_mesh
+
+        mesh = mesh if mesh is not None else make_mesh(1, 1, 1, devices=jax.devices()[:1])
         model = create_model(lambda: TargetModel(tc.model, rngs=nnx.Rngs(cfg.seed + 1000), param_dtype=dt), mesh)
         return LoadedTarget(model, tc.model, tc.model.to_hf(), Path("<random>"), None, None)
     from dspark_jax.embedded.target import embedded_target_dir

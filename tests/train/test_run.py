@@ -251,6 +251,18 @@ def test_remote_output_dir_keeps_logs_in_a_local_mirror(monkeypatch, tmp_path):
     assert r2 == l2 == tmp_path / "x"
 
 
+def test_random_target_is_the_same_with_or_without_a_mesh():
+    """A drafter trained against a random target (built on the training mesh) must find the same
+    target when reloaded without one: eager initialisation drew other values (a fingerprint error)."""
+    from dspark_jax.drafter.frozen import target_fingerprint
+    from dspark_jax.parallel.sharding import make_mesh
+    from dspark_jax.train.run import prepare_target
+
+    cfg = from_cli(["micro"])
+    assert target_fingerprint(prepare_target(cfg, None).model) == \
+        target_fingerprint(prepare_target(cfg, None, make_mesh(1, 1, 1)).model)
+
+
 def test_remat_of_drafter_layers_keeps_the_gradient(datasets, tmp_path):
     """train.remat=drafter_layers recomputes each drafter layer in the backward: same loss and
     gradient (to rounding) as storing them; kinds without the option say so."""
