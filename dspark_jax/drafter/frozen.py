@@ -47,9 +47,9 @@ def target_fingerprint(target) -> str:
         cfg.pop(k, None)
     embed = target.embed[...]
     rows = np.unique(np.linspace(0, embed.shape[0] - 1, min(embed.shape[0], _FINGERPRINT_ROWS)).astype(np.int64))
-    from dspark_jax.parallel.sharding import host_array
+    from dspark_jax.parallel.sharding import host_arrays
 
-    sample = host_array(embed[rows]).astype(np.float32).astype(ml_dtypes.bfloat16)
+    sample = host_arrays(embed[rows]).astype(np.float32).astype(ml_dtypes.bfloat16)
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     h.update(np.ascontiguousarray(sample).tobytes())
     return h.hexdigest()[:16]

@@ -96,6 +96,11 @@ def mtp_train_logits(params, tokens, hidden, valid=None, *, cfg: ModelConfig):
     return _logits(params, x, cfg)
 
 
+def mtp_loss_denominator(loss_mask):
+    """Rows whose label x_{t+2} is a loss token (at least 1): what `mtp_loss` averages over."""
+    return jnp.maximum(jnp.sum(jnp.asarray(loss_mask)[:, 2:].astype(jnp.float32)), 1.0)
+
+
 def mtp_loss(logits, tokens, loss_mask, *, target_logits=None, soft_weight: float = 0.0):
     """Mean CE of row t against the label x_{t+2} over rows whose label is a loss token.
 
@@ -107,7 +112,7 @@ def mtp_loss(logits, tokens, loss_mask, *, target_logits=None, soft_weight: floa
     logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     labels = jnp.concatenate([tokens[:, 2:], jnp.zeros((b, min(2, s)), tokens.dtype)], axis=1)[:, :s]
     mask = jnp.concatenate([loss_mask[:, 2:], jnp.zeros((b, min(2, s)), bool)], axis=1)[:, :s].astype(jnp.float32)
-    den = jnp.maximum(jnp.sum(mask), 1.0)
+    den = mtp_loss_denominator(loss_mask)
     ce = -jnp.take_along_axis(logq, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     loss = jnp.sum(mask * ce) / den
     if soft_weight:

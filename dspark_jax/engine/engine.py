@@ -193,11 +193,12 @@ class Engine:
             return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)
 
         # with a mesh, the state keeps its layout from call to call (and its donated buffers)
-        st_sh = None if mesh is None else decode_shardings(jax.eval_shape(self._fresh_state), mesh)
-        pin = (lambda *rest: {}) if st_sh is None else (lambda *rest: {"out_shardings": (st_sh, *rest)})
-        self._state_sh = st_sh
-        self._prefill = jax.jit(_prefill, donate_argnums=(2,), **({} if st_sh is None else {"out_shardings": st_sh}))
-        self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **pin(None))
+        st_sh = self._state_sh = None if mesh is None else decode_shardings(jax.eval_shape(self._fresh_state), mesh)
+        prefill_kw = round_kw = {}
+        if st_sh is not None:
+            prefill_kw, round_kw = {"out_shardings": st_sh}, {"out_shardings": (st_sh, None)}
+        self._prefill = jax.jit(_prefill, donate_argnums=(2,), **prefill_kw)
+        self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **round_kw)
         self._loop = jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,))
         self._draft = jax.jit(functools.partial(draft_part, spec)) if G else None
         self.round_calls = 0

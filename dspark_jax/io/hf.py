@@ -19,7 +19,7 @@ from flax import nnx
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import read_json
-from dspark_jax.io.keymap import KeyRule, LayerStack, export_tensors, flatten, import_tensors
+from dspark_jax.io.keymap import KeyRule, export_tensors, flatten, import_tensors, set_path
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.transformer import TargetModel, layer_param_shapes
 
@@ -133,42 +133,19 @@ def build_from_pure(cfg: ModelConfig, pure: dict, dtype, mesh=None, model_dtype=
     if mesh is not None:
         # each device's block is read from the (memory-mapped) checkpoint on its own host: no host
         # holds the whole model, no chip receives more than its shard
-        from jax.sharding import NamedSharding
+        from dspark_jax.parallel.sharding import state_shardings
 
-        from dspark_jax.parallel.sharding import logical_to_pspec
-
-        variables = dict(nnx.to_flat_state(state))
-        placed = {}
-        for path, leaf in flatten_pure(pure):
-            var = variables[path]
-            sh = NamedSharding(mesh, logical_to_pspec(var.get_metadata().get("out_sharding"), var.shape, mesh))
-            placed[path] = jax.make_array_from_callback(
-                tuple(leaf.shape), sh, lambda idx, a=leaf: np.asarray(a[idx]).astype(dtype))
-        nnx.replace_by_pure_dict(state, _nest(placed))
+        shardings = flatten(nnx.to_pure_dict(state_shardings(state, mesh)))
+        placed: dict = {}
+        for path, leaf in flatten(pure).items():
+            set_path(placed, path, jax.make_array_from_callback(
+                tuple(leaf.shape), shardings[path], lambda idx, a=leaf: np.asarray(a[idx]).astype(dtype)))
+        nnx.replace_by_pure_dict(state, placed)
         return nnx.merge(graphdef, state)
-    cast = jax.tree.map(lambda a: np.asarray(a).astype(dtype), pure, is_leaf=lambda x: isinstance(x, LayerStack))
+    cast = jax.tree.map(lambda a: np.asarray(a).astype(dtype), pure)
     nnx.replace_by_pure_dict(state, cast)
     state = jax.tree.map(jnp.asarray, state)
     return nnx.merge(graphdef, state)
-
-
-def flatten_pure(tree: dict, prefix: tuple = ()):
-    """(path tuple, leaf) of a nested dict, depth first."""
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from flatten_pure(v, (*prefix, k))
-        else:
-            yield (*prefix, k), v
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
 
 
 @dataclass

@@ -30,7 +30,7 @@ class CheckpointMismatchError(ValueError):
     pass
 
 
-def _set(tree: dict, path: str, value):
+def set_path(tree: dict, path: str, value):
     parts = path.split(".")
     for part in parts[:-1]:
         tree = tree.setdefault(part, {})
@@ -114,7 +114,7 @@ def import_tensors(tensors: dict[str, np.ndarray], rules: list[KeyRule], expecte
         v = found[path]
         if isinstance(v, dict):
             v = LayerStack([v[i] for i in range(num_layers)]) if lazy else np.stack([v[i] for i in range(num_layers)])
-        _set(out, path, v)
+        set_path(out, path, v)
     return out
 
 
@@ -136,10 +136,6 @@ class LayerStack:
         picked = self.layers[first] if isinstance(first, slice) else [self.layers[first]]
         block = np.stack([np.asarray(a[rest]) for a in picked])
         return block if isinstance(first, slice) else block[0]
-
-    def __array__(self, dtype=None, copy=None):
-        out = np.stack([np.asarray(a) for a in self.layers])
-        return out if dtype is None else out.astype(dtype)
 
 
 def export_tensors(tree: dict, rules: list[KeyRule], num_layers: int) -> dict[str, np.ndarray]:

@@ -132,13 +132,15 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> nnx.
     return nnx.merge(graphdef, state)
 
 
-def host_array(x) -> np.ndarray:
-    """A jax array as one numpy array on this host, also when it spans several processes (then
-    it is all-gathered first, which makes this a collective: every process must call it)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    whole = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
-    return np.asarray(whole.addressable_data(0))
+def host_arrays(tree):
+    """Every jax array of `tree` as one numpy array on this host, also arrays spanning several
+    processes: those are all-gathered (one program for the tree), which makes this a collective
+    that every process must call."""
+    spread = lambda x: isinstance(x, jax.Array) and not x.is_fully_addressable
+    if any(spread(x) for x in jax.tree.leaves(tree)):
+        whole = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()) if spread(x) else None, tree)
+        tree = jax.jit(lambda t: t, out_shardings=whole)(tree)  # replicated: every process holds all
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0) if spread(x) else jax.device_get(x)), tree)
 
 
 def constrain(x, names: Sequence[str | None], rules=LOGICAL_AXIS_RULES):

@@ -69,6 +69,11 @@ def loss_weight(metrics: dict, sums):
     return metrics.get("loss_weight", jnp.float32(1.0))
 
 
+def without_weight(metrics: dict) -> dict:
+    """The metrics to log: `loss_weight` only weighs micro-batches."""
+    return {k: v for k, v in metrics.items() if k != "loss_weight"}
+
+
 def split_micro(batch, n: int, sharding=None):
     """[B, ...] -> [n, B / n, ...], micro-batch k = rows k, k + n, k + 2n, ...
 
@@ -81,8 +86,9 @@ def split_micro(batch, n: int, sharding=None):
 
 
 def _accumulate(value_and_grad, n: int, batch, micro_sharding):
-    """`value_and_grad(micro_batch)` -> (grads or (), metrics, sums). Sum over `n` strided micro-batches of (grad of loss * w, metrics * w, sums, w), divided by
-    the total w: one denominator for the whole batch, as if it had been one micro-batch."""
+    """`value_and_grad(micro_batch)` -> (grads or (), metrics, sums). Sums over `n` strided
+    micro-batches (grad of loss * w, metrics * w, sums, w) and divides by the total w: one
+    denominator for the whole batch, as if it had been one micro-batch."""
 
     micro = split_micro(batch, n, micro_sharding)
 
@@ -120,7 +126,7 @@ def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1, micro_sharding=N
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
+        metrics = dict(without_weight(metrics), grad_norm=optax.tree.norm(grads))
         return TrainState(state.step + 1, params, opt_state), metrics, sums
 
     return train_step
@@ -133,13 +139,13 @@ def make_eval_step(loss_fn: Callable, micro_batches: int = 1, micro_sharding=Non
     def eval_step(params, frozen, target_state, batch):
         if micro_batches == 1:
             _, (metrics, sums) = loss_fn(params, frozen, target_state, batch)
-            return metrics, sums
+            return without_weight(metrics), sums
 
         def of(mb):
             _, (metrics, sums) = loss_fn(params, frozen, target_state, mb)
             return (), metrics, sums  # no gradient
 
         _, metrics, sums = _accumulate(of, micro_batches, batch, micro_sharding)
-        return metrics, sums
+        return without_weight(metrics), sums
 
     return eval_step

@@ -22,7 +22,7 @@ from dspark_jax.config.loader import to_dict
 from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter import registry
 from dspark_jax.io import drafter_dir as drafter_io
-from dspark_jax.parallel.sharding import create_model, make_mesh, state_shardings
+from dspark_jax.parallel.sharding import create_model, host_arrays, make_mesh, state_shardings
 from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from dspark_jax.train.metrics import MetricsLogger, progress_bar
 from dspark_jax.data.pipeline import RecordSpec, check_dataset, heldout_batches, make_pipeline
@@ -307,19 +307,13 @@ class Trainer:
         m["lr"] = float(self.schedule(step))
         return m
 
-    def host_params(self):
-        """The drafter's parameters as whole numpy arrays, on every process. A collective (every
-        process must call it): with fsdp over several hosts no process holds a whole parameter,
-        so they are gathered over the mesh first."""
-        whole = jax.jit(lambda t: t, out_shardings=NamedSharding(self.mesh, P()))(self.state.params)
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), whole)
-
     def _export(self):
         """Gather the final drafter on every process, write it (reference layout) on process 0,
         copy it to gs:// outputs, and wait until it is written. Returns (export dir, the drafter
         with host parameters: every process can decode with it without reading the file)."""
         export = self.out / "drafter"
-        drafter = nnx.merge(self.d_graphdef, self.host_params(), self.frozen)
+        # with fsdp over several hosts no process holds a whole parameter: gather (a collective)
+        drafter = nnx.merge(self.d_graphdef, host_arrays(self.state.params), self.frozen)
         if jax.process_index() == 0:
             local_export = self.local_out / "drafter"
             drafter_io.save(drafter, local_export)

@@ -29,8 +29,7 @@ class MTP1Kind(RecurrentKind):
     def loss(self, params, drafter, target_out, batch, *, coefs, chunk: int, ttt_steps: int, remat: bool = False):
         logits = mtp.mtp_train_logits(params, batch["tokens"], target_out.hidden, batch["seq_valid"], cfg=drafter.cfg)
         loss = mtp.mtp_loss(logits, batch["tokens"], batch["loss_mask"])
-        labels = jnp.sum(batch["loss_mask"][:, 2:]).astype(jnp.float32)  # mtp_loss's denominator
-        return loss, ({"loss": loss, "loss_weight": jnp.maximum(labels, 1.0)}, None)
+        return loss, ({"loss": loss, "loss_weight": mtp.mtp_loss_denominator(batch["loss_mask"])}, None)
 
     def activation_bytes(self, t, d, tc, seq_len: int, num_anchors: int, act_bytes: int) -> dict[str, float]:
         s = seq_len
