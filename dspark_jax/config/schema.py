@@ -22,6 +22,9 @@ class TargetSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
     model: ModelConfig | None = None  # the target's architecture (presets: for planning; with random_init: built)
     random_init: bool = False  # build a randomly initialised target of `model` (tests, benchmarks)
+    # the frozen forward's causal attention: auto = splash kernel on TPU where it fits
+    # (sequence and head_dim multiples of 128), dense elsewhere
+    attention: Literal["auto", "dense", "splash"] = "auto"
 
 
 @dataclass(frozen=True)

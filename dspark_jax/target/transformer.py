@@ -19,6 +19,7 @@ from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import apply_rope, attention, causal_attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from dspark_jax.target.splash import splash_causal_attention, use_splash
 
 INIT_STD = 0.02
 ATTENTION_BLOCK = 128  # query block of the causal self-attention without a cache
@@ -97,6 +98,8 @@ class TargetModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None):
         self.cfg = cfg
         self.dtype = dtype  # compute dtype; None = the parameters' dtype
+        # cache-free causal attention: "auto" = splash kernel on TPU where it fits, else dense
+        self.attention = "auto"
         self.embed = nnx.Param(_init(rngs, "embed", (cfg.vocab_size, cfg.hidden_size), param_dtype), out_sharding=("vocab", "embed"))
         self.layers = DecoderStack(cfg, rngs=rngs, param_dtype=param_dtype)
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), param_dtype), out_sharding=("norm",))
@@ -146,6 +149,7 @@ class TargetModel(nnx.Module):
         m = len(feature_layers)
         feats0 = jnp.zeros((max(m, 1), r, t, cfg.hidden_size), dtype)
 
+        splash = causal_chunk and use_splash(self.attention, t, cfg.head_dim)
         if cache is None:
             # explicit positions: a dense mask; default ones: block-skipping causal attention, no mask
             mask = None if causal_chunk else (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
@@ -167,7 +171,12 @@ class TargetModel(nnx.Module):
                 p, slot, li = layer
             q, k, v = project_qkv(p, x, cos, sin, cfg)
             if cache is None:
-                out = causal_attention(q, k, v, valid, ATTENTION_BLOCK) if causal_chunk else attention(q, k, v, mask)
+                if splash:
+                    out = splash_causal_attention(q, k, v, valid)
+                elif causal_chunk:
+                    out = causal_attention(q, k, v, valid, ATTENTION_BLOCK)
+                else:
+                    out = attention(q, k, v, mask)
             else:
                 kv = KVCache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)
                 out = attention(q, kv[0][li].astype(dtype), kv[1][li].astype(dtype), mask)

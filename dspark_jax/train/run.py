@@ -32,6 +32,12 @@ def prepare_target(cfg: Config, phases: Phases | None = None, mesh=None) -> Load
     """The frozen target: a local HF checkpoint, a random model of a given shape, or the embedded default.
 
     With a `mesh`, the weights go straight onto it (each host reads its own chips' blocks)."""
+    loaded = _load_or_build_target(cfg, phases, mesh)
+    loaded.model.attention = cfg.target.attention
+    return loaded
+
+
+def _load_or_build_target(cfg: Config, phases: Phases | None, mesh) -> LoadedTarget:
     tc = cfg.target
     phases = phases or Phases()
     if tc.path:

@@ -1,0 +1,96 @@
+"""The target's cache-free causal attention through jax's maintained TPU kernel (splash attention).
+
+Training runs the frozen target over whole sequences; its dense path materialises float32
+scores [B, heads, T, T]. On TPU this module runs the same math in Pallas' splash attention
+(block-sparse causal mask, scores never leave VMEM). Padding keys are handled with segment ids
+(real tokens 1, padding 0), so every real query sees exactly the keys the dense path lets it
+see; padding rows differ and are never read. On CPU the kernel runs in Pallas interpret mode,
+which is how the tests compare it with the dense path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.parallel.sharding import logical_to_pspec
+
+BLOCK = 128
+ATTENTION_IMPLS = ("auto", "dense", "splash")
+
+
+def splash_fits(seq_len: int, head_dim: int) -> bool:
+    """The kernel's blocks tile the sequence and TPU lanes hold whole heads."""
+    return seq_len % BLOCK == 0 and head_dim % BLOCK == 0
+
+
+def use_splash(impl: str, seq_len: int, head_dim: int) -> bool:
+    """`auto` picks the kernel on TPU where it fits; `splash` forces it (interpret mode off TPU,
+    for tests) and says why when the shapes do not fit."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation {impl!r} is not one of {ATTENTION_IMPLS}")
+    if impl == "dense":
+        return False
+    if impl == "auto":
+        return jax.default_backend() == "tpu" and splash_fits(seq_len, head_dim)
+    if seq_len % BLOCK:
+        raise ValueError(f"splash attention needs a sequence length that is a multiple of {BLOCK}, got {seq_len}; "
+                         "pad the batch or use attention 'dense'")
+    return True
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel(group: int, seq_len: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(group)])
+    blocks = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK)
+    # one kv head shared by `group` query heads: the MQA form of the kernel, mapped over kv heads.
+    # Its mask tables are constants: built outside whatever trace first asks, so the cache holds
+    # no tracers
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+
+def _local(q, k, v, key_valid, interpret: bool):
+    """q [B, T, Nkv, G, D]; k, v [B, T, Nkv, D]; key_valid [B, T] -> [B, T, Nkv, G, D]."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+    b, t, nkv, g, d = q.shape
+    kernel = _kernel(g, t, interpret)
+    qh = jnp.transpose(q * jnp.asarray(1.0 / math.sqrt(d), q.dtype), (0, 2, 3, 1, 4))  # [B, Nkv, G, T, D]
+    kh = jnp.transpose(k, (0, 2, 1, 3))  # [B, Nkv, T, D]
+    vh = jnp.transpose(v, (0, 2, 1, 3))
+    seg = key_valid.astype(jnp.int32)
+
+    def one_row(qr, kr, vr, sr):
+        per_head = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=SegmentIds(sr, sr)))
+        return per_head(qr, kr, vr)
+
+    out = jax.vmap(one_row)(qh, kh, vh, seg)  # [B, Nkv, G, T, D]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+
+def splash_causal_attention(q, k, v, key_valid):
+    """Same contract as `layers.causal_attention`: q [B, T, Nq, D], k, v [B, T, Nkv, D],
+    key_valid [B, T]. On a mesh (`jax.set_mesh`) the kernel runs per shard: rows over the batch
+    axes, kv heads over `tensor` when they divide it, as the rules table says."""
+    b, t, nq, d = q.shape
+    nkv = k.shape[2]
+    q5 = q.reshape(b, t, nkv, nq // nkv, d)
+    interpret = jax.default_backend() != "tpu"
+    local = functools.partial(_local, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        out = local(q5, k, v, key_valid)
+    else:
+        q_spec = logical_to_pspec(("batch", None, "act_heads", None, None), q5.shape, mesh)
+        kv_spec = logical_to_pspec(("batch", None, "act_heads", None), k.shape, mesh)
+        valid_spec = logical_to_pspec(("batch", None), key_valid.shape, mesh)
+        out = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, valid_spec), out_specs=q_spec,
+                            check_vma=False)(q5, k, v, key_valid)
+    return out.reshape(b, t, nq, d)
