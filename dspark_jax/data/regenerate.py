@@ -68,7 +68,7 @@ def distinct_ngram_ratio(seqs, n: int = 4) -> float:
     return len(grams) / total if total else 1.0
 
 
-def _load(target, dtype: str = "float32"):
+def _load(target, dtype: str = "float32", mesh=None):
     from dspark_jax.io.hf import LoadedTarget, load_target
 
     if isinstance(target, LoadedTarget):
@@ -77,7 +77,7 @@ def _load(target, dtype: str = "float32"):
         from dspark_jax.embedded.target import embedded_target_dir
 
         target = embedded_target_dir()
-    return load_target(target, dtype=dtype)
+    return load_target(target, dtype=dtype, mesh=mesh)
 
 
 def _existing_settings(out: Path) -> dict | None:
@@ -91,10 +91,12 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                max_new_tokens: int = 128, max_prompt_len: int = 128,
                sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, resume: bool = False,
                overwrite: bool = False, progress: bool = True, on_record=None, verbose: bool = True,
-               dtype: str = "float32") -> dict:
+               dtype: str = "float32", mesh=None) -> dict:
     """Write ``num`` regenerated records to ``out_dir`` (a ``DatasetWriter`` dataset); returns stats.
 
-    ``target``: a directory, a ``LoadedTarget``, or None for the embedded default.
+    ``target``: a directory, a ``LoadedTarget``, or None for the embedded default. With a
+    ``mesh`` the target is read onto it and each batch's rows (and KV cache) are split over
+    data x fsdp, KV heads over tensor.
     ``on_record(i, tokens, loss_mask)`` is called after each record is stored.
     """
     import jax
@@ -104,7 +106,10 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     from dspark_jax.data.dataset import DatasetWriter
     from dspark_jax.target.generation import generate
 
-    lt = _load(target, dtype)
+    import contextlib
+
+    lt = _load(target, dtype, mesh)
+    on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
     tok = lt.require_tokenizer()
     template = lt.chat_template
     n_avail = len(conversations)
@@ -158,9 +163,10 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                 max_new[r] = max_new_tokens
                 plist.append(ids)
             sample_index = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])]).astype(np.int64)
-            out = generate(lt.model, prompts, lens, max_new_tokens=max_new_tokens, sampling=sp, seed=seed,
-                           sample_index=sample_index, max_new=max_new, stop_ids=stop_ids, pad_id=tok.pad_id)
-            toks, glen = jax.device_get((out.tokens, out.lengths))
+            with on_mesh:
+                out = generate(lt.model, prompts, lens, max_new_tokens=max_new_tokens, sampling=sp, seed=seed,
+                               sample_index=sample_index, max_new=max_new, stop_ids=stop_ids, pad_id=tok.pad_id)
+                toks, glen = jax.device_get((out.tokens, out.lengths))
             for r, i in enumerate(idx):
                 gen = [int(t) for t in toks[r, :glen[r]]]
                 ended = bool(gen) and gen[-1] in stop_ids
@@ -197,11 +203,13 @@ def default_prompts(seed: int = 0) -> list:
 
 def main(argv=None) -> int:
     from dspark_jax.io.hf import add_dtype_argument
+    from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.regenerate",
                                  description="Regenerate assistant turns with the target and write a training dataset.")
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
+    add_mesh_argument(ap, "each batch's rows over data x fsdp, KV heads over tensor")
     ap.add_argument("--prompts", default=None,
                     help='jsonl of {"conversations": [...]} or {"turns": [...]} (default: embedded corpora train split)')
     ap.add_argument("--out", required=True, help="output dataset directory")
@@ -226,7 +234,8 @@ def main(argv=None) -> int:
         convs = default_prompts(a.seed)
     regenerate(a.target, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=a.max_new_tokens,
                max_prompt_len=a.max_prompt_len, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
-               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress, dtype=a.dtype)
+               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress, dtype=a.dtype,
+               mesh=parse_mesh(a.mesh))
     return 0
 
 

@@ -21,13 +21,12 @@ from pathlib import Path
 
 def parse_args(argv=None):
     from dspark_jax.io.hf import add_dtype_argument
+    from dspark_jax.parallel.sharding import add_mesh_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
-    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
-                    help="run on a device mesh, e.g. 1,1,8: weights by the rules table, request slots over data, "
-                         "KV heads over tensor (default: one device)")
+    add_mesh_argument(ap, "request slots over data, KV heads over tensor")
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
     from dspark_jax.drafter.registry import KINDS
 
@@ -81,9 +80,10 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
     return convs
 
 
-def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "float32"):
+def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "float32", mesh=None):
     """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer.
-    `dtype` is the target's ("auto": as stored); the drafter computes in the same dtype."""
+    `dtype` is the target's ("auto": as stored); the drafter computes in the same dtype. With a
+    `mesh` the target is read straight onto it and the drafter laid out by the rules table."""
     import jax.numpy as jnp
 
     from dspark_jax.io.drafter_dir import load as load_drafter
@@ -93,11 +93,11 @@ def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "floa
         from dspark_jax.embedded.target import embedded_target_dir
 
         target_dir = embedded_target_dir(build=True, progress=True)
-    target = load_target(target_dir, dtype=dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
     drafter = None
     if drafter_dir:
         tdt = target.model.embed[...].dtype
-        drafter = load_drafter(drafter_dir, target, dtype=None if tdt == jnp.float32 else tdt)
+        drafter = load_drafter(drafter_dir, target, dtype=None if tdt == jnp.float32 else tdt, mesh=mesh)
     kind = drafter.dcfg.kind if drafter is not None else "ar"
     mode = mode or kind
     if mode == "ar":
@@ -155,19 +155,6 @@ def scheduling_inputs(args, sampling):
     return table, sts
 
 
-def parse_mesh(text: str | None):
-    """"D,F,T" -> a (data, fsdp, tensor) mesh over this host's devices (None -> None)."""
-    if not text:
-        return None
-    try:
-        d, f, t = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--mesh {text!r}: give three integers DATA,FSDP,TENSOR, e.g. 1,1,8") from None
-    from dspark_jax.parallel.sharding import make_mesh
-
-    return make_mesh(d, f, t)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.drafter.frozen import TargetMismatchError
@@ -175,19 +162,21 @@ def main(argv=None) -> int:
     from dspark_jax.decoding.sampling import SamplingParams
 
     from dspark_jax.calibration.calibrate import CalibrationMissingError
+    from dspark_jax.parallel.sharding import parse_mesh
     from dspark_jax.scheduler.costs import CostTableError
 
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         convs = read_prompts(args.prompts)
         table, sts = scheduling_inputs(args, sampling)
-        target, drafter, mode = load_models(args.target, args.drafter, args.mode, args.dtype)
+        mesh = parse_mesh(args.mesh)
+        target, drafter, mode = load_models(args.target, args.drafter, args.mode, args.dtype, mesh)
         res, ids, texts = generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
             skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max,
-            mesh=parse_mesh(args.mesh))
+            mesh=mesh)
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -181,14 +181,14 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
 
 def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
                      max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50,
-                     traces_path=None):
+                     traces_path=None, mesh=None):
     from dspark_jax.engine import Engine
 
     G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
     if max_prompt_len:
         prompts = [p[-max_prompt_len:] for p in prompts]
     S = max(len(p) for p in prompts) + max_new_tokens + G + 2
-    eng = Engine(target, drafter, num_slots=min(num_slots, len(prompts)), max_len=S)
+    eng = Engine(target, drafter, num_slots=min(num_slots, len(prompts)), max_len=S, mesh=mesh)
     res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids,
                        traces=True)
     acc = np.asarray([r.accepted for r in res.results])
@@ -347,11 +347,13 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
 
 def main(argv=None) -> int:
     from dspark_jax.io.hf import add_dtype_argument
+    from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
+    add_mesh_argument(ap, "request slots over data, KV heads over tensor")
     ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]DIR",
                     help="a trained drafter directory; repeat for several (NAME defaults to its kind)")
     ap.add_argument("--prompts", nargs="*", default=None, help="prompt set jsonl files (default: embedded held-out code/math/prose)")
@@ -379,12 +381,14 @@ def main(argv=None) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     try:
-        target, _, _ = load_models(args.target, None, "ar", args.dtype)
+        mesh = parse_mesh(args.mesh)
+        target, _, _ = load_models(args.target, None, "ar", args.dtype, mesh)
         tok = target.require_tokenizer()
         drafters = {}
         for spec in args.drafter:
             name, _, path = spec.rpartition("=")
-            d = drafter_io.load(path, target.model)
+            tdt = target.model.embed[...].dtype  # the drafter computes in the target's dtype
+            d = drafter_io.load(path, target.model, dtype=None if tdt == np.float32 else tdt, mesh=mesh)
             try:  # stored STS temperatures for this sampling setting, if any
                 temps = load_temperatures(path, sampling, getattr(d, "gamma", None) or d.dcfg.gamma)
             except CalibrationMissingError:
@@ -404,7 +408,7 @@ def main(argv=None) -> int:
             r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
                                  max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
-                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds,
+                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
                                  traces_path=Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None)
             r["sts"] = temps is not None
             results[sname][dname] = r

@@ -67,11 +67,12 @@ class ConversionError(ValueError):
     pass
 
 
-def _target_model(target):
+def _target_model(target, mesh=None):
     if isinstance(target, (str, Path)):
         from dspark_jax.io.hf import load_target
 
-        return load_target(target, dtype="auto", load_tokenizer=False).model  # as stored: bf16 halves the memory
+        # as stored (bf16 halves the memory); on a mesh each chip holds its share
+        return load_target(target, dtype="auto", load_tokenizer=False, mesh=mesh).model
     return target if hasattr(target, "lm_head_weight") else target.model
 
 
@@ -195,10 +196,10 @@ def _check_same(name: str, ref: np.ndarray, ours: np.ndarray):
         )
 
 
-def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32) -> Drafter:
+def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=None) -> Drafter:
     """Load a DeepSpec drafter directory into our Drafter, attached to `target`."""
     ref_dir = Path(ref_dir)
-    tmodel = _target_model(target)
+    tmodel = _target_model(target, mesh)
     cfg_file = ref_dir / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"'{ref_dir}' has no config.json: pass a DeepSpec drafter directory (config.json + model.safetensors)")
@@ -217,7 +218,7 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32) -> Draf
     if "conf_kernel" in pure and pure["conf_kernel"].shape[0] == tmodel.cfg.hidden_size and dcfg.markov_rank:
         k = pure["conf_kernel"]
         pure["conf_kernel"] = np.concatenate([k, np.zeros((dcfg.markov_rank, 1), k.dtype)], axis=0)
-    return drafter_io.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, source=str(ref_dir))
+    return drafter_io.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, mesh=mesh, source=str(ref_dir))
 
 
 def reference_tensors(drafter: Drafter, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -237,14 +238,14 @@ def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "float32
     (ref_dir / "config.json").write_text(json.dumps(reference_config(drafter, num_anchors, dtype), indent=2))
 
 
-def import_reference(ref_dir, out_dir, target) -> Drafter:
-    drafter = read_reference(ref_dir, target)
+def import_reference(ref_dir, out_dir, target, mesh=None) -> Drafter:
+    drafter = read_reference(ref_dir, target, mesh=mesh)
     drafter_io.save(drafter, out_dir)
     return drafter
 
 
-def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512) -> Drafter:
-    drafter = drafter_io.load(our_dir, _target_model(target))
+def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512, mesh=None) -> Drafter:
+    drafter = drafter_io.load(our_dir, _target_model(target, mesh), mesh=mesh)
     kind = registry.kind_of(drafter)
     if not kind.has_reference_layout:
         raise ConversionError(f"{our_dir} holds a {kind.name} drafter, which has no DeepSpec reference layout; "
@@ -277,16 +278,20 @@ def main(argv=None) -> int:
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="tensor dtype written (default float32; DeepSpec trains in bfloat16)")
     exp.add_argument("--num-anchors", type=int, default=512, help="num_anchors recorded in config.json (default 512)")
+    from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
+
     for p in (imp, exp):
         p.add_argument("--target", required=True, metavar="TARGET_DIR",
                        help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")
+        add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
     args = ap.parse_args(argv)
     try:
+        mesh = parse_mesh(args.mesh)
         if args.cmd == "import":
-            d = import_reference(args.ref_dir, args.out_dir, args.target)
+            d = import_reference(args.ref_dir, args.out_dir, args.target, mesh=mesh)
             print(f"imported {args.ref_dir} -> {args.out_dir} ({d.dcfg.kind}, {d.dcfg.num_layers} layers, gamma {d.gamma})")
         else:
-            d = export_reference(args.our_dir, args.ref_dir, args.target, args.dtype, args.num_anchors)
+            d = export_reference(args.our_dir, args.ref_dir, args.target, args.dtype, args.num_anchors, mesh=mesh)
             print(f"exported {args.our_dir} -> {args.ref_dir} ({d.dcfg.kind}, {args.dtype})")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,6 +53,24 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Me
     return Mesh(device_grid((data, fsdp, tensor), devices), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def parse_mesh(text: str | None) -> Mesh | None:
+    """"D,F,T" (a command's --mesh) -> a (data, fsdp, tensor) mesh over this host's devices."""
+    if not text:
+        return None
+    try:
+        d, f, t = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: give three integers DATA,FSDP,TENSOR, e.g. 1,1,8") from None
+    return make_mesh(d, f, t)
+
+
+def add_mesh_argument(ap, what: str = "request rows over data, KV heads over tensor") -> None:
+    """The inference commands' shared --mesh flag (parse it with `parse_mesh`)."""
+    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
+                    help=f"run on a device mesh, e.g. 1,1,8: weights laid out by the rules table, {what} "
+                         "(default: one device)")
+
+
 def device_grid(shape: tuple[int, int, int], devices) -> np.ndarray:
     """Devices arranged as (data, fsdp, tensor) by jax's mesh utilities: on TPU the axes follow
     the chips' physical interconnect (ICI); over several slices (multislice) `data` spans the

@@ -11,6 +11,11 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from dspark_jax.parallel.sharding import constrain
+
+# slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
+CACHE_AXES = (None, "batch", None, "kv_heads", None)
+
 
 class KVCache(NamedTuple):
     k: jnp.ndarray  # [num_layers, R, S, num_kv_heads, head_dim]
@@ -20,7 +25,8 @@ class KVCache(NamedTuple):
     @classmethod
     def create(cls, cfg, num_slots: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None) -> "KVCache":
         shape = (num_layers or cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_slots,), jnp.int32))
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+        return cls(zeros(), zeros(), jnp.zeros((num_slots,), jnp.int32))
 
     @property
     def max_len(self) -> int:
