@@ -314,3 +314,28 @@ def test_worker_setup_is_idempotent(tmp_path):
     assert calls.count(f"uv pip install --python {venv}/bin/python -e {home}/dspark_jax[tpu]") == 2
     assert calls.count("uv python install 3.12") == 2
     assert sorted(p.name for p in (home / "dspark_jax").iterdir()) == ["pyproject.toml"]  # a deleted file goes
+
+
+# --- the presets the scripts launch are the configs planned and compiled ------------------
+
+PRESETS = sorted((REPO / "configs").glob("qwen3_*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_presets_launch_as_planned(preset):
+    """worker.sh hands python `-m dspark_jax.train configs/X.yaml [overrides] train.output_dir=gs://...`
+    (test_worker_launch_stages_inputs_and_resumes_cleanly); that argv must load as the preset whose
+    mesh fills the slice its header names and whose compiled memory docs/tpu_memory.md records."""
+    import re
+
+    from dspark_jax.config import from_cli
+
+    argv = [f"configs/{preset.name}", "data.path=/home/u/dspark_data/bkt/data/train", "train.output_dir=gs://bkt/run"]
+    cfg = from_cli(argv)
+    assert cfg.train.output_dir == "gs://bkt/run" and cfg.target.model is not None
+    chips = re.search(r"\((\d+) chips\)", preset.read_text())
+    if chips:  # presets sized for a slice: the mesh uses all of it, and its plan is recorded
+        assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == int(chips.group(1))
+        row = re.search(rf"^\| {preset.stem} \| .*\((\d+)\) \| (\d+) x (\d+) x (\d+) \|", (REPO / "docs" / "tpu_memory.md").read_text(), re.M)
+        assert row, f"docs/tpu_memory.md has no compiled row for {preset.stem}"
+        assert [int(x) for x in row.groups()] == [int(chips.group(1)), cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
