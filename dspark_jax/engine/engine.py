@@ -27,7 +27,7 @@ from dspark_jax.decoding import rejection
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import TargetMismatchError, check_target
 from dspark_jax.engine.spec import Spec
-from dspark_jax.engine.policy import get_policy
+from dspark_jax.engine.policy import SCHEDULED, get_policy
 from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.calibration.traces import Traces
@@ -174,10 +174,22 @@ class Engine:
             raise EngineError(f"skip_drafting={skip_drafting!r}: use False, 'best_case' or 'known' (True = 'known')")
         if not 1 <= probe_every <= probe_max:
             raise EngineError(f"need 1 <= probe_every <= probe_max, got {probe_every} and {probe_max}")
-        self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, _SKIP_RULES[skip_drafting] if G > 0 else None,
+        skip_rule = _SKIP_RULES[skip_drafting] if G > 0 else None
+        scheduled = isinstance(policy, str) and policy in SCHEDULED
+        # what this engine reads each round: survivals from a confidence head, a measured cost table
+        reads_confidence = G > 0 and ((isinstance(policy, str) and policy in (*SCHEDULED, "threshold"))
+                                      or skip_rule == "known")
+        self.needs_table = G > 0 and (scheduled or skip_rule is not None)
+        if reads_confidence and not getattr(getattr(drafter, "dcfg", None), "confidence_head", False):
+            what = f"policy {policy!r}" if policy != "fixed" else f"skip_drafting={skip_drafting!r}"
+            raise EngineError(f"{what} schedules verification from the drafter's confidence head, and this {mode} "
+                              "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
+                              "DSpark drafter trained with its confidence head")
+        self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, skip_rule,
                          theta, int(probe_every), int(probe_max))
-        self.table = table if table is not None else scheduler.make_table(
-            buckets, t_verify=[1e-3 * (1 + b / buckets[-1]) for b in buckets], t_draft=1e-3)
+        self.table = None if table is None else self._checked_table(table)
+        # policies that never read a table still need one in the compiled round's signature
+        self._unread_table = scheduler.make_table(buckets, t_verify=np.ones(len(buckets)), t_draft=0.0)
         self.tp = target_arrays(tmodel)
         self.dp = drafter.arrays() if drafter is not None else {}
         self.tgraph, self.tstate = nnx.split(tmodel)
@@ -240,7 +252,27 @@ class Engine:
         if sts.shape != (Gs,):
             raise EngineError(f"sts temperatures need {Gs} values, got {sts.shape[0]}")
         dk = self.R * g if default_k is None else int(default_k)
-        return Control(s, jnp.int32(g), jnp.float32(threshold), sts, table or self.table, jnp.int32(dk), stops)
+        table = self._checked_table(table) if table is not None else self.table
+        if table is None:
+            if self.needs_table:
+                raise EngineError(f"policy {self.policy_name!r}"
+                                  f"{' with skip_drafting' if self.spec.skip_drafting else ''} prices verification "
+                                  "with a measured cost table and none was given: pass table= (to the Engine or "
+                                  "this call; measure one with `python -m dspark_jax.costs measure`)")
+            table = self._unread_table
+        return Control(s, jnp.int32(g), jnp.float32(threshold), sts, table, jnp.int32(dk), stops)
+
+    def _checked_table(self, table):
+        """The table must price every compiled verification bucket and nothing beyond the largest
+        (a finer grid inside it is allowed: the scheduler then decides on it, as tests do)."""
+        got = [int(b) for b in np.asarray(table.buckets)]
+        missing = sorted(set(self.buckets) - set(got))
+        if missing or got[-1] != self.buckets[-1]:
+            raise EngineError(f"the cost table's buckets {got} do not match this engine's compiled verification "
+                              f"buckets {list(self.buckets)}"
+                              f"{f' (unpriced: {missing})' if missing else ''}: build the Engine with "
+                              "buckets=table.buckets, or measure the table for these buckets")
+        return table
 
     # ------------------------------------------------------------ compiled calls
 

@@ -190,3 +190,37 @@ def test_known_speculation_pays_matches_numpy():
             assert bool(scheduler.known_speculation_pays(a, act, tab, mode=mode)) == want
             seen.add(want)
     assert seen == {True, False}
+
+
+def test_scheduled_policies_refuse_to_guess(setup):
+    """No made-up tables, mismatched buckets or fake survivals: each is one clear error (these
+    engines used to run on an invented table, a table for other batch sizes, or survivals 0.5^j)."""
+    from dspark_jax.engine import EngineError
+
+    target, prompts, _ = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    for kw in ({"policy": "early_stop"}, {"policy": "production"}, {"skip_drafting": "best_case"}):
+        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), **kw)
+        with pytest.raises(EngineError, match="cost table and none was given.*costs measure"):
+            eng.generate(prompts, max_new_tokens=4, sampling=GREEDY)
+        # with a table it runs; a fixed policy never needs one
+        eng.generate(prompts[:1], max_new_tokens=2, sampling=GREEDY, table=scheduler.make_table(**TABLE))
+    Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,)).generate(
+        prompts[:1], max_new_tokens=2, sampling=GREEDY)
+
+    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop")
+    for other in ((2, 4, 12), (3, 6), (3, 6, 12, 24)):
+        with pytest.raises(EngineError, match=r"buckets .* do not match this engine's compiled verification buckets \[3, 6, 12\]"):
+            eng.generate(prompts, max_new_tokens=4, sampling=GREEDY,
+                         table=scheduler.make_table(other, t_verify=np.linspace(1, 2, len(other))))
+    with pytest.raises(EngineError, match="do not match"):
+        Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, policy="static",
+               table=scheduler.make_table((4, 12), t_verify=(1.0, 2.0)))
+
+    for kind in ("dflash", "eagle3", "mtp1"):
+        nc = tiny_drafter(kind, target, gamma=3)
+        lk = dict(layer_ids=[0]) if kind == "eagle3" else {}
+        for kw in ({"policy": "early_stop"}, {"policy": "threshold"}, {"skip_drafting": "known"}):
+            with pytest.raises(EngineError, match=f"confidence head, and this {kind} drafter has none"):
+                Engine(target, nc, num_slots=3, max_len=40, **lk, **kw)
+        Engine(target, nc, num_slots=3, max_len=40, skip_drafting="best_case", **lk)  # reads the table only
