@@ -131,9 +131,9 @@ class Traces:
 
     def add(self, step: int, slot_req: np.ndarray, ro) -> None:
         """One round: `slot_req[r]` = request id in slot r (-1 = empty); `ro` = RoundOut (device arrays)."""
-        z, l, acc, act = (np.asarray(x) for x in (ro.z, ro.lengths, ro.accepted, ro.active))
+        z, l, acc, act, cut = (np.asarray(x) for x in (ro.z, ro.lengths, ro.accepted, ro.active, ro.cut))
         for r in np.flatnonzero(act):
-            self._rows.append((int(slot_req[r]), step, z[r].astype(np.float32), int(l[r]), int(acc[r])))
+            self._rows.append((int(slot_req[r]), step, z[r].astype(np.float32), int(l[r]), int(acc[r]), bool(cut[r])))
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -142,11 +142,14 @@ class Traces:
         n, g = len(self._rows), max(self.G, 1)
         z = np.stack([r[2] for r in self._rows]) if n else np.zeros((0, g), np.float32)
         length = np.asarray([r[3] for r in self._rows], np.int64)
+        cut = np.asarray([r[5] for r in self._rows], bool)
+        # `full`: every one of the G drafts verified and its outcome kept (what STS fits on); a
+        # round cut by a stop token or max_new discarded some, which are not rejections
         return {"request": np.asarray([r[0] for r in self._rows], np.int64),
                 "round": np.asarray([r[1] for r in self._rows], np.int64),
                 "conf_logits": z, "length": length,
                 "accepted": np.asarray([r[4] for r in self._rows], np.int64),
-                "full": length == self.G}
+                "full": (length == self.G) & ~cut, "cut": cut}
 
     def save(self, path) -> Path:
         """`.npz` (arrays) or `.jsonl` (one record per round and request)."""
@@ -160,7 +163,7 @@ class Traces:
                     f.write(json.dumps({"request": int(a["request"][i]), "round": int(a["round"][i]),
                                         "conf_logits": [float(x) for x in a["conf_logits"][i]],
                                         "length": int(a["length"][i]), "accepted": int(a["accepted"][i]),
-                                        "full": bool(a["full"][i])}) + "\n")
+                                        "full": bool(a["full"][i]), "cut": bool(a["cut"][i])}) + "\n")
         return path
 
 

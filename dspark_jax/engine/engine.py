@@ -29,7 +29,7 @@ from dspark_jax.drafter.frozen import TargetMismatchError, check_target
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.policy import SCHEDULED, get_policy
 from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
-from dspark_jax.engine.state import Control, DecodeState
+from dspark_jax.engine.state import FINISH_REASONS, Control, DecodeState
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
@@ -51,8 +51,9 @@ class RequestResult:
     tokens: list[int]
     prompt_len: int
     rounds: int
-    accepted: int  # accepted draft tokens over all rounds
+    accepted: int  # accepted draft tokens kept, over all rounds (len(tokens) == accepted + rounds)
     seconds: float
+    finish_reason: str | None = None  # "stop", "length" (max_new_tokens) or "context" (max_len full first)
 
     @property
     def tau(self) -> float:
@@ -232,7 +233,7 @@ class Engine:
         return DecodeState(KVCache.create(cfg, R, S, dt), dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
                            jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0), jnp.int32(0),
-                           jnp.int32(self.spec.probe_every))
+                           jnp.int32(self.spec.probe_every), zi())
 
     def control(self, sampling: SamplingParams | None = None, gamma: int | None = None, threshold: float = 0.0,
                 stop_ids=(), sts=None, table=None, default_k: int | None = None) -> Control:
@@ -392,11 +393,11 @@ class Engine:
             finished = np.flatnonzero((slot_req >= 0) & ~active).tolist()
             if finished:
                 now = time.perf_counter()
-                n_gen, rounds, acc, out = jax.device_get((st.n_gen, st.rounds, st.acc_sum, st.out))
+                n_gen, rounds, acc, out, fin = jax.device_get((st.n_gen, st.rounds, st.acc_sum, st.out, st.finish))
                 for s in finished:
                     i = int(slot_req[s])
                     results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),
-                                               int(acc[s]), now - t_start[i])
+                                               int(acc[s]), now - t_start[i], FINISH_REASONS[int(fin[s])])
                     slot_req[s] = -1
         return GenerateResult(results, time.perf_counter() - t0, calls, tr)
 

@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         return 2
     for i, (r, text) in enumerate(zip(res.results, texts)):
         stats = {"request": i, "prompt_tokens": len(ids[i]), "new_tokens": len(r.tokens), "rounds": r.rounds,
-                 "tau": round(r.tau, 3), "tokens_per_s": round(r.tokens_per_s, 1)}
+                 "tau": round(r.tau, 3), "tokens_per_s": round(r.tokens_per_s, 1),
+                 "finish_reason": r.finish_reason}
         if args.json:
             print(json.dumps({**stats, "completion": text}))
         else:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
 from dspark_jax.engine.spec import Spec
-from dspark_jax.engine.state import Control, DecodeState, RoundOut
+from dspark_jax.engine.state import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Control, DecodeState, RoundOut
 from dspark_jax.engine.verify import verify_packed
 from dspark_jax.scheduler import prefix as scheduler
 
@@ -69,7 +69,7 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
         cache=cache, dcache=dcache, last=last,
         anchor=jnp.where(join, anchor, st.anchor), pos=jnp.where(join, plen - 1, st.pos),
         active=jnp.where(join, max_new > 0, st.active), keys=jnp.where(join, keys, st.keys),
-        rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen),
+        rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen), finish=z(st.finish),
         max_new=jnp.where(join, max_new, st.max_new), out=jnp.where(join[:, None], 0, st.out))
 
 
@@ -134,7 +134,8 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         run_draft = lambda: draft(spec, dp, st, kd, samp)
         if spec.skip_drafting:
             pays = _drafting_pays(spec, st, act, ctl, r * G)
-            drafts, q, z, dcache = jax.lax.cond(pays, run_draft, lambda: _no_draft(run_draft, st.dcache))
+            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, dp, st.dcache, st.last, st.anchor, st.pos, act))
+            drafts, q, z, dcache = jax.lax.cond(pays, run_draft, skipped)
         else:
             pays = jnp.bool_(True)
             drafts, q, z, dcache = run_draft()
@@ -181,19 +182,28 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         acc = jnp.zeros((r,), jnp.int32)
         out = jax.vmap(sample)(kv, p[:, 0])[:, None]
         n_out = jnp.ones((r,), jnp.int32)
+    n_verified = n_out  # accepted drafts + the correction / bonus token
     n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
     acc = jnp.minimum(acc, n_out)
 
     # 6. commit, per-slot stops, rollback
     room = jnp.maximum(st.max_new - st.n_gen, 0)
     n_keep = jnp.where(act, jnp.minimum(n_out, room), 0)
+    # a round cut by a stop token or by max_new keeps fewer tokens than it verified: it counts
+    # only what it kept (tau = kept tokens per round) and is marked, so calibration does not
+    # read the discarded drafts as rejections
+    cut = act & (n_keep < n_verified)
+    acc_kept = jnp.where(act, jnp.clip(jnp.minimum(acc, n_keep - 1), 0, None), 0).astype(jnp.int32)
     cols = st.n_gen[:, None] + jnp.arange(G + 1)[None]
     write = jnp.where(jnp.arange(G + 1)[None] < n_keep[:, None], cols, S)
     out_buf = st.out.at[jnp.arange(r)[:, None], write].set(out, mode="drop")
     n_gen = st.n_gen + n_keep
     new_pos = st.pos + acc + 1
     new_anchor = out[jnp.arange(r), jnp.clip(n_out - 1, 0, G)]
-    done = act & (stopped | (n_gen >= st.max_new) | (new_pos + G + 1 > S))
+    by_length = n_gen >= st.max_new
+    by_context = new_pos + G + 1 > S
+    done = act & (stopped | by_length | by_context)
+    reason = jnp.where(stopped, FINISH_STOP, jnp.where(by_length, FINISH_LENGTH, FINISH_CONTEXT))
     pos = jnp.where(act, new_pos, st.pos)
     cache = vo.cache.with_lengths(pos)
     if G:
@@ -203,9 +213,10 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         last = st.last
     new = st._replace(
         cache=cache, dcache=dcache, last=last, anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
-        active=act & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + jnp.where(act, acc, 0), n_gen=n_gen,
-        out=out_buf, a_hist=a_hist, step=st.step + 1, since_draft=since_draft, probe_gap=probe_gap)
-    return new, RoundOut(z[:, : spec.Gs], lengths, acc, n_keep, act, b_idx)
+        active=act & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + acc_kept, n_gen=n_gen,
+        out=out_buf, a_hist=a_hist, step=st.step + 1, since_draft=since_draft, probe_gap=probe_gap,
+        finish=jnp.where(done, reason, st.finish).astype(jnp.int32))
+    return new, RoundOut(z[:, : spec.Gs], lengths, acc_kept, n_keep, act, b_idx, cut)
 
 
 def run_rounds(spec: Spec, tp, dp, st: DecodeState, ctl: Control, max_rounds, stop_on_free):

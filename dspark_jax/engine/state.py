@@ -18,7 +18,12 @@ import jax
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.decoding.sampling import SamplingParams
 
-__all__ = ["DecodeState", "Control", "RoundOut"]
+__all__ = ["DecodeState", "Control", "RoundOut", "FINISH_REASONS"]
+
+# why a request ended (DecodeState.finish): still running, a stop token, max_new tokens, or the
+# slot's context (max_len) full before max_new was reached
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
+FINISH_REASONS = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_CONTEXT: "context"}
 
 
 class DecodeState(NamedTuple):
@@ -38,6 +43,7 @@ class DecodeState(NamedTuple):
     step: jax.Array  # scalar int32 rounds run by the engine
     since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
     probe_gap: jax.Array  # scalar int32 rounds between probes; doubles while fresh survivals say "no"
+    finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
 
 
 class Control(NamedTuple):
@@ -57,7 +63,8 @@ class RoundOut(NamedTuple):
 
     z: jax.Array  # [R, G'] raw confidence logits
     lengths: jax.Array  # [R] verification length chosen
-    accepted: jax.Array  # [R] accepted draft tokens
+    accepted: jax.Array  # [R] accepted draft tokens kept (a cut round counts only what it kept)
     n_out: jax.Array  # [R] tokens committed this round
     active: jax.Array  # [R] slot was active in this round
     bucket: jax.Array  # scalar: bucket index used
+    cut: jax.Array  # [R] bool: a stop token or max_new discarded verified tokens this round

@@ -196,8 +196,9 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     tau, lo, hi = bootstrap_tau(acc, rounds, seed=seed)
     tr = res.traces.arrays()
     out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
-           "conditional_acceptance": conditional_acceptance(tr["accepted"], tr["length"], G).tolist(),
-           "conditional_support": conditional_support(tr["accepted"], tr["length"], G).tolist(),
+           # rounds cut by a stop token / max_new discarded drafts: not rejections
+           "conditional_acceptance": conditional_acceptance(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist(),
+           "conditional_support": conditional_support(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist(),
            "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
     if groups is not None and len(set(groups)) > 1:
         out["by_source"] = tau_by_group(acc, rounds, groups, seed=seed)

@@ -92,6 +92,11 @@ class DrafterKind(ABC):
         """-> (tokens [R, G], q [R, G, V] (the exact distributions sampled from), z [R, G], dcache).
         `keys` [R]: per-row keys, so a request's drafts never depend on other slots."""
 
+    def skip(self, spec, dp, dcache, last, anchor, pos, active):
+        """A round that did not draft (the skip rule): what the draft would have written that the
+        next round relies on. Kinds whose state comes only from `update` change nothing."""
+        return dcache
+
     @abstractmethod
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         """After verification: the drafter sees the target's view of [old anchor, accepted drafts].

@@ -70,6 +70,12 @@ class RecurrentKind(DrafterKind):
             keys, dcache.k, dcache.v, dcache.lengths, last, anchor, pos, sampling)
         return toks, q, jnp.zeros((r, spec.G), jnp.float32), KVCache(k, v, ln)
 
+    def skip(self, spec, dp, dcache, last, anchor, pos, active):
+        """A draft's first step writes position p - 1 (the carry there with the anchor x_p) and
+        leaves `lengths == p`; a skipped round must write it too, or the cache falls one entry
+        behind the target for every skipped round."""
+        return self.commit(dp, dcache, last[:, None], anchor[:, None], active[:, None], spec.tcfg)
+
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         r, g = drafts.shape
         col = jnp.arange(g, dtype=jnp.int32)[None]
