@@ -84,6 +84,24 @@ class GenerateResult:
         return sum(len(x.tokens) for x in self.results) / self.seconds if self.seconds > 0 else float("nan")
 
 
+def stop_row(stop_ids) -> np.ndarray:
+    """Stop ids -> one fixed-width row (-1 = none), so changing them never recompiles."""
+    stops = [int(x) for x in stop_ids]
+    if len(stops) > MAX_STOP_IDS:
+        raise EngineError(f"at most {MAX_STOP_IDS} stop ids, got {len(stops)}")
+    return np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32)
+
+
+def per_request(value, n: int, what: str) -> list:
+    """One value for every request, or a list with one per request."""
+    if isinstance(value, (list, tuple)) and not isinstance(value, SamplingParams) and \
+            (what != "stop_ids" or (value and isinstance(value[0], (list, tuple)))):
+        if len(value) != n:
+            raise EngineError(f"{what}: {len(value)} values for {n} prompts; give one, or one per prompt")
+        return list(value)
+    return [value] * n
+
+
 def kind_of_drafter(drafter):
     try:
         return registry.kind_of(drafter)
@@ -244,10 +262,7 @@ class Engine:
         s = sampling or SamplingParams()
         s = SamplingParams(*(jnp.broadcast_to(jnp.asarray(v, dt), (self.R,)) for v, dt in
                              zip(s, (jnp.float32, jnp.int32, jnp.float32))))
-        stops = [int(x) for x in stop_ids]
-        if len(stops) > MAX_STOP_IDS:
-            raise EngineError(f"at most {MAX_STOP_IDS} stop ids, got {len(stops)}")
-        stops = jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32)
+        stops = jnp.broadcast_to(jnp.asarray(stop_row(stop_ids), jnp.int32), (self.R, MAX_STOP_IDS))
         Gs = max(self.G, 1)
         sts = jnp.ones((Gs,), jnp.float32) if sts is None else jnp.asarray(sts, jnp.float32)[:Gs]
         if sts.shape != (Gs,):
@@ -342,21 +357,31 @@ class Engine:
                  traces: bool = False, loop: str = "host", table=None) -> GenerateResult:
         """Generate for every prompt (lists of token ids), R at a time, refilling freed slots.
 
-        Request i draws its randomness from `fold_in(key(seed), sample_index[i])` (default i),
-        so its output does not depend on the batch it ran in. `loop`: "host" (a Python loop over
-        the compiled round; required for traces) or "while" (a compiled `lax.while_loop` that
-        returns to the host only when a slot frees up while requests wait).
+        Per request or for all: `max_new_tokens`, `sampling`, `stop_ids` and `seed` each take one
+        value or a list with one per prompt (changing them never recompiles). Request i draws its
+        randomness from `fold_in(key(seed_i), sample_index[i])` (default i), so its output does
+        not depend on the batch it ran in. `loop`: "host" (a Python loop over the compiled round;
+        required for traces) or "while" (a compiled `lax.while_loop` that returns to the host
+        only when a slot frees up while requests wait).
         """
         if loop not in ("host", "while"):
             raise EngineError(f"loop must be 'host' or 'while', got {loop!r}")
         if traces and loop != "host":
             raise EngineError("traces need loop='host' (the while loop does not return per-round records)")
-        prompts = self.check_prompts(prompts, max_new_tokens)
-        ctl = self.control(sampling, gamma, threshold, stop_ids, sts, table)
-        idx = list(range(len(prompts))) if sample_index is None else [int(i) for i in sample_index]
-        req_keys = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-            jax.random.key(seed), jnp.asarray(idx, jnp.uint32))))
-        mx = min(max_new_tokens, self.S)
+        n = len(prompts)
+        max_news = [int(m) for m in per_request(max_new_tokens, n, "max_new_tokens")]
+        prompts = self.check_prompts(prompts, min(max_news) if max_news else 1)
+        samplings = [x or SamplingParams() for x in per_request(sampling, n, "sampling")]
+        stops = np.stack([stop_row(x) for x in per_request(list(stop_ids), n, "stop_ids")]) if n else None
+        seeds = per_request(seed, n, "seed")
+        ctl = self.control(samplings[0] if n else sampling, gamma, threshold, (), sts, table)
+        idx = list(range(n)) if sample_index is None else [int(i) for i in sample_index]
+        req_keys = np.asarray(jax.random.key_data(jax.vmap(lambda sd, i: jax.random.fold_in(jax.random.key(sd), i))(
+            jnp.asarray(seeds, jnp.uint32), jnp.asarray(idx, jnp.uint32)))) if n else None
+        # per-slot settings: rows of the traced controls, rewritten when a slot takes a request
+        slot_samp = [np.array(np.broadcast_to(np.asarray(v), (self.R,)), dtype=dt)
+                     for v, dt in zip(samplings[0] if n else SamplingParams(), (np.float32, np.int32, np.float32))]
+        slot_stops = np.full((self.R, MAX_STOP_IDS), -1, np.int32)
         tr = Traces(self.G) if traces else None
         st = self.init_state()
         queue = list(range(len(prompts)))
@@ -376,9 +401,16 @@ class Engine:
                     by_bucket.setdefault(P, []).append((s, i))
                 for group in by_bucket.values():
                     ss, ii = [s for s, _ in group], [i for _, i in group]
-                    st = self.prefill_slots(st, ss, [prompts[i] for i in ii], req_keys[ii], [mx] * len(group))
+                    st = self.prefill_slots(st, ss, [prompts[i] for i in ii], req_keys[ii],
+                                            [min(max_news[i], self.S) for i in ii])
                     slot_req[ss] = ii
                     t_start[ii] = time.perf_counter()
+                for s, i in zip(free, take):
+                    for col, v in zip(slot_samp, samplings[i]):
+                        col[s] = v
+                    slot_stops[s] = stops[i]
+                ctl = ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in slot_samp)),
+                                   stop_ids=jnp.asarray(slot_stops))
             if not (slot_req >= 0).any():
                 break
             if loop == "host":

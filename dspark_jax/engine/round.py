@@ -78,7 +78,7 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
 
 def _stop_truncate(out, n_out, stop_ids):
     pos = jnp.arange(out.shape[1])[None]
-    is_stop = jnp.any(out[..., None] == stop_ids[None, None, :], axis=-1) & (pos < n_out[:, None])
+    is_stop = jnp.any(out[..., None] == stop_ids[:, None, :], axis=-1) & (pos < n_out[:, None])  # per-row stop ids
     hit = jnp.any(is_stop, axis=1)
     return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_out).astype(jnp.int32), hit
 

@@ -55,7 +55,7 @@ class Control(NamedTuple):
     sts: jax.Array  # [G'] float32 STS temperatures for the prefix survival
     table: Any  # scheduler.CostTable
     default_k: jax.Array  # int32: production scheduler capacity for its first two rounds
-    stop_ids: jax.Array  # [K] int32 (-1 = none)
+    stop_ids: jax.Array  # [R, K] int32 per slot (-1 = none)
 
 
 class RoundOut(NamedTuple):

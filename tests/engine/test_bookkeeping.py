@@ -109,3 +109,29 @@ def test_stop_cut_rounds_and_finish_reasons(target, prompts):
     assert res.results[1].finish_reason == "context"
     res = short.generate([prompts[0]], max_new_tokens=3, sampling=GREEDY)
     assert res.results[0].finish_reason == "length" and len(res.results[0].tokens) == 3
+
+
+def test_per_request_settings_equal_each_request_alone(target, prompts):
+    """Sampling, stop ids, max_new and seed per request, 5 requests refilling 2 slots: each
+    request's output equals running it alone with its own settings (greedy and sampled rows in
+    the same rounds; a slot's settings change when it takes the next request)."""
+    eng = _engine(target, "dspark")
+    ps = prompts[:5]
+    samp = [GREEDY, SamplingParams(1.0, 0, 1.0), SamplingParams(0.7, 3, 1.0), SamplingParams(0.8, 0, 0.6), GREEDY]
+    alone0 = eng.generate(ps[:1], max_new_tokens=12, sampling=GREEDY).results[0].tokens
+    stops = [[alone0[3]], [], [], [], [15, 14]]
+    max_new = [12, 7, 9, 4, 10]
+    seeds = [0, 1, 2, 3, 4]
+    res = eng.generate(ps, max_new_tokens=max_new, sampling=samp, stop_ids=stops, seed=seeds)
+    for i, r in enumerate(res.results):
+        one = eng.generate([ps[i]], max_new_tokens=max_new[i], sampling=samp[i], stop_ids=stops[i], seed=seeds[i],
+                           sample_index=[i]).results[0]
+        assert r.tokens == one.tokens and r.finish_reason == one.finish_reason, i
+        assert len(r.tokens) <= max_new[i]
+    assert res.results[0].finish_reason == "stop" and res.results[0].tokens[-1] == alone0[3]
+    assert res.results[1].finish_reason == "length" and len(res.results[1].tokens) == 7
+    # the sampled requests really are sampled: another seed changes request 1
+    other = eng.generate([ps[1]], max_new_tokens=7, sampling=samp[1], seed=99, sample_index=[1]).results[0]
+    assert other.tokens != res.results[1].tokens
+    with pytest.raises(Exception, match="max_new_tokens: 2 values for 5 prompts"):
+        eng.generate(ps, max_new_tokens=[3, 4])
