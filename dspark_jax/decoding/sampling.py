@@ -16,6 +16,9 @@ Order of the transforms (all on fp32):
    mass strictly before it is < top_p); at least one token is always kept.
 4. renormalise.
 
+The top-k / top-p cut is found by bisection on the logits' order (no sort of the vocabulary;
+`lax.top_k` for k <= 64); it keeps exactly the prefix a stable descending sort would.
+
 Every parameter may be a python scalar, a traced jnp scalar, or a per-row array
 broadcastable to ``logits.shape[:-1]``. :class:`SamplingParams` is a NamedTuple, hence a
 pytree: pass it into ``jax.jit`` and its fields are traced (no recompilation per setting).
@@ -83,12 +86,45 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)
 
 
+def _order_keys(x):
+    """float32 -> uint32 keys in the same order (so bisection runs on integers: exact in 32 steps)."""
+    u = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.uint32)  # -0.0 ties +0.0
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _keep_prefix(keys, weight, limit):
+    """The prefix of the order (keys descending, ties by lower index) whose weight strictly
+    before each kept entry is < `limit` [...], without sorting: bisect (32 exact integer steps,
+    one masked sum over V each) for the smallest key boundary b with weight above b < limit;
+    the entries at the smallest key >= b are the only ties to split, by an index-order cumsum.
+    With weight 1 this is top-k (count before < k); with the probabilities, top-p."""
+    top = jnp.uint32(0xFFFFFFFF)
+
+    def above(v):
+        return jnp.sum(jnp.where(keys > v[..., None], weight, 0.0), axis=-1)
+
+    def step(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = above(mid) < limit
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    b, _ = jax.lax.fori_loop(0, 32, step, (lo, jnp.full_like(lo, top)))
+    m = jnp.min(jnp.where(keys >= b[..., None], keys, top), axis=-1)
+    tied = keys == m[..., None]
+    w_tied = jnp.where(tied, weight, 0.0)
+    before = above(m)[..., None] + jnp.cumsum(w_tied, axis=-1) - w_tied
+    return (keys > m[..., None]) | (tied & (before < limit[..., None]))
+
+
 def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=None) -> jax.Array:
     """fp32 probabilities ``[..., V]`` of the distribution that is sampled from (see module doc).
 
     Three paths with the same result, chosen at run time (the settings are traced): no
     truncation (a plain softmax, no sort); top-k <= TOPK_CAP (`lax.top_k`, which orders
-    ties by lower index, then top-p inside those k); otherwise a full stable sort.
+    ties by lower index, then top-p inside those k); otherwise thresholds found by bisection
+    (`_keep_prefix`: 32 passes over V for top-k, 32 for top-p, no sort of the vocabulary).
     `path`: the index from `sampling_path` over the whole batch (default: these rows').
     """
     logits = jnp.asarray(logits, jnp.float32)
@@ -109,13 +145,17 @@ def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=
         s_probs = _truncate_sorted(vals, k, k_on, tp)
         return jnp.put_along_axis(jnp.zeros_like(scaled), idx, s_probs, axis=-1, inplace=False)
 
-    def full_sort(_):
-        order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties keep the lower index first
-        s_probs = _truncate_sorted(jnp.take_along_axis(scaled, order, axis=-1), k, k_on, tp)
-        return jnp.put_along_axis(jnp.zeros_like(s_probs), order, s_probs, axis=-1, inplace=False)
+    def bisect(_):
+        keys = _order_keys(scaled)
+        keep_k = _keep_prefix(keys, jnp.ones_like(scaled), k.astype(jnp.float32)) | ~k_on[..., None]
+        probs = jax.nn.softmax(jnp.where(keep_k, scaled, -jnp.inf), axis=-1)
+        first = jax.nn.one_hot(first_argmax(scaled), V, dtype=bool)  # at least one token survives
+        keep_p = _keep_prefix(keys, probs, tp) | first | (tp >= 1.0)[..., None]
+        probs = jnp.where(keep_p, probs, 0.0)
+        return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
     path = sampling_path(t, k, tp, V) if path is None else path
-    probs = jax.lax.switch(path % 3, (plain, small_k, full_sort), None)
+    probs = jax.lax.switch(path % 3, (plain, small_k, bisect), None)
 
     def with_greedy_rows(probs):
         one_hot = jax.nn.one_hot(first_argmax(logits), V, dtype=jnp.float32)

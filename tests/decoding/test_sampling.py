@@ -144,3 +144,20 @@ def test_first_argmax_and_greedy_path_flag():
     # a path without the greedy flag gives the greedy row a softmax instead of its one-hot: caught
     wrong = sampling_probs(x[:2], t, k, p, path=jnp.int32(0))
     assert not np.allclose(np.asarray(wrong[1]), np.asarray(got[1]))
+
+
+def test_no_vocabulary_sort_and_exact_tie_split():
+    """Top-p and large top-k find their cut by bisection: the compiled program has no sort, and the
+    cut splits tied logits exactly as a stable descending sort (lower index first) would."""
+    lg = jnp.zeros((1, 200), jnp.float32).at[0, :10].set(1.0)  # 190 tied zeros after 10 tied ones
+    jaxpr = str(jax.make_jaxpr(lambda x: sampling_probs(x, 1.0, 100, 0.9))(lg))
+    import re
+
+    assert not re.search(r"\bsort\[", jaxpr)  # the old full-vocabulary path was a stable argsort
+    pr = np.asarray(sampling_probs(lg, 1.0, 100, 1.0))[0]
+    assert (pr > 0).tolist() == [True] * 100 + [False] * 100  # k = 100: the first 90 of the tied zeros
+    for tp in (0.05, 0.5, 0.9):
+        pr = np.asarray(sampling_probs(lg, 1.0, 0, tp))[0]
+        np.testing.assert_allclose(pr, ref_sampling_probs(np.asarray(lg[0]), 1.0, 0, tp), atol=1e-6)
+        kept = np.flatnonzero(pr > 0)
+        assert kept.tolist() == list(range(len(kept)))  # a prefix in index order among ties
