@@ -15,9 +15,10 @@ COMMANDS = {
     "eval": "tau with intervals, conditional acceptance, calibration report and plots",
     "calibrate": "fit Sequential Temperature Scaling on engine traces",
     "costs": "measure / show verification cost tables",
+    "serve": "an OpenAI-compatible HTTP server (completions, chat, streaming) with continuous batching",
     "simulate": "serving simulation of the schedulers under concurrency",
     "convert": "import / export DeepSpec reference-layout drafters",
-    "bench": "benchmarks (regen, train, engine, vs-torch, grid)",
+    "bench": "benchmarks (regen, train, engine, vs-torch, sampling, grid)",
 }
 
 

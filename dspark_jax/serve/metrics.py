@@ -1,0 +1,44 @@
+"""Prometheus metrics of the server (`/metrics`), in a registry of its own."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class ServerMetrics:
+    def __init__(self, gamma: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dspark_requests", "HTTP generation requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.tokens_in = Counter("dspark_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.tokens_out = Counter("dspark_generated_tokens", "tokens returned to clients", registry=r)
+        self.queue_depth = Gauge("dspark_queue_depth", "requests waiting for a slot", registry=r)
+        self.slots_in_use = Gauge("dspark_slots_in_use", "slots holding a request", registry=r)
+        self.round_seconds = Histogram("dspark_round_seconds", "wall time of one engine round", registry=r,
+                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+        self.ttft = Histogram("dspark_time_to_first_token_seconds", "arrival to first token", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.accepted_length = Histogram("dspark_accepted_length", "accepted drafts + 1 per slot and round",
+                                         registry=r, buckets=tuple(range(1, max(gamma, 1) + 2)))
+        self.verified = Counter("dspark_verified_drafts", "drafts verified, by position", ["position"], registry=r)
+        self.accepted = Counter("dspark_accepted_drafts", "drafts accepted, by position", ["position"], registry=r)
+
+    def round(self, seconds: float, accepted, lengths, in_use, gamma: int) -> None:
+        self.round_seconds.observe(seconds)
+        for s, used in enumerate(in_use):
+            if not used:
+                continue
+            self.accepted_length.observe(int(accepted[s]) + 1)
+            for j in range(int(lengths[s])):
+                self.verified.labels(str(j + 1)).inc()
+                if j < int(accepted[s]):
+                    self.accepted.labels(str(j + 1)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def render(self, queue_depth: int, slots_in_use: int) -> bytes:
+        self.queue_depth.set(queue_depth)
+        self.slots_in_use.set(slots_in_use)
+        return generate_latest(self.registry)
