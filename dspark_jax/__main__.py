@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "train": "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default",
     "train.plan": "sharding check and per-device memory estimate of a preset, no devices needed",
+    "engine.plan": "per-chip serving memory of the engine (weights, KV caches, compiled round) for a preset",
     "embedded": "build / locate / verify / report the embedded default target",
     "models": "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache",
     "recipe": "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time (e.g. smollm2-135m-instruct)",

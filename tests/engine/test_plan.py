@@ -1,0 +1,34 @@
+"""`python -m dspark_jax.engine.plan`: exact per-chip cache sizes from the shapes and the rules
+table, and a compiled round whose memory XLA reports, on fake devices in a subprocess."""
+
+import json
+
+from tests.conftest import run_multidevice
+
+CODE = r"""
+import json, jax
+from dspark_jax.config import from_cli
+from dspark_jax.engine.plan import plan, format_plan
+cfg = from_cli(["micro"])
+out = {}
+for mesh in ((1, 1, 1), (2, 1, 2)):
+    out[str(mesh)] = plan(cfg, 4, 64, mesh, compile_round=True)
+out["text"] = format_plan("micro", 4, 64, (2, 1, 2), out[str((2, 1, 2))], 1e-6)
+m = cfg.target.model
+out["cfg"] = [m.num_layers, m.num_kv_heads, m.head_dim]
+print(json.dumps(out))
+"""
+
+
+def test_engine_plan_cache_bytes_and_compiled_round():
+    res = json.loads(run_multidevice(CODE, n=4).strip().splitlines()[-1])
+    layers, kv, hd = res["cfg"]
+    one, two = res["(1, 1, 1)"], res["(2, 1, 2)"]
+    assert one["target_kv"] == 2 * layers * 4 * 64 * kv * hd * 4  # k and v, float32, whole on one chip
+    # slots over data 2, KV heads over tensor 2 (when they divide it)
+    assert two["target_kv"] == one["target_kv"] // (2 * (2 if kv % 2 == 0 else 1))
+    assert two["target_weights"] < one["target_weights"]
+    for r in (one, two):
+        assert r["temporaries"] > 0 and r["arguments"] >= r["target_weights"] + r["target_kv"]
+        assert r["aliased"] > 0  # the donated state is updated in place
+    assert "does NOT fit" in res["text"] and "compiled peak" in res["text"]
