@@ -89,7 +89,10 @@ def serve_in_thread(app, host="127.0.0.1", port=0):
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))
+    # log_config=None: leave the process's logging alone (uvicorn would rebind handlers to the current
+    # stderr, which pytest's capture or a notebook may close later)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None,
+                                           timeout_graceful_shutdown=30))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(600):

@@ -1,0 +1,169 @@
+"""`python -m dspark_jax.bench serve`: the server under load, one configuration after another,
+fixed-concurrency sweep; total throughput against per-user speed (the paper's Pareto view), time
+to first token and inter-token latency.
+
+    python -m dspark_jax.bench serve --target DIR --drafter dspark=DIR --drafter dflash=DIR \\
+        --prompts ../shared/eval_datasets/mt-bench.jsonl --concurrency 1 2 4 8 16 32 --out bench_serve
+
+Every configuration runs in this process behind a real HTTP server on 127.0.0.1 (the same app as
+`python -m dspark_jax.serve`); clients are threads streaming chat completions through the
+`openai` client, bounded by --requests per level and --max-seconds per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+
+def _one(client, model, messages, max_tokens, temperature):
+    t0 = time.perf_counter()
+    stamps, n = [], 0
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                            temperature=temperature, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter() - t0)
+        if getattr(chunk, "usage", None):
+            n = chunk.usage.completion_tokens
+    end = time.perf_counter() - t0
+    return {"ttft": stamps[0] if stamps else end, "itl": list(np.diff(stamps)), "tokens": n, "seconds": end}
+
+
+def run_level(client, model, prompts, concurrency: int, requests: int, max_seconds: float, max_tokens: int,
+              temperature: float) -> dict:
+    """`requests` requests from `concurrency` clients (each sends its next when one finishes)."""
+    out, lock = [], threading.Lock()
+    deadline = time.perf_counter() + max_seconds
+    counter = iter(range(requests))
+
+    def client_loop(_):
+        while time.perf_counter() < deadline:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = _one(client, model, prompts[i % len(prompts)], max_tokens, temperature)
+            with lock:
+                out.append(r)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(client_loop, range(concurrency)))
+    wall = time.perf_counter() - t0
+    toks = sum(r["tokens"] for r in out)
+    itl = [x for r in out for x in r["itl"]]
+    pct = lambda v, q: float(np.percentile(v, q)) if len(v) else float("nan")
+    return {"concurrency": concurrency, "requests": len(out), "seconds": wall, "tokens": toks,
+            "throughput": toks / wall if wall > 0 else 0.0,
+            "per_user": float(np.mean([r["tokens"] / r["seconds"] for r in out if r["seconds"] > 0])) if out else 0.0,
+            "ttft_p50": pct([r["ttft"] for r in out], 50), "ttft_p99": pct([r["ttft"] for r in out], 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+
+
+def load_prompts(path: str | None, n: int) -> list[list[dict]]:
+    from dspark_jax.data.corpora import load_jsonl
+
+    if path:
+        convs = load_jsonl(path)
+    else:
+        from dspark_jax.data.corpora import build_corpus
+
+        convs = build_corpus("heldout", 0, n_code=n, n_math=n, n_prose=n)
+    out = []
+    for c in convs[: max(n, 1)]:
+        first = next((m for m in c if m.get("role") == "user"), c[0])
+        out.append([{"role": "user", "content": first["content"]}])
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, levels in results.items():
+        ax.plot([lv["per_user"] for lv in levels], [lv["throughput"] for lv in levels], "o-", label=name)
+        for lv in levels:
+            ax.annotate(str(lv["concurrency"]), (lv["per_user"], lv["throughput"]), fontsize=7)
+    ax.set_xlabel("per-user tokens/s")
+    ax.set_ylabel("total tokens/s")
+    ax.set_title("throughput vs per-user speed (labels: concurrency)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
+                    help="a drafter configuration (repeat); target-only always runs first")
+    ap.add_argument("--policy", default="fixed", help="verification policy of the drafter configurations")
+    ap.add_argument("--costs", default=None, help="cost table for scheduled policies")
+    ap.add_argument("--calibrated", action="store_true")
+    ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 8)")
+    ap.add_argument("--max-seconds", type=float, default=300.0, help="per level: no new request after this")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
+    args = ap.parse_args(argv)
+    import openai
+
+    from dspark_jax.serve import build, serve_in_thread
+
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    configs = [("target-only", "none")] + [tuple(s.split("=", 1)) if "=" in s else (Path(s).name, s) for s in args.drafter]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    slots = args.slots or max(args.concurrency)
+    for name, drafter in configs:
+        kw = {} if drafter == "none" else dict(policy=args.policy, costs=args.costs, calibrated=args.calibrated)
+        app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots, **kw)
+        server, thread, port = serve_in_thread(app)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
+        try:
+            _one(client, served.model, prompts[0], 4, args.temperature)  # compile outside the timings
+            results[name] = []
+            for c in args.concurrency:
+                lv = run_level(client, served.model, prompts, c, args.requests or max(2 * c, 8), args.max_seconds,
+                               args.max_tokens, args.temperature)
+                results[name].append(lv)
+                print(f"[bench serve] {name:<12} c={c:<3} {lv['requests']:>4} req  {lv['throughput']:8.1f} tok/s total "
+                      f"{lv['per_user']:7.1f} tok/s/user  TTFT p50 {lv['ttft_p50'] * 1e3:7.0f} ms p99 "
+                      f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms p99 {lv['itl_p99'] * 1e3:6.1f} ms",
+                      flush=True)
+        finally:
+            server.should_exit = True
+            thread.join(60)
+            served.loop.stop()
+    base = {lv["concurrency"]: lv["throughput"] for lv in results["target-only"]}
+    for name, levels in results.items():
+        if name != "target-only":
+            print(f"[bench serve] {name} / target-only throughput: " +
+                  ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
+    meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
+            "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, out / "pareto.png")
+    print(f"[bench serve] {out / 'results.json'}, {out / 'pareto.png'}")
+    return 0

@@ -1,0 +1,24 @@
+"""`python -m dspark_jax.bench serve` drives the real server with concurrent streaming clients
+and reports every level of every configuration (tiny embedded target, bounded)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+
+def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path, capsys):
+    from dspark_jax.bench.serve import main
+
+    assert main(["--target", str(embedded_tiny_dir), "--drafter", f"dspark={tiny_dspark_drafter_dir}",
+                 "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8", "--num-prompts", "4",
+                 "--max-len", "128", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert list(res) == ["target-only", "dspark"]
+    for levels in res.values():
+        assert [lv["concurrency"] for lv in levels] == [1, 3]
+        assert all(lv["requests"] == 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
+    assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
