@@ -11,6 +11,7 @@ COMMANDS = {
     "embedded": "build / locate / verify / report the embedded default target",
     "models": "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache",
     "recipe": "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time (e.g. smollm2-135m-instruct)",
+    "data.prepare": "users' answered chats (OpenAI, ShareGPT, parquet, ...) -> a training dataset with the answer mask",
     "regenerate": "regenerate assistant turns with the target into a training dataset",
     "generate": "speculative (or target-only) decoding of prompts",
     "eval": "tau with intervals, conditional acceptance, calibration report and plots",

@@ -409,9 +409,9 @@ def load_turns_jsonl(path) -> list[Conversation]:
 
 
 def load_jsonl(path) -> list[Conversation]:
-    """Auto-detect per file: ``conversations`` lines or ``turns`` lines."""
-    for _lineno, obj in _parse_lines(path):
-        if "turns" in obj and "conversations" not in obj:
-            return load_turns_jsonl(path)
-        break
-    return load_conversations_jsonl(path)
+    """Conversations from any chat format users bring (per record: OpenAI ``messages``, role /
+    content or ShareGPT ``conversations``, ``turns`` prompts; JSONL, JSON array, parquet, a saved
+    ``datasets`` directory): see `dspark_jax.data.formats`. Errors name the file and line."""
+    from dspark_jax.data.formats import read_conversations
+
+    return read_conversations(path)
