@@ -183,8 +183,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")
     ap.add_argument("--synthetic-traces", action="store_true", help="use the parametric model of traces.synthetic_traces")
-    ap.add_argument("--drafter-dir", required=True, help="where sts.json is written (the drafter checkpoint dir)")
-    ap.add_argument("--out-dir", default=None, help="report JSON/markdown and reliability PNGs (default: drafter dir)")
+    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", required=True,
+                    help="where sts.json is written (the drafter checkpoint dir)")
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default=None,
+                    help="report JSON/markdown and reliability PNGs (default: drafter dir)")
     ap.add_argument("--grid-size", type=int, default=256)
     ap.add_argument("--grid-min", type=float, default=0.05)
     ap.add_argument("--grid-max", type=float, default=20.0)
@@ -194,6 +196,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.traces and not args.synthetic_traces:
         ap.error("give --traces FILE ... or --synthetic-traces")
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     sets = [load_traces(p) for p in args.traces] or [synthetic_traces(256, 64, 7, seed=args.seed)]
     groups: dict[str, list[TraceSet]] = {}
     for s in sets:

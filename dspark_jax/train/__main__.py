@@ -10,7 +10,7 @@ import sys
 
 USAGE = """usage: python -m dspark_jax.train [CONFIG.yaml] [section.key=value ...]
 
-Trains a drafter (drafter.kind: dspark | dflash) against a frozen target.
+Trains a drafter (drafter.kind: dspark | dflash | eagle3 | mtp1) against a frozen target.
 
   CONFIG.yaml   a preset from configs/ (e.g. micro, qwen3_8b_dspark) or a path; optional
   overrides     e.g. drafter.gamma=7 train.steps=500 target.path=/ckpt/Qwen3-8B mesh.fsdp=8

@@ -95,3 +95,11 @@ def test_report_table_extra_columns(synth):
     assert len(lines) == 2 + G and lines[0].endswith("| AUC after | extra col |") and lines[1].count("---") == 9
     assert lines[2].endswith("| 0.500 |") and lines[-1].endswith("| n/a |")
     assert report_table(res).splitlines()[0].endswith("| AUC after |")
+
+
+def test_missing_traces_are_one_line_and_flags_match_other_commands(tmp_path, capsys):
+    from dspark_jax.calibration.calibrate import main
+
+    assert main(["--traces", str(tmp_path / "missing.npz"), "--drafter", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.npz does not exist" in err and "Traceback" not in err
