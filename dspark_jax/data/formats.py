@@ -144,9 +144,14 @@ def read_conversations(paths, on_error: str = "raise", stats: dict | None = None
                     raise raw
                 out.append(to_conversation(raw, where))
             except RecordError as e:
-                if on_error == "raise":
-                    raise
-                stats["skipped"] += 1
-                if len(stats["errors"]) < 5:
-                    stats["errors"].append(str(e))
+                skip_or_raise(e, on_error, stats)
     return out
+
+
+def skip_or_raise(e: RecordError, on_error: str, stats: dict) -> None:
+    """A bad record: raise it, or count it (keeping the first few messages) and go on."""
+    if on_error == "raise":
+        raise e
+    stats["skipped"] += 1
+    if len(stats["errors"]) < 5:
+        stats["errors"].append(str(e))

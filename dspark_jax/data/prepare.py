@@ -21,7 +21,7 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
     (within `max_len` tokens) is a bad record."""
     from dspark_jax.data.chat import encode_chat, load_chat_template
     from dspark_jax.data.dataset import DatasetWriter
-    from dspark_jax.data.formats import RecordError, read_conversations
+    from dspark_jax.data.formats import RecordError, read_conversations, skip_or_raise
     from dspark_jax.data.tokenizer import Tokenizer
 
     if target is None:
@@ -47,11 +47,7 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
                 if not mask.any():
                     raise RecordError(f"record {i}: its first answer starts after max_len={max_len} tokens")
             except RecordError as e:
-                if on_error == "raise":
-                    raise
-                counts["skipped"] += 1
-                if len(counts["errors"]) < 5:
-                    counts["errors"].append(str(e))
+                skip_or_raise(e, on_error, counts)
                 continue
             w.add(ids, mask)
             counts["written"] += 1
