@@ -42,7 +42,10 @@ def test_legacy_drafter_loads_and_decodes_as_before(target, kind, tmp_path):
     res = eng.generate(EXPECTED["prompts"], max_new_tokens=EXPECTED["max_new_tokens"],
                        sampling=SamplingParams(1.0, 0, 1.0), seed=EXPECTED["seed"], traces=True)
     assert [r.tokens for r in res.results] == want["tokens"]
-    assert [r.accepted for r in res.results] == want["accepted"]
+    # `expected.json` counted accepted drafts that max_new then discarded; today only kept ones
+    # count (len(tokens) == accepted + rounds), so the final round of a request may count fewer
+    for r, old in zip(res.results, want["accepted"]):
+        assert r.accepted + r.rounds == len(r.tokens) and 0 <= old - r.accepted <= eng.G
     if want["z"] is not None:
         np.testing.assert_allclose(res.traces.arrays()["conf_logits"], want["z"], atol=2e-4)
     # re-saved in today's format, it loads to the same weights and config

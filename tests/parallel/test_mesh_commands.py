@@ -26,9 +26,12 @@ def recording_load(*a, **k):  # how many devices each command's target landed on
 
 hf.load_target = recording_load
 res = {}
+prompts = tmp / "prompts.jsonl"  # one small set: the three default sets would triple the run
+prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("def add(a, b):", "What is 3 + 4?", "Once upon")))
 for name, extra in (("one", []), ("mesh", ["--mesh", "2,1,2"])):
     out = tmp / name
-    assert eval_main(["--target", target, "--drafter", drafter, "--num-prompts", "3", "--max-new-tokens", "8",
+    assert eval_main(["--target", target, "--drafter", drafter, "--prompts", str(prompts), "--num-prompts", "3",
+                      "--max-new-tokens", "8",
                       "--temperature", "0", "--no-sts-split", "--out", str(out / "eval"), *extra]) == 0
     r = json.loads((out / "eval" / "results.json").read_text())["results"]
     res[name + "_tau"] = {s: v["dspark"]["tau"] for s, v in r.items()}
