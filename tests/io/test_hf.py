@@ -207,3 +207,53 @@ def test_auto_dtype_follows_the_stored_weights(hf_checkpoints, capsys):
         with pytest.raises(SystemExit):
             (mod.parse_args if hasattr(mod, "parse_args") else mod.main)(["--help"])
         assert "--dtype {auto,float32,bfloat16}" in capsys.readouterr().out, cmd
+
+
+MULTIPROCESS_LOAD = r"""
+import json, numpy as np, jax
+from dspark_jax.train.__main__ import maybe_initialize_distributed
+maybe_initialize_distributed()
+from dspark_jax import load_target
+from dspark_jax.io import keymap
+from dspark_jax.parallel.sharding import make_mesh
+
+path = PATH
+whole = load_target(path, dtype="bfloat16", mesh=make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
+ref = [np.asarray(x, np.float32) for x in jax.tree.leaves(whole.model.layers.arrays())]
+reads = []
+orig = keymap.LayerStack.__getitem__
+def counting(self, index):
+    out = orig(self, index)
+    reads.append(out.size)
+    return out
+keymap.LayerStack.__getitem__ = counting
+sharded = load_target(path, dtype="bfloat16", mesh=make_mesh(1, 4, 2))
+ok = True
+for r, arr in zip(ref, jax.tree.leaves(sharded.model.layers.arrays())):
+    for shard in arr.addressable_shards:  # this process's chips hold exactly their blocks of the file
+        ok &= bool(np.array_equal(np.asarray(shard.data, np.float32), r[shard.index]))
+print(json.dumps({"process": jax.process_index(), "processes": jax.process_count(), "ok": ok,
+                  "local": len(jax.local_devices()), "global": jax.device_count(),
+                  "reads": sum(reads), "elems": sum(r.size for r in ref)}))
+"""
+
+
+def test_target_loads_onto_a_mesh_spanning_two_processes(hf_checkpoints):
+    """Two processes x 4 devices (`jax.distributed` on 127.0.0.1), one 4 x 2 mesh over all 8: each
+    process reads only the blocks its own devices hold, and they equal the file's values."""
+    from dspark_jax.testing.multiprocess import launch
+    from tests.conftest import REPO
+
+    path, _ = hf_checkpoints["qwen3_bf16"]
+    res = launch(["-c", MULTIPROCESS_LOAD.replace("PATH", repr(str(path)))], num_processes=2, devices_per_process=4,
+                 timeout=300, cwd=REPO)
+    outs = []
+    for r in res:
+        assert r.returncode == 0, r.output[-3000:]
+        outs.append(json.loads([x for x in r.output.splitlines() if x.startswith("{")][-1]))
+    assert sorted(o["process"] for o in outs) == [0, 1]
+    for o in outs:
+        assert o["ok"] and o["processes"] == 2 and o["local"] == 4 and o["global"] == 8
+        # its 4 of the 8 devices hold about half of every layer tensor (measured: 0.503 of the
+        # elements; reading the whole stack on each process would be >= 1)
+        assert o["reads"] <= 0.6 * o["elems"], o
