@@ -73,7 +73,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
         def one_round(ts, dp, dfz, s, ctl):
             return round_step(spec, target_arrays(nnx.merge(tg, ts)), nnx.merge(dg, dp, dfz).arrays(), s, ctl)
 
-        with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        with jax.set_mesh(mesh):
             ctl = eng.control(table=scheduler.make_table(eng.buckets, t_verify=[1.0] * len(eng.buckets)))
             rep = NamedSharding(mesh, P())
             fn = jax.jit(one_round, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, jax.tree.map(lambda _: rep, ctl)),

@@ -105,8 +105,7 @@ def parse_request(served: Served, body, chat: bool) -> tuple[list[int], dict]:
                          f"(prompt + at least one new token): shorten it", field_name)
     if len(ids) < min_len:
         raise BadRequest(f"the {field_name} has {len(ids)} tokens; the drafter needs at least {min_len}", field_name)
-    n = _number(body, "n", 1, 1, 1, integer=True)
-    del n
+    _number(body, "n", 1, 1, 1, integer=True)  # one choice per request
     max_tokens = _number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                          16 if not chat else min(512, room - len(ids)), 1, integer=True)
     if len(ids) + max_tokens > room:
@@ -115,7 +114,7 @@ def parse_request(served: Served, body, chat: bool) -> tuple[list[int], dict]:
     settings = {
         "max_new": int(max_tokens),
         "sampling": SamplingParams(float(_number(body, "temperature", 1.0, 0.0)),
-                                   int(_number(body, "top_k", 0, -1, integer=True)) if body.get("top_k") != -1 else 0,
+                                   max(0, int(_number(body, "top_k", 0, -1, integer=True))),  # -1 = off, as vLLM
                                    float(_number(body, "top_p", 1.0, 0.0, 1.0))),
         "stop": _stops(body),
         "seed": _number(body, "seed", None, integer=True),

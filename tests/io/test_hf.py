@@ -140,13 +140,9 @@ def test_pickle_weights_never_loaded(tmp_path, hf_checkpoints):
         load_target(d)
 
 
-SHARDED_LOAD = r"""
-import json, sys, numpy as np, jax
-from dspark_jax import load_target
+# counts the elements read from per-layer tensors (pasted into the subprocess scripts below)
+COUNT_READS = """
 from dspark_jax.io import keymap
-from dspark_jax.parallel.sharding import make_mesh
-
-path = sys.argv[1]
 reads = []
 orig = keymap.LayerStack.__getitem__
 def counting(self, index):
@@ -154,6 +150,16 @@ def counting(self, index):
     reads.append(out.size)
     return out
 keymap.LayerStack.__getitem__ = counting
+"""
+
+SHARDED_LOAD = r"""
+import json, sys, numpy as np, jax
+from dspark_jax import load_target
+from dspark_jax.io import keymap
+from dspark_jax.parallel.sharding import make_mesh
+
+path = sys.argv[1]
+COUNT_READS
 whole = load_target(path, dtype="bfloat16")
 reads.clear()
 mesh = make_mesh(1, 4, 2)
@@ -177,7 +183,8 @@ def test_load_target_onto_a_mesh_reads_only_each_devices_block(hf_checkpoints):
     from tests.conftest import run_multidevice
 
     path, _ = hf_checkpoints["qwen3_bf16"]
-    out = json.loads(run_multidevice(SHARDED_LOAD.replace("sys.argv[1]", repr(str(path)))).strip().splitlines()[-1])
+    code = SHARDED_LOAD.replace("COUNT_READS", COUNT_READS).replace("sys.argv[1]", repr(str(path)))
+    out = json.loads(run_multidevice(code).strip().splitlines()[-1])
     assert out["equal"] and out["embed_equal"] and out["dtype"] == "bfloat16"
     assert out["q_spec"] == "P(None, 'fsdp', 'tensor')"
     assert out["q_shard"] == [out["q_shape"][0], out["q_shape"][1] // 4, out["q_shape"][2] // 2]
@@ -220,13 +227,7 @@ from dspark_jax.parallel.sharding import make_mesh
 path = PATH
 whole = load_target(path, dtype="bfloat16", mesh=make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
 ref = [np.asarray(x, np.float32) for x in jax.tree.leaves(whole.model.layers.arrays())]
-reads = []
-orig = keymap.LayerStack.__getitem__
-def counting(self, index):
-    out = orig(self, index)
-    reads.append(out.size)
-    return out
-keymap.LayerStack.__getitem__ = counting
+COUNT_READS
 sharded = load_target(path, dtype="bfloat16", mesh=make_mesh(1, 4, 2))
 ok = True
 for r, arr in zip(ref, jax.tree.leaves(sharded.model.layers.arrays())):
@@ -245,7 +246,7 @@ def test_target_loads_onto_a_mesh_spanning_two_processes(hf_checkpoints):
     from tests.conftest import REPO
 
     path, _ = hf_checkpoints["qwen3_bf16"]
-    res = launch(["-c", MULTIPROCESS_LOAD.replace("PATH", repr(str(path)))], num_processes=2, devices_per_process=4,
+    res = launch(["-c", MULTIPROCESS_LOAD.replace("COUNT_READS", COUNT_READS).replace("PATH", repr(str(path)))], num_processes=2, devices_per_process=4,
                  timeout=300, cwd=REPO)
     outs = []
     for r in res:
