@@ -314,6 +314,25 @@ class Engine:
         return self._prefill(self.tstate, self.dp, st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join),
                              keys_arr, jnp.asarray(mx))
 
+    def start(self, st: DecodeState, ctl: Control, slots, prompts, key_data, max_new, samplings, stop_ids):
+        """Requests join `slots`: one prefill per prompt-length bucket, and their sampling settings
+        and stop ids written into those slots' rows of the traced controls -> (state, controls).
+        The one admission path of `generate` and the server's loop."""
+        groups: dict = {}
+        for j, p in enumerate(prompts):
+            groups.setdefault(next((b for b in self.prefill_buckets if b >= len(p)), None), []).append(j)
+        key_data = np.asarray(key_data)
+        for js in groups.values():
+            st = self.prefill_slots(st, [slots[j] for j in js], [prompts[j] for j in js], key_data[js],
+                                    [min(int(max_new[j]), self.S) for j in js])
+        samp = [np.array(x) for x in jax.device_get(ctl.sampling)]
+        stops = np.array(ctl.stop_ids)
+        for j, s in enumerate(slots):
+            for col, v in zip(samp, samplings[j]):
+                col[s] = v
+            stops[s] = stop_row(stop_ids[j])
+        return st, ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in samp)), stop_ids=jnp.asarray(stops))
+
     def step(self, st: DecodeState, ctl: Control):
         """One compiled round for the whole batch -> (state, RoundOut)."""
         self.round_calls += 1
@@ -378,10 +397,6 @@ class Engine:
         idx = list(range(n)) if sample_index is None else [int(i) for i in sample_index]
         req_keys = np.asarray(jax.random.key_data(jax.vmap(lambda sd, i: jax.random.fold_in(jax.random.key(sd), i))(
             jnp.asarray(seeds, jnp.uint32), jnp.asarray(idx, jnp.uint32)))) if n else None
-        # per-slot settings: rows of the traced controls, rewritten when a slot takes a request
-        slot_samp = [np.array(np.broadcast_to(np.asarray(v), (self.R,)), dtype=dt)
-                     for v, dt in zip(samplings[0] if n else SamplingParams(), (np.float32, np.int32, np.float32))]
-        slot_stops = np.full((self.R, MAX_STOP_IDS), -1, np.int32)
         tr = Traces(self.G) if traces else None
         st = self.init_state()
         queue = list(range(len(prompts)))
@@ -395,22 +410,12 @@ class Engine:
             if queue and free:
                 take = queue[: len(free)]
                 queue = queue[len(take):]
-                by_bucket: dict[int, list] = {}
-                for s, i in zip(free, take):
-                    P = next(b for b in self.prefill_buckets if b >= len(prompts[i]))
-                    by_bucket.setdefault(P, []).append((s, i))
-                for group in by_bucket.values():
-                    ss, ii = [s for s, _ in group], [i for _, i in group]
-                    st = self.prefill_slots(st, ss, [prompts[i] for i in ii], req_keys[ii],
-                                            [min(max_news[i], self.S) for i in ii])
-                    slot_req[ss] = ii
-                    t_start[ii] = time.perf_counter()
-                for s, i in zip(free, take):
-                    for col, v in zip(slot_samp, samplings[i]):
-                        col[s] = v
-                    slot_stops[s] = stops[i]
-                ctl = ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in slot_samp)),
-                                   stop_ids=jnp.asarray(slot_stops))
+                slots = free[: len(take)]
+                st, ctl = self.start(st, ctl, slots, [prompts[i] for i in take], req_keys[take],
+                                     [max_news[i] for i in take], [samplings[i] for i in take],
+                                     [stops[i] for i in take])
+                slot_req[slots] = take
+                t_start[take] = time.perf_counter()
             if not (slot_req >= 0).any():
                 break
             if loop == "host":

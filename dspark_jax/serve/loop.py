@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.engine.engine import MAX_STOP_IDS, stop_row
 from dspark_jax.engine.state import FINISH_REASONS
 
 _ids = itertools.count()
@@ -65,9 +64,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._slots: list[Request | None] = [None] * engine.R
         self._ctl = engine.control(SamplingParams(), threshold=threshold, sts=sts, table=table)
-        samp = self._ctl.sampling
-        self._samp = [np.array(x) for x in samp]
-        self._stops = np.full((engine.R, MAX_STOP_IDS), -1, np.int32)
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
         self.error: BaseException | None = None
 
@@ -153,22 +149,12 @@ class EngineLoop:
             taken.append((free.pop(0), req))
         if not taken:
             return st
-        by_bucket: dict[int, list] = {}
-        for s, req in taken:
-            P = next(b for b in eng.prefill_buckets if b >= len(req.prompt))
-            by_bucket.setdefault(P, []).append((s, req))
-        for group in by_bucket.values():
-            slots = [s for s, _ in group]
-            keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(r.seed) % (1 << 32)))) for _, r in group])
-            st = eng.prefill_slots(st, slots, [r.prompt for _, r in group], keys,
-                                   [min(r.max_new, eng.S) for _, r in group])
+        reqs = [r for _, r in taken]
+        keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(r.seed) % (1 << 32)))) for r in reqs])
+        st, self._ctl = eng.start(st, self._ctl, [s for s, _ in taken], [r.prompt for r in reqs], keys,
+                                  [r.max_new for r in reqs], [r.sampling for r in reqs], [r.stop_ids for r in reqs])
         for s, req in taken:
             self._slots[s] = req
-            for col, v in zip(self._samp, req.sampling):
-                col[s] = v
-            self._stops[s] = stop_row(req.stop_ids)
-        self._ctl = self._ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in self._samp)),
-                                       stop_ids=jnp.asarray(self._stops))
         return st
 
     def _collect(self, st, ro, t0):
