@@ -17,11 +17,6 @@ SAMPLED = SamplingParams(1.0, 0, 1.0)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
-
-
-@pytest.fixture(scope="module")
 def engine(target):
     return Engine(target, tiny_drafter("dspark", target, gamma=3), num_slots=3, max_len=40, buckets=(12,),
                   prefill_buckets=(20,))

@@ -11,16 +11,11 @@ import pytest
 
 from dspark_jax.engine import Engine
 from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 G = 3
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
 
 
 @pytest.fixture(scope="module")
