@@ -1,19 +1,24 @@
 """Regenerate the assistant turns of a prompt set with the target and write the training dataset.
 
 DSpark trains drafters on responses sampled from the target itself (spec section 4), at
-the reference's settings by default: temperature 0.7, top-p 0.8, top-k 20. For each
-conversation the prompt is every message before its first assistant message, rendered
-with the target's chat template (generation header included); later turns are dropped.
-Each record is ``prompt tokens + generated tokens + template tail`` with the loss mask on
-exactly the generated tokens (a final stop token included), matching ``encode_chat``.
+the reference's settings by default: temperature 0.7, top-p 0.8, top-k 20. Every assistant
+turn of a chat is regenerated in order, each conditioned on the history with the target's
+own earlier answers (``data.multiturn``); the chat's own answers are dropped. Prompts are
+rendered with the target's chat template (generation header included; ``thinking`` sets
+its ``enable_thinking``). Each record is the whole chat: the last turn is
+``prompt tokens + generated tokens + template tail`` exactly as generated, with the loss mask
+on every regenerated answer (a final stop token included), matching ``encode_chat``.
 A response cut by ``max_new_tokens`` gets an unmasked end-of-turn so the record stays
 well formed. Prompts longer than ``max_prompt_len`` keep their last tokens.
 
-Sample i uses the key ``fold_in(key(seed), i)`` and every batch has the same static
-shape (fixed batch size, prompt length and cache length; the last batch is padded with
-rows that generate nothing), so a resumed run (``resume=True`` continues after the
-``len(writer)`` records already stored) neither duplicates nor loses samples and writes
+Sample i uses the key ``fold_in(key(seed), i)`` (turn k > 0 its own stream) and every batch
+has the same static shape (fixed batch size, prompt length and cache length; the last batch
+is padded with rows that generate nothing), so a resumed run (``resume=True`` continues after
+the ``len(writer)`` records already stored) neither duplicates nor loses samples and writes
 the same records as an uninterrupted one.
+
+Through a server instead (``--server URL``): ``data.regen_server`` sends the same turns to any
+OpenAI-compatible chat endpoint (vLLM, SGLang, ``python -m dspark_jax.serve``).
 
 CLI: ``python -m dspark_jax.regenerate --out DIR [--target DIR] [--prompts FILE.jsonl] ...``
 """
@@ -30,9 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.cli import report_user_errors
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
-_SETTINGS_KEYS = ("seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_len", "target_config_sha256")
+_SETTINGS_KEYS = ("seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_len", "target_config_sha256",
+                  "thinking")
+_SETTINGS_DEFAULTS = {"thinking": False}  # keys added later: what a dataset written before them was made with
+_TURN_STREAM = 1 << 20  # turn k > 0 of a chat draws from fold_in(key(seed), _TURN_STREAM + k)
+# Reference-like lengths (it regenerates up to 4096 tokens) where the target's context allows.
+DEFAULT_MAX_NEW, DEFAULT_MAX_PROMPT = 4096, 2048
 
 
 def prompt_messages(conv) -> list[dict]:
@@ -91,19 +102,20 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                max_new_tokens: int = 128, max_prompt_len: int = 128,
                sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, resume: bool = False,
                overwrite: bool = False, progress: bool = True, on_record=None, verbose: bool = True,
-               dtype: str = "float32", mesh=None) -> dict:
+               dtype: str = "float32", mesh=None, thinking: bool | None = None) -> dict:
     """Write ``num`` regenerated records to ``out_dir`` (a ``DatasetWriter`` dataset); returns stats.
 
     ``target``: a directory, a ``LoadedTarget``, or None for the embedded default. With a
     ``mesh`` the target is read onto it and each batch's rows (and KV cache) are split over
     data x fsdp, KV heads over tensor.
     ``on_record(i, tokens, loss_mask)`` is called after each record is stored.
+    ``thinking``: the chat template's ``enable_thinking`` (None: off, as ``chat.render_text``).
     """
     import jax
 
     from dspark_jax.train.metrics import progress_bar
-    from dspark_jax.data.chat import render_prompt
     from dspark_jax.data.dataset import DatasetWriter
+    from dspark_jax.data.multiturn import encode_conversation, history_answer, left_truncate, turn_prompts
     from dspark_jax.target.generation import generate
 
     import contextlib
@@ -128,18 +140,19 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                 "top_p": float(sampling.top_p), "max_new_tokens": int(max_new_tokens),
                 "max_prompt_len": int(max_prompt_len),
                 "target_config_sha256": hashlib.sha256(cfg_file.read_bytes()).hexdigest() if cfg_file.is_file() else None,
-                "target": str(lt.path)}
+                "target": str(lt.path), "thinking": bool(thinking)}
+    template_kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
     if resume:
         old = _existing_settings(out_dir)
         if old is not None:
-            diff = [k for k in _SETTINGS_KEYS if old.get(k) != settings[k]]
+            diff = [k for k in _SETTINGS_KEYS if old.get(k, _SETTINGS_DEFAULTS.get(k)) != settings[k]]
             if diff:
                 raise ValueError(f"cannot resume {out_dir}: settings {diff} differ from the interrupted run "
                                  f"({ {k: old.get(k) for k in diff} }); rerun with the same settings or --overwrite")
     stop_ids = tok.stop_ids
     tail = tok.encode(template_tail(template))
     sp = SamplingParams(*(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p)))
-    stats = {"records": 0, "generated_tokens": 0, "truncated_prompts": 0, "stopped": 0, "seconds": 0.0}
+    stats = {"records": 0, "turns": 0, "generated_tokens": 0, "truncated_prompts": 0, "stopped": 0, "seconds": 0.0}
 
     with DatasetWriter(out_dir, resume=resume, overwrite=overwrite, vocab_size=tok.vocab_size,
                        tokenizer_hash=tok.fingerprint, info={"regenerate": settings}) as writer:
@@ -149,35 +162,51 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
         t0 = time.time()
         for b0 in range(start, num, batch_size):
             idx = list(range(b0, min(b0 + batch_size, num)))
-            prompts = np.full((batch_size, max_prompt_len), tok.pad_id, np.int32)
-            lens = np.ones((batch_size,), np.int32)
-            max_new = np.zeros((batch_size,), np.int32)  # padding rows generate nothing
-            plist = []
+            turns = [turn_prompts(conversations[i]) for i in idx]
+            history = [[] for _ in idx]  # messages so far, with the regenerated answers
+            cut = [set() for _ in idx]  # history indices of answers cut by max_new_tokens
+            records = [None] * len(idx)
+            for k in range(max(len(t) for t in turns)):
+                prompts = np.full((batch_size, max_prompt_len), tok.pad_id, np.int32)
+                lens = np.ones((batch_size,), np.int32)
+                max_new = np.zeros((batch_size,), np.int32)  # padding rows and finished chats generate nothing
+                rows, plist = [r for r in range(len(idx)) if k < len(turns[r])], {}
+                for r in rows:
+                    msgs = history[r] + turns[r][k]
+                    ids, pmask = encode_conversation(tok, msgs, template, frozenset(cut[r]), True, **template_kwargs)
+                    ids, pmask, truncated = left_truncate(ids, pmask, max_prompt_len)
+                    stats["truncated_prompts"] += int(truncated)
+                    prompts[r, :len(ids)] = ids
+                    lens[r] = len(ids)
+                    max_new[r] = max_new_tokens
+                    plist[r] = (msgs, ids, pmask)
+                sample_index = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])]).astype(np.int64)
+                # turn 0 draws exactly as single-turn regeneration always did; turn k its own streams
+                key = seed if k == 0 else jax.random.fold_in(jax.random.key(seed), _TURN_STREAM + k)
+                with on_mesh:
+                    out = generate(lt.model, prompts, lens, max_new_tokens=max_new_tokens, sampling=sp, seed=key,
+                                   sample_index=sample_index, max_new=max_new, stop_ids=stop_ids, pad_id=tok.pad_id)
+                    toks, glen = jax.device_get((out.tokens, out.lengths))
+                for r in rows:
+                    msgs, ids, pmask = plist[r]
+                    gen = [int(t) for t in toks[r, :glen[r]]]
+                    ended = bool(gen) and gen[-1] in stop_ids
+                    stats["generated_tokens"] += len(gen)
+                    stats["turns"] += 1
+                    if k < len(turns[r]) - 1:
+                        text = tok.decode(gen[:-1] if ended else gen)
+                        history[r] = msgs + [{"role": "assistant", "content": history_answer(text)}]
+                        if not ended:
+                            cut[r].add(len(history[r]) - 1)
+                        continue
+                    rest = tail if ended else [tok.eos_id] + tail
+                    records[r] = (np.asarray(ids + gen + rest, np.int32),
+                                  np.asarray(pmask + [True] * len(gen) + [False] * len(rest), bool))
+                    stats["stopped"] += int(ended)
             for r, i in enumerate(idx):
-                ids = render_prompt(tok, prompt_messages(conversations[i]), template)
-                if len(ids) > max_prompt_len:
-                    stats["truncated_prompts"] += 1
-                    ids = ids[-max_prompt_len:]
-                prompts[r, :len(ids)] = ids
-                lens[r] = len(ids)
-                max_new[r] = max_new_tokens
-                plist.append(ids)
-            sample_index = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])]).astype(np.int64)
-            with on_mesh:
-                out = generate(lt.model, prompts, lens, max_new_tokens=max_new_tokens, sampling=sp, seed=seed,
-                               sample_index=sample_index, max_new=max_new, stop_ids=stop_ids, pad_id=tok.pad_id)
-                toks, glen = jax.device_get((out.tokens, out.lengths))
-            for r, i in enumerate(idx):
-                gen = [int(t) for t in toks[r, :glen[r]]]
-                ended = bool(gen) and gen[-1] in stop_ids
-                rest = tail if ended else [tok.eos_id] + tail
-                record = np.asarray(plist[r] + gen + rest, np.int32)
-                mask = np.zeros(len(record), bool)
-                mask[len(plist[r]):len(plist[r]) + len(gen)] = True
+                record, mask = records[r]
                 writer.add(record, mask)
                 stats["records"] += 1
-                stats["generated_tokens"] += len(gen)
-                stats["stopped"] += int(ended)
                 if on_record is not None:
                     on_record(i, record, mask)
             bar.update(len(idx))
@@ -201,41 +230,86 @@ def default_prompts(seed: int = 0) -> list:
     return build_corpus("train", seed, n_code=1000, n_math=1000, n_prose=1000)
 
 
+def default_lengths(context: int, max_new: int | None, max_prompt: int | None) -> tuple[int, int]:
+    """Unset lengths: the reference's (4096 new, 2048 prompt) cut to fit the target's context."""
+    if max_new is None:
+        max_new = min(DEFAULT_MAX_NEW, max(1, context // 2) if max_prompt is None else max(1, context - max_prompt))
+    if max_prompt is None:
+        max_prompt = min(DEFAULT_MAX_PROMPT, max(1, context - max_new))
+    return max_new, max_prompt
+
+
+@report_user_errors
 def main(argv=None) -> int:
     from dspark_jax.io.hf import add_dtype_argument
     from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
 
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.regenerate",
-                                 description="Regenerate assistant turns with the target and write a training dataset.")
-    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
+    ap = argparse.ArgumentParser(
+        prog="python -m dspark_jax.regenerate",
+        description="Regenerate every assistant turn of a chat set with the target (in process, or through an "
+                    "OpenAI-compatible server) and write a training dataset.",
+        epilog="examples:\n  python -m dspark_jax.regenerate --target DIR --prompts chats.jsonl --out data/train\n"
+               "  python -m dspark_jax.regenerate --target DIR --prompts chats.jsonl --out data/train \\\n"
+               "      --server http://127.0.0.1:8000 --model-name Qwen/Qwen3-8B --concurrency 64   # vLLM / SGLang\n"
+               "Rerun with --resume after an interruption: no record is lost or written twice.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target); with "
+                                                   "--server only its tokenizer and chat template are read")
     add_dtype_argument(ap)
     add_mesh_argument(ap, "each batch's rows over data x fsdp, KV heads over tensor")
     ap.add_argument("--prompts", default=None,
-                    help='jsonl of {"conversations": [...]} or {"turns": [...]} (default: embedded corpora train split)')
+                    help="chats in any format `data.prepare` reads (OpenAI messages, ShareGPT, turns; jsonl, json, "
+                         "parquet, a saved datasets directory; default: the embedded corpora's train split)")
     ap.add_argument("--out", required=True, help="output dataset directory")
-    ap.add_argument("--num", type=int, default=None, help="number of prompts (default: all)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-len", type=int, default=128)
+    ap.add_argument("--num-prompts", "--num", dest="num", type=int, default=None, help="number of chats (default: all)")
+    ap.add_argument("--batch", type=int, default=16, help="chats per compiled batch (in process)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"per answer (default {DEFAULT_MAX_NEW}, as the reference, or half the target's context)")
+    ap.add_argument("--max-prompt-len", type=int, default=None,
+                    help=f"prompt tokens kept, the last ones (in process; default {DEFAULT_MAX_PROMPT} or what the "
+                         "context leaves)")
+    ap.add_argument("--thinking", choices=("on", "off"), default="off",
+                    help="the chat template's enable_thinking (Qwen3); default off")
     ap.add_argument("--temperature", type=float, default=DEFAULT_SAMPLING.temperature)
     ap.add_argument("--top-k", type=int, default=DEFAULT_SAMPLING.top_k)
     ap.add_argument("--top-p", type=float, default=DEFAULT_SAMPLING.top_p)
     ap.add_argument("--seed", type=int, default=0)
+    srv = ap.add_argument_group("through a server")
+    srv.add_argument("--server", default=None, metavar="URL",
+                     help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax.serve) serving the target")
+    srv.add_argument("--model-name", "--model", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
+    srv.add_argument("--concurrency", type=int, default=16, help="chats in flight at once (default 16)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue an interrupted (or extend a finished) run")
     g.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    if a.prompts:
-        from dspark_jax.data.corpora import load_jsonl
+    thinking = a.thinking == "on"
+    sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
+    try:
+        if a.prompts:
+            from dspark_jax.data.corpora import load_jsonl
 
-        convs = load_jsonl(a.prompts)
-    else:
-        convs = default_prompts(a.seed)
-    regenerate(a.target, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=a.max_new_tokens,
-               max_prompt_len=a.max_prompt_len, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
-               seed=a.seed, resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress, dtype=a.dtype,
-               mesh=parse_mesh(a.mesh))
+            convs = load_jsonl(a.prompts)
+        else:
+            convs = default_prompts(a.seed)
+        if a.server:
+            from dspark_jax.data.regen_server import regenerate_via_server
+
+            max_new = a.max_new_tokens or DEFAULT_MAX_NEW
+            regenerate_via_server(a.server, a.model, a.target, convs, a.out, num=a.num, concurrency=a.concurrency,
+                                  max_new_tokens=max_new, sampling=sampling, seed=a.seed, thinking=thinking,
+                                  resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress)
+            return 0
+        mesh = parse_mesh(a.mesh)
+        lt = _load(a.target, a.dtype, mesh)
+        max_new, max_prompt = default_lengths(lt.cfg.max_position_embeddings, a.max_new_tokens, a.max_prompt_len)
+        regenerate(lt, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=max_new, max_prompt_len=max_prompt,
+                   sampling=sampling, seed=a.seed, resume=a.resume, overwrite=a.overwrite,
+                   progress=not a.no_progress, mesh=mesh, thinking=thinking)
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -82,7 +82,12 @@ def parse_request(served: Served, body, chat: bool) -> tuple[list[int], dict]:
                 raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
         from dspark_jax.data.chat import render_prompt
 
-        ids = render_prompt(tok, [{"role": m["role"], "content": m["content"]} for m in msgs], served.chat_template)
+        kwargs = body.get("chat_template_kwargs") or {}  # as vLLM / SGLang, e.g. {"enable_thinking": false}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
+                or {"messages", "add_generation_prompt", "tokenizer", "template"} & set(kwargs):
+            raise BadRequest("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+        ids = render_prompt(tok, [{"role": m["role"], "content": m["content"]} for m in msgs], served.chat_template,
+                            **kwargs)
         field_name = "messages"
     else:
         p = body.get("prompt")

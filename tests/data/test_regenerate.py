@@ -149,3 +149,39 @@ def test_cli_writes_dataset_from_turns_jsonl(tiny, tmp_path, capsys):
 def test_bad_num_is_named(tiny, prompts, tmp_path):
     with pytest.raises(ValueError, match="--num"):
         regenerate(tiny, prompts, tmp_path / "x", num=len(prompts) + 1, progress=False, verbose=False)
+
+
+def test_every_turn_is_regenerated_on_the_regenerated_history(tiny, tmp_path):
+    """Greedy, two chats of 2 and 3 turns: turn k's prompt holds the target's earlier answers (not
+    the chat's own), each answer equals the no-cache argmax from that prompt, and the record is the
+    last prompt + its answer with every regenerated answer masked (cut answers' end-of-turn not)."""
+    from dspark_jax.data.multiturn import encode_conversation, history_answer
+
+    tok = tiny.tokenizer
+    chats = [[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "ORIGINAL ANSWER"},
+              {"role": "user", "content": "4+4?"}],
+             [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Bye."}, {"role": "user", "content": "Ok?"}]]
+    out = tmp_path / "multi"
+    stats = regenerate(tiny, chats, out, batch_size=2, max_new_tokens=8, max_prompt_len=MAX_PROMPT,
+                       sampling=SamplingParams(0.0, 0, 1.0), progress=False, verbose=False)
+    assert stats["turns"] == 5 and stats["records"] == 2
+    ds = TokenDataset(out)
+    tail = tok.encode(template_tail(tiny.chat_template))
+    for c, chat in enumerate(chats):
+        users = [m for m in chat if m["role"] == "user"]
+        history, cut = [], set()
+        for k, u in enumerate(users):
+            ids, mask = encode_conversation(tok, history + [u], tiny.chat_template, frozenset(cut), True)
+            assert len(ids) <= MAX_PROMPT
+            ref = _argmax_reference(tiny.model, ids, tok.stop_ids)[:8]
+            ended = ref[-1] in tok.stop_ids
+            if k < len(users) - 1:
+                history = history + [u, {"role": "assistant",
+                                         "content": history_answer(tok.decode(ref[:-1] if ended else ref))}]
+                if not ended:
+                    cut.add(len(history) - 1)
+        rest = tail if ended else [tok.eos_id] + tail
+        np.testing.assert_array_equal(ds[c]["tokens"], ids + ref + rest)
+        np.testing.assert_array_equal(ds[c]["loss_mask"], mask + [True] * len(ref) + [False] * len(rest))
+        assert "ORIGINAL" not in tok.decode(ds[c]["tokens"].tolist())
+        assert sum(mask) > 0  # the earlier regenerated answers are trained on too
