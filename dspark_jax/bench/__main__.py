@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from dspark_jax.bench import SUBCOMMANDS
+from dspark_jax.cli import report_user_errors
 
 
 def _usage() -> str:
@@ -14,6 +15,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

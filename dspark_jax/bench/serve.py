@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 8)")
     ap.add_argument("--max-seconds", type=float, default=300.0, help="per level: no new request after this")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_tokens", type=int, default=64,
+                    help="per request (the OpenAI max_tokens; default 64)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)

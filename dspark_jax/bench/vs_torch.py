@@ -90,7 +90,7 @@ def main(argv=None) -> int:
                     help=f"git commit of this repository to time beside the checkout (default {DEFAULT_BASELINE}, "
                          "where the speed work started); 'none' to skip")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per region per worker per round (default 5)")
+    ap.add_argument("--repeats", "--reps", dest="reps", type=int, default=5, help="timed calls per region per worker per round (default 5)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers worker")
     ap.add_argument("--json", default=None, help="also write every timing to this JSON file")
     args = ap.parse_args(argv)

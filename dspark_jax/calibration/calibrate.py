@@ -29,6 +29,7 @@ import numpy as np
 
 from dspark_jax.calibration.sts import calibration_report, fit_sts, make_grid, prefix_labels, survival
 from dspark_jax.calibration.traces import TraceSet, concat, load_traces, sampling_key, synthetic_traces
+from dspark_jax.cli import report_user_errors
 
 __all__ = ["STS_FILE", "CalibrationMissingError", "make_grid", "split_by_request", "calibrate_traces",
            "save_temperatures", "load_temperatures", "reliability_diagram", "report_table", "main"]
@@ -179,6 +180,7 @@ def report_table(res: dict, extra: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")

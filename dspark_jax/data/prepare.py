@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from dspark_jax.cli import report_user_errors
 
 
 def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "raise", overwrite: bool = False,
@@ -24,6 +25,8 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
     from dspark_jax.data.formats import RecordError, read_conversations, skip_or_raise
     from dspark_jax.data.tokenizer import Tokenizer
 
+    stats: dict = {}
+    convs = read_conversations(inputs, on_error=on_error, stats=stats)  # bad input fails before any target work
     if target is None:
         from dspark_jax.embedded.target import embedded_target_dir
 
@@ -31,8 +34,6 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
     tok = Tokenizer.load(target)
     template = load_chat_template(target)
     kw = {} if thinking == "auto" else {"enable_thinking": thinking == "on"}
-    stats: dict = {}
-    convs = read_conversations(inputs, on_error=on_error, stats=stats)
     counts = {"read": len(convs) + stats["skipped"], "written": 0, "skipped": stats["skipped"], "tokens": 0,
               "loss_tokens": 0, "errors": list(stats["errors"])}
     with DatasetWriter(out, overwrite=overwrite, vocab_size=tok.vocab_size, tokenizer_hash=tok.fingerprint,
@@ -56,6 +57,7 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
     return counts
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.data.prepare", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])

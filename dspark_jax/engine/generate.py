@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from dspark_jax.cli import report_user_errors
 
 
 
@@ -155,6 +156,7 @@ def scheduling_inputs(args, sampling):
     return table, sts
 
 
+@report_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.drafter.frozen import TargetMismatchError

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dspark_jax.cli import report_user_errors
 
 GIB = 1024 ** 3
 
@@ -107,6 +108,7 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
     return "\n".join(lines)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.engine.plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])

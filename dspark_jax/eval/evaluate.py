@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from dspark_jax.cli import report_user_errors
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -346,6 +347,7 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
     return path
 
 
+@report_user_errors
 def main(argv=None) -> int:
     from dspark_jax.io.hf import add_dtype_argument
     from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
                          "(drafters with a confidence head; default on)")
     ap.add_argument("--sts-min-rounds", type=int, default=50,
                     help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
-    ap.add_argument("--traces-dir", default=None,
+    ap.add_argument("--traces", "--traces-dir", dest="traces_dir", default=None,
                     help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax.calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.drafter import registry
+from dspark_jax.cli import report_user_errors
 
 KIND_ORDER = tuple(registry.KINDS)
 KIND_COLOR = {k: f"C{i}" for i, k in enumerate(KIND_ORDER)}
@@ -353,6 +354,7 @@ def collect(specs, from_dirs, evals, eval_args) -> list[dict]:
     return cells
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench grid", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

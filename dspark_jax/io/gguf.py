@@ -23,6 +23,7 @@ import numpy as np
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import atomic_dir
+from dspark_jax.cli import report_user_errors
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "SUPPORTED_QUANTIZATIONS", "read_gguf", "gguf_config",
            "gguf_tensors", "gguf_tokenizer", "import_gguf", "main"]
@@ -240,6 +241,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32") -> Path:
     return Path(out_dir)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.io.gguf",
                                  description="Import a GGUF model as a Hugging Face checkpoint directory.")

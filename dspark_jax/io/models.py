@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dspark_jax.io.files import atomic_dir, sha256_file
 from dspark_jax.io.gguf import GGUFError, import_gguf
+from dspark_jax.cli import report_user_errors
 
 __all__ = ["KNOWN_MODELS", "FetchError", "model_dir", "fetch", "main"]
 
@@ -120,6 +121,7 @@ def fetch(name: str, dtype: str = "float32", cache_dir=None, progress=print) -> 
     return out
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.models", description="Fetch real target models.")
     sub = ap.add_subparsers(dest="cmd", required=True)

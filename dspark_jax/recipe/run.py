@@ -93,7 +93,7 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
             if "speed" in stages and not res.is_file():
                 cmd = _py("dspark_jax.bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
                           "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
-                          "--temperature", t, "--reps", 3, "--json", res)
+                          "--temperature", t, "--repeats", 3, "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
     summary = collect(recipe, out, target, temps)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))

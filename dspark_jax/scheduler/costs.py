@@ -46,6 +46,7 @@ from dspark_jax.drafter.registry import KINDS as KIND_NAMES
 from dspark_jax.drafter.registry import get_kind
 from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
+from dspark_jax.cli import report_user_errors
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
            "save_cost_file", "measure_table", "measure_engine", "engine_round_timer", "engine_draft_timer",
@@ -456,13 +457,14 @@ def _cmd_show(args) -> int:
     return 0
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.costs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
-    m.add_argument("--model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
+    m.add_argument("--target", "--model", dest="model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
     m.add_argument("--drafter", default="dspark", choices=[*KIND_NAMES, "none"])
-    m.add_argument("--num-slots", type=int, default=8)
+    m.add_argument("--slots", "--num-slots", dest="num_slots", type=int, default=8)
     m.add_argument("--gamma", type=int, default=7)
     m.add_argument("--max-len", type=int, default=256)
     m.add_argument("--buckets", default=None, help="comma-separated bucket sizes (default: the engine's)")

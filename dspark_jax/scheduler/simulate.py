@@ -45,6 +45,7 @@ import numpy as np
 from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.scheduler.costs import draft_time_for, load_cost_file
 from dspark_jax.calibration.traces import TraceSet, load_traces, synthetic_traces
+from dspark_jax.cli import report_user_errors
 
 __all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
            "matched_throughput", "headline", "write_outputs", "main"]
@@ -372,6 +373,7 @@ def _load_temps(args, ts: TraceSet):
     return fit_sts(full.conf_logits, full.accepted), "fitted on the simulation's own traces"
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--costs", required=True, help="cost table JSON (dspark_jax.scheduler.costs)")
@@ -381,7 +383,7 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-traces", action="store_true", help="parametric traces (traces.synthetic_traces)")
     ap.add_argument("--mtp-accept", type=float, default=0.85,
                     help="MTP-1 acceptance when no MTP traces (DeepSeek-V3 reports 85-90 %%)")
-    ap.add_argument("--drafter-dir", default=None, help="read STS temperatures from <dir>/sts.json")
+    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", default=None, help="read STS temperatures from <dir>/sts.json")
     ap.add_argument("--no-calibration", action="store_true")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rounds", type=int, default=300)
@@ -395,7 +397,7 @@ def main(argv=None) -> int:
     ap.add_argument("--charge", default="step", choices=["step", "interp"])
     ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--out", "--out-dir", dest="out_dir", required=True, help="output directory")
     args = ap.parse_args(argv)
     cost = load_cost_file(args.costs)
     if args.traces:

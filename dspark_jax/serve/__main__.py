@@ -13,6 +13,7 @@ import argparse
 import sys
 import threading
 from pathlib import Path
+from dspark_jax.cli import report_user_errors
 
 DEFAULT_DRAFTER = Path("runs/dspark/drafter")  # where `python -m dspark_jax.train` (no arguments) writes it
 
@@ -102,6 +103,7 @@ def serve_in_thread(app, host="127.0.0.1", port=0):
     return server, thread, port
 
 
+@report_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     import uvicorn

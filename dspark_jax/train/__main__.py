@@ -7,6 +7,7 @@ and its regenerated training data first when the cache is empty.
 from __future__ import annotations
 
 import sys
+from dspark_jax.cli import report_user_errors
 
 USAGE = """usage: python -m dspark_jax.train [CONFIG.yaml] [section.key=value ...]
 
@@ -40,6 +41,7 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize(**explicit)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):

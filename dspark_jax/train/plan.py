@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.cli import report_user_errors
 from dspark_jax.config import Config, from_cli
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import Frozen
@@ -148,6 +149,7 @@ def format_compiled(mem: dict, estimate: float, hbm_gib: float | None = None) ->
     return "\n".join(lines)
 
 
+@report_user_errors
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
