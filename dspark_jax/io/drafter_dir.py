@@ -3,8 +3,9 @@
 A directory with `drafter.safetensors` (trainable Params only, our paths joined with dots,
 e.g. `layers.q_proj`; the frozen embedding / LM head are re-attached from the target) and
 `drafter_config.json` (format tag, the resolved DrafterSection, the target fingerprint, the
-parameter dtype). Directories written by earlier versions, which recorded fewer fields,
-load with the schema's defaults for the missing ones.
+parameter dtype, and, for a drafter a training run wrote, `training`: the run settings an
+export needs, e.g. `{"num_anchors": 512}`). Directories written by earlier versions, which
+recorded fewer fields, load with the schema's defaults for the missing ones.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import read_json
 from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
 
-__all__ = ["FORMAT", "WEIGHTS_FILE", "CONFIG_FILE", "config_json", "read_config", "save", "load", "param_shapes",
-           "from_params"]
+__all__ = ["FORMAT", "WEIGHTS_FILE", "CONFIG_FILE", "config_json", "read_config", "read_training", "save", "load",
+           "param_shapes", "from_params"]
 
 FORMAT = "dspark_jax.drafter/1"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -76,14 +77,26 @@ def read_config(path: str | Path) -> tuple[DrafterSection, str | None]:
     return _config_from_json(read_json(cfg_file, DrafterConfigError), str(cfg_file))
 
 
-def save(drafter, path: str | Path) -> None:
-    """Write the directory (created if needed; the two files are replaced)."""
+def read_training(path: str | Path) -> dict:
+    """The `training` record of a drafter directory ({} when it has none, e.g. written before
+    drafters recorded it)."""
+    data = read_json(Path(path) / CONFIG_FILE, DrafterConfigError)
+    training = data.get("training") if isinstance(data, dict) else None
+    return dict(training) if isinstance(training, dict) else {}
+
+
+def save(drafter, path: str | Path, training: dict | None = None) -> None:
+    """Write the directory (created if needed; the two files are replaced). `training`: run
+    settings recorded beside the config (JSON values; read back with `read_training`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = flatten(nnx.to_pure_dict(trainable_state(drafter)))
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
     safetensors_io.save_file(tensors, path / WEIGHTS_FILE, metadata={"format": FORMAT})
-    (path / CONFIG_FILE).write_text(json.dumps(config_json(drafter), indent=2))
+    cfg = config_json(drafter)
+    if training:
+        cfg["training"] = dict(training)
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
 
 def load(path: str | Path, target, param_dtype=jnp.float32, dtype=None, mesh=None):

@@ -1,7 +1,7 @@
 """Convert drafters between DeepSpec's checkpoint layout (spec section 8) and ours.
 
     python -m dspark_jax.convert import REF_DIR OUT_DIR --target TARGET_DIR
-    python -m dspark_jax.convert export OUR_DIR REF_DIR --target TARGET_DIR [--dtype bfloat16]
+    python -m dspark_jax.convert export OUR_DIR REF_DIR --target TARGET_DIR [--dtype bfloat16] [--num-anchors N]
 
 Reference layout: Hugging Face `save_pretrained` of `Qwen3DSparkModel` (config.json +
 safetensors, keys without a `model.` prefix, torch Linear weights (out, in)). Ours: a
@@ -9,6 +9,12 @@ directory with `drafter.safetensors` + `drafter_config.json` (dspark_jax.drafter
 The target checkpoint is needed both ways: import checks the drafter against it (widths,
 vocabulary, layer ids, the embedding / LM head the drafter carries) and export writes its
 embedding / LM head, which the reference layout holds.
+
+Export writes bfloat16 tensors by default (what DeepSpec trains and ships; `--dtype
+float32` keeps our float32 master weights) and a config.json that vLLM's and SGLang's
+DSpark loaders read without falling back to a default: `ENGINE_FIELDS` below lists each
+field, what we write and where each engine reads it. `num_anchors` is the training run's
+`data.num_anchors` (recorded in drafter_config.json by training; see `recorded_num_anchors`).
 
 A reference confidence head without the Markov input (`confidence_head_with_markov`
 false while markov_rank > 0) is imported with zero weights on the W1[x] part: the same
@@ -21,6 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +45,7 @@ from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.io.hf import decoder_layer_rules
 from dspark_jax.io.keymap import CheckpointMismatchError, KeyRule, export_tensors, import_tensors
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.cli import report_user_errors
 
 ARCHITECTURE = "Qwen3DSparkModel"
 REF_WEIGHTS = "model.safetensors"
@@ -62,6 +70,116 @@ IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 # Width fields that must equal the target's (the drafter shares its embedding and LM head).
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
+DEFAULT_NUM_ANCHORS = 512  # DeepSpec's reference value (method note section 4), used when the run recorded none
+
+# Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
+# The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
+# label x_{p+j+1} (method note sections 2.1 and 4): the first draft token comes from the
+# drafter's own output at the anchor slot (slot 0), not from the target's logits at the
+# anchor position, and every one of the gamma slots is a draft token. That is the anchor-first
+# layout, `sample_from_anchor: true`. `false` is the DFlash fill-in layout: 1 + gamma query
+# slots where the anchor slot is the bonus token and only the mask slots predict. Readers
+# disagree on the default when the key is missing (vLLM's and SGLang's DSpark paths and
+# speculators' DSpark config: true; speculators' DFlash config and llama.cpp's reader of
+# speculators checkpoints, PR 26275: false), and a wrong guess serves at ~1 % acceptance with no
+# error (vLLM issue 56792: a fill-in drafter whose config lacked the key, served anchor-first
+# at 0.9 %; the key comes from speculators PR 760, read by vLLM since PR 48639). So we write it.
+SAMPLE_FROM_ANCHOR = True
+
+
+class EngineField(NamedTuple):
+    name: str
+    ours: str  # what export writes
+    vllm: str  # where vLLM reads it (repository vllm-project/vllm)
+    sglang: str  # where SGLang reads it (repository sgl-project/sglang)
+
+
+_V_SPEC = "vllm/config/speculative.py"
+_V_DSPARK = "vllm/v1/worker/gpu/spec_decode/dspark/speculator.py"
+_V_MODEL = "vllm/model_executor/models/qwen3_dspark.py"
+_V_DFLASH = "vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model, the backbone Qwen3DSparkModel subclasses)"
+_V_AUX = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config"
+_V_MASK = "vllm/v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id"
+_S_MODEL = "python/sglang/srt/models/qwen3_dspark.py (Qwen3DSparkBackbone)"
+_S_CFG = "python/sglang/srt/speculative/dspark_components/dspark_config.py parse_dspark_draft_config"
+_S_DFLASH = "python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config"
+_S_LAYER = "python/sglang/srt/models/dflash.py DFlashDecoderLayer (the layer it subclasses; not read in detail)"
+
+# Every field vLLM's and SGLang's DSpark loaders read from the drafter's config.json, read in
+# the stored snapshots of those repositories (2026-08/09; public code, read, not copied).
+# "-" : that engine was not found reading the field. Fields only the speculators format has
+# (speculators_config, transformer_layer_config, aux_hidden_state_layer_ids) are deliberately
+# absent: loaders pick the speculators code path when `speculators_config` /
+# `speculators_model_type` is present (vLLM's speculators algos.update_dspark rewrites the
+# config; SGLang's parse_dspark_draft_config flags `speculators_convention`), and that format
+# names layers with +1 ids and nests the Qwen3 fields; this export is DeepSpec's layout only.
+ENGINE_FIELDS: tuple[EngineField, ...] = (
+    EngineField("architectures", '["Qwen3DSparkModel"]',
+                f"{_V_SPEC}: selects method 'dspark' and the Qwen3DSparkForCausalLM class",
+                "python/sglang/srt/models/qwen3_dspark.py: EntryClass name == architectures[0]"),
+    EngineField("sample_from_anchor", "true (SAMPLE_FROM_ANCHOR, every kind that exports)",
+                f"{_V_DSPARK}: getattr(hf_config, 'sample_from_anchor', True): gamma query slots if true, 1+gamma if false",
+                "dspark_components/dspark_config.py get_dspark_sample_from_anchor (top-level key, default true; "
+                "PR 36186, not in the stored snapshot); also dflash_utils.py is_nemotron_35_draft_config"),
+    EngineField("block_size", "gamma (draft tokens per round)",
+                "- (the Qwen3 path takes num_speculative_tokens from the command line; only the "
+                "Qwen3-Omni check in vllm/config/speculative.py reads block_size)",
+                f"{_S_MODEL} (required > 0); {_S_DFLASH} -> gamma in dspark_config.resolve_runtime_config"),
+    EngineField("target_layer_ids", "our layer ids (output of decoder layer i = HF hidden_states[i+1])",
+                f"{_V_AUX}: top-level target_layer_ids, +1 (used only when eagle_aux_hidden_state_layer_ids, "
+                "dflash_config.target_layer_ids and dspark_target_layer_ids are all absent: we write none of them)",
+                f"{_S_MODEL} (required); {_S_DFLASH} (top-level when no dflash_config)"),
+    EngineField("num_target_layers", "the target's layer count", "-",
+                f"{_S_DFLASH} (validated >= 1)"),
+    EngineField("mask_token_id", "the drafter's mask token id",
+                f"{_V_MASK} (top-level when no dflash_config); {_V_DFLASH}",
+                f"{_S_MODEL} (required); {_S_CFG}"),
+    EngineField("markov_rank", "r (0 = no Markov head)",
+                f"{_V_MODEL}: DSparkMarkovHead(vocab, draft_vocab, markov_rank), built unconditionally",
+                f"{_S_CFG}: DSPARK needs > 0; {_S_MODEL}: head built iff > 0"),
+    EngineField("markov_head_type", "vanilla | gated | rnn (written when markov_rank > 0)",
+                "- (qwen3_dspark.py builds the vanilla head only)",
+                f"{_S_CFG}: required when markov_rank > 0; qwen3_dspark.py loads vanilla tensors only"),
+    EngineField("enable_confidence_head", "whether the drafter has the confidence head",
+                f"{_V_MODEL} (default false)", f"{_S_MODEL} (default false)"),
+    EngineField("confidence_head_with_markov", "true when markov_rank > 0 (written when the head exists)",
+                f"{_V_MODEL} (default false: input width H instead of H + r)",
+                f"{_S_MODEL}: must be true when the confidence head is on"),
+    EngineField("draft_vocab_size", "vocab_size (full vocabulary, no d2t map)",
+                f"{_V_MODEL} (default vocab_size; smaller needs a d2t tensor)", "-"),
+    EngineField("vocab_size", "the target's", f"{_V_DFLASH}; {_V_MODEL}", f"{_S_MODEL}"),
+    EngineField("hidden_size", "the target's", f"{_V_DFLASH}", f"{_S_MODEL}"),
+    EngineField("num_hidden_layers", "drafter layers", f"{_V_DFLASH}", f"{_S_MODEL} (required); {_S_DFLASH}"),
+    EngineField("head_dim", "the target's", f"{_V_DFLASH} (else hidden_size // heads)", f"{_S_MODEL} (required)"),
+    EngineField("num_attention_heads", "the target's", f"{_V_DFLASH}", _S_LAYER),
+    EngineField("num_key_value_heads", "the target's", f"{_V_DFLASH}", _S_LAYER),
+    EngineField("intermediate_size", "the target's", f"{_V_DFLASH}", _S_LAYER),
+    EngineField("hidden_act", "silu", f"{_V_DFLASH}", _S_LAYER),
+    EngineField("rms_norm_eps", "the target's", f"{_V_DFLASH}", f"{_S_MODEL}"),
+    EngineField("rope_parameters", "the target's RoPE (also rope_theta)", f"{_V_DFLASH}: config.rope_parameters",
+                _S_LAYER),
+    EngineField("max_position_embeddings", "the target's", f"{_V_DFLASH}", "-"),
+    EngineField("attention_bias", "false", f"{_V_DFLASH} (default false)", "-"),
+    EngineField("layer_types", "all full_attention, or all sliding_attention with a window",
+                f"{_V_DFLASH}: sliding layers default to causal unless is_causal is set",
+                "python/sglang/srt/speculative/dflash_utils.py get_dflash_layer_types"),
+    EngineField("sliding_window", "the drafter's window or null",
+                f"{_V_DFLASH} (when a layer is sliding)",
+                "dflash_utils.py get_dflash_attention_sliding_window_size (HF window includes the query token)"),
+    EngineField("is_causal", "false (the block attends to itself bidirectionally)",
+                f"{_V_DFLASH} _dflash_layer_causal: overrides the per-layer default", "-"),
+    EngineField("is_neox_style", "true (rotate-half RoPE, as the HF Qwen3 target)",
+                f"{_V_DFLASH} (default true; a mismatch is silent)", "-"),
+    EngineField("tie_word_embeddings", "false (the checkpoint ships embed_tokens and lm_head)",
+                "- (vllm/v1/worker/gpu/spec_decode/dspark/utils.py shares the target's when the vocabularies match)",
+                f"{_S_MODEL} docstring: the checkpoint ships both"),
+    EngineField("dtype", "bfloat16 by default (also written as torch_dtype)",
+                "the draft ModelConfig takes the target's dtype (vllm/config/speculative.py); the value documents the file",
+                "-"),
+    EngineField("num_anchors", "the run's data.num_anchors (recorded_num_anchors)",
+                "- (training-only; DeepSpec deepspec/modeling/dspark/qwen3/config.py build_draft_config writes it)", "-"),
+)
+
 
 class ConversionError(ValueError):
     pass
@@ -79,12 +197,13 @@ def _target_model(target, mesh=None):
 # ---------------------------------------------------------------------------- config
 
 
-def reference_config(drafter: Drafter, num_anchors: int = 512, dtype: str = "float32") -> dict:
-    """config.json of the reference layout for `drafter`."""
+def reference_config(drafter: Drafter, num_anchors: int = DEFAULT_NUM_ANCHORS, dtype: str = "bfloat16") -> dict:
+    """config.json of the reference layout for `drafter`: DeepSpec's fields plus every field
+    vLLM's and SGLang's DSpark loaders read (ENGINE_FIELDS)."""
     d = drafter.dcfg
     r = d.markov_rank
     sliding = d.sliding_window is not None
-    hf = drafter.cfg.to_hf(torch_dtype=dtype)
+    hf = drafter.cfg.to_hf(torch_dtype=dtype, dtype=dtype)
     hf.update(
         architectures=[ARCHITECTURE],
         model_type="qwen3",
@@ -100,12 +219,35 @@ def reference_config(drafter: Drafter, num_anchors: int = 512, dtype: str = "flo
         num_anchors=int(num_anchors),
         markov_rank=r,
         enable_confidence_head=bool(d.confidence_head),
+        sample_from_anchor=SAMPLE_FROM_ANCHOR,
+        draft_vocab_size=drafter.cfg.vocab_size,
+        is_causal=False,  # the block sees all its slots (vLLM otherwise makes sliding layers causal)
+        is_neox_style=True,  # rotate-half RoPE (dspark_jax.target.layers.apply_rope)
     )
     if r:
         hf["markov_head_type"] = d.head_type
     if d.confidence_head:
         hf["confidence_head_with_markov"] = bool(r)
     return hf
+
+
+def engine_notes(dcfg) -> list[str]:
+    """What vLLM / SGLang will not serve correctly in an export of `dcfg` (ENGINE_FIELDS sources)."""
+    notes = []
+    if not dcfg.markov_rank:
+        notes.append("markov_rank 0 (DFlash): SGLang's DSPARK worker requires markov_rank > 0 and the vLLM / SGLang "
+                     "DFlash paths use the 1+gamma fill-in layout (vLLM's DFlash speculator fixes "
+                     "sample_from_anchor false); no engine path for an anchor-first DFlash drafter was established")
+    elif dcfg.head_type != "vanilla":
+        notes.append(f"markov_head_type '{dcfg.head_type}': vLLM's and SGLang's Qwen3 DSpark models build only the "
+                     "vanilla Markov head; this export loads in DeepSpec and dspark_jax, not in those engines")
+    if dcfg.confidence_head and not dcfg.markov_rank:
+        notes.append("a confidence head without a Markov head: SGLang's Qwen3DSparkModel refuses it")
+    if dcfg.sliding_window is not None:
+        notes.append(f"sliding_window {dcfg.sliding_window}: our window covers the {dcfg.sliding_window} context "
+                     "positions before the anchor; the engines' HF-style windows count back from each query, "
+                     "so attention may differ from training")
+    return notes
 
 
 def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "config.json") -> tuple[DrafterSection, bool]:
@@ -221,7 +363,7 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=No
     return drafter_io.from_params(tmodel, dcfg, pure, param_dtype=param_dtype, mesh=mesh, source=str(ref_dir))
 
 
-def reference_tensors(drafter: Drafter, dtype: str = "float32") -> dict[str, np.ndarray]:
+def reference_tensors(drafter: Drafter, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """Our drafter -> the reference layout's tensors (incl. embed_tokens / lm_head)."""
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     pure = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(trainable_state(drafter)))
@@ -231,7 +373,8 @@ def reference_tensors(drafter: Drafter, dtype: str = "float32") -> dict[str, np.
     return export_tensors(pure, REFERENCE_KEY_TABLE, drafter.dcfg.num_layers)
 
 
-def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "float32", num_anchors: int = 512) -> None:
+def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "bfloat16",
+                    num_anchors: int = DEFAULT_NUM_ANCHORS) -> None:
     ref_dir = Path(ref_dir)
     ref_dir.mkdir(parents=True, exist_ok=True)
     safetensors_io.save_file(reference_tensors(drafter, dtype), ref_dir / REF_WEIGHTS, metadata={"format": "pt"})
@@ -240,17 +383,76 @@ def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "float32
 
 def import_reference(ref_dir, out_dir, target, mesh=None) -> Drafter:
     drafter = read_reference(ref_dir, target, mesh=mesh)
-    drafter_io.save(drafter, out_dir)
+    hf = json.loads((Path(ref_dir) / "config.json").read_text())
+    # keep the run's num_anchors, so an export of the imported drafter writes it back
+    training = {"num_anchors": int(hf["num_anchors"])} if isinstance(hf.get("num_anchors"), int) else None
+    drafter_io.save(drafter, out_dir, training=training)
     return drafter
 
 
-def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_anchors: int = 512, mesh=None) -> Drafter:
-    drafter = drafter_io.load(our_dir, _target_model(target, mesh), mesh=mesh)
-    kind = registry.kind_of(drafter)
+def recorded_num_anchors(our_dir) -> tuple[int | None, str]:
+    """(data.num_anchors of the run that trained the drafter in `our_dir`, where it was read),
+    or (None, "") when nothing records it.
+
+    Training records it in drafter_config.json (`training.num_anchors`). Drafters written
+    before that are found through the run's checkpoint metadata beside the drafter
+    (`OUT/checkpoints/<step>/meta/metadata`, orbax's JSON, `config.data.num_anchors`), used
+    only when that checkpoint's drafter config is this drafter's."""
+    our_dir = Path(our_dir)
+    n = drafter_io.read_training(our_dir).get("num_anchors")
+    if isinstance(n, int):
+        return n, str(our_dir / drafter_io.CONFIG_FILE)
+    ours = json.loads((our_dir / drafter_io.CONFIG_FILE).read_text())
+    ckpts = our_dir.parent / "checkpoints"
+    steps = sorted((int(p.name), p) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+    for _, step_dir in reversed(steps):
+        meta_file = step_dir / "meta" / "metadata"
+        try:
+            meta = json.loads(meta_file.read_text())
+            n = meta["config"]["data"]["num_anchors"]
+            theirs = meta["drafter_config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        same = all(theirs.get(k) == v for k, v in ours.items() if k not in ("param_dtype", "training"))
+        if same and isinstance(n, int):
+            return n, str(meta_file)
+    return None, ""
+
+
+def _refusal(kind: str) -> str:
+    if kind == "eagle3":
+        return ("ours is DeepSpec's Eagle3 variant (a Qwen3 layer with q/k norm over m fused target layers, full "
+                "vocabulary, no d2t map) and no vLLM / SGLang EAGLE-3 config contract for it was pinned down (their "
+                "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer over 3 layers with a reduced vocabulary); "
+                "serve it with `python -m dspark_jax.serve --drafter DIR`")
+    if kind == "mtp1":
+        return ("the engines' MTP paths load MTP layers shipped inside the target's own checkpoint for specific "
+                "model families, not a standalone module; serve it with `python -m dspark_jax.serve --drafter DIR`")
+    return "serve it with `python -m dspark_jax.serve --drafter DIR`"
+
+
+def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anchors: int | None = None,
+                     mesh=None, log=None) -> Drafter:
+    """Write `our_dir`'s drafter in the reference layout. `num_anchors` None: the run's
+    recorded value (`recorded_num_anchors`), else DEFAULT_NUM_ANCHORS with a note to `log`."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    dcfg, _ = drafter_io.read_config(our_dir)
+    kind = registry.get_kind(dcfg.kind)
     if not kind.has_reference_layout:
         raise ConversionError(f"{our_dir} holds a {kind.name} drafter, which has no DeepSpec reference layout; "
                               f"only {', '.join(k for k, a in registry.KINDS.items() if a.has_reference_layout)} "
-                              "drafters export")
+                              f"drafters export: {_refusal(kind.name)}")
+    if num_anchors is None:
+        num_anchors, source = recorded_num_anchors(our_dir)
+        if num_anchors is None:
+            num_anchors = DEFAULT_NUM_ANCHORS
+            log(f"note: {our_dir} records no training num_anchors (drafters trained before it was recorded); "
+                f"config.json gets DeepSpec's default {DEFAULT_NUM_ANCHORS} (pass --num-anchors N to set it)")
+        else:
+            log(f"num_anchors {num_anchors} (read from {source})")
+    drafter = drafter_io.load(our_dir, _target_model(target, mesh), mesh=mesh)
+    for note in engine_notes(drafter.dcfg):
+        log(f"note: {note}")
     write_reference(drafter, ref_dir, dtype, num_anchors)
     return drafter
 
@@ -258,6 +460,7 @@ def export_reference(our_dir, ref_dir, target, dtype: str = "float32", num_ancho
 # ---------------------------------------------------------------------------- CLI
 
 
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dspark_jax.convert",
@@ -275,9 +478,11 @@ def main(argv=None) -> int:
                                      "DeepSpec layout including the target's embedding and LM head.")
     exp.add_argument("our_dir", metavar="OUR_DIR", help="dspark_jax drafter directory")
     exp.add_argument("ref_dir", metavar="REF_DIR", help="where to write the DeepSpec layout")
-    exp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                     help="tensor dtype written (default float32; DeepSpec trains in bfloat16)")
-    exp.add_argument("--num-anchors", type=int, default=512, help="num_anchors recorded in config.json (default 512)")
+    exp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                     help="tensor dtype written (default bfloat16, as DeepSpec ships; float32 keeps our master weights)")
+    exp.add_argument("--num-anchors", type=int, default=None,
+                     help="num_anchors recorded in config.json (default: the training run's data.num_anchors, "
+                          f"else {DEFAULT_NUM_ANCHORS})")
     from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
 
     for p in (imp, exp):

@@ -115,7 +115,7 @@ def test_golden_reference_layout(target, tmp_path, head):
     zc = np.concatenate([h, w1[prev]], -1) @ f64("confidence_head.proj.weight").T + f64("confidence_head.proj.bias")
     np.testing.assert_allclose(np.asarray(confidence_logits(p, jnp.asarray(h, jnp.float32), jnp.asarray(prev))), zc[..., 0], atol=1e-4)
     # import -> export gives back the same tensors, bit for bit
-    back = reference_tensors(d)
+    back = reference_tensors(d, "float32")
     assert sorted(back) == sorted(t)
     for k in t:
         np.testing.assert_array_equal(back[k], t[k], err_msg=k)
@@ -142,7 +142,7 @@ def test_export_import_bit_identical(target, tmp_path, kw):
     d = create_model(lambda: Drafter(TCFG, dcfg, rngs=nnx.Rngs(5)))
     attach_target(d, model)
     save_drafter(d, tmp_path / "ours")
-    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) == 0
+    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir), "--dtype", "float32"]) == 0
     hf = json.loads((tmp_path / "ref" / "config.json").read_text())
     assert hf["architectures"] == ["Qwen3DSparkModel"] and hf["num_hidden_layers"] == 2
     assert hf["layer_types"] == ["full_attention"] * 2 and hf["block_size"] == 5 and hf["mask_token_id"] == 7
@@ -230,4 +230,110 @@ def test_export_of_a_kind_without_reference_layout_is_refused(target, tmp_path, 
     assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) != 0
     err = capsys.readouterr().err
     assert "mtp1 drafter, which has no DeepSpec reference layout" in err and "dspark, dflash" in err
+    assert not (tmp_path / "ref").exists()
+
+
+# ---------------------------------------------------------------------------- export for serving engines
+
+
+def _dspark(model, **kw):
+    dcfg = DrafterSection(num_layers=2, gamma=5, target_layer_ids=(0, 2), num_target_features=2, markov_rank=R,
+                          mask_token_id=7, **kw)
+    d = create_model(lambda: Drafter(TCFG, dcfg, rngs=nnx.Rngs(5)))
+    attach_target(d, model)
+    return d
+
+
+def test_export_config_read_by_transformers_has_every_engine_field(target, tmp_path, capsys):
+    """What vLLM / SGLang read (ENGINE_FIELDS), read back through transformers' config machinery
+    as the engines do; bfloat16 tensors by default; the run's num_anchors."""
+    transformers = pytest.importorskip("transformers")
+    from dspark_jax.io import drafter_dir
+    from dspark_jax.io.reference import ENGINE_FIELDS, SAMPLE_FROM_ANCHOR
+
+    model, tdir = target
+    d = _dspark(model)
+    drafter_dir.save(d, tmp_path / "ours", training={"num_anchors": 24})
+    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) == 0
+    assert "num_anchors 24 (read from" in capsys.readouterr().err
+    raw = json.loads((tmp_path / "ref" / "config.json").read_text())
+    auto = transformers.AutoConfig.from_pretrained(tmp_path / "ref")
+    plain = transformers.PretrainedConfig.from_json_file(str(tmp_path / "ref" / "config.json"))
+    want = {
+        "architectures": ["Qwen3DSparkModel"], "sample_from_anchor": True, "block_size": 5,
+        "target_layer_ids": [0, 2], "num_target_layers": 4, "mask_token_id": 7, "markov_rank": R,
+        "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "draft_vocab_size": V, "vocab_size": V, "hidden_size": H, "num_hidden_layers": 2, "head_dim": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": I, "hidden_act": "silu",
+        "rms_norm_eps": TCFG.rms_norm_eps, "max_position_embeddings": TCFG.max_position_embeddings,
+        "attention_bias": False, "layer_types": ["full_attention"] * 2, "sliding_window": None, "is_causal": False,
+        "is_neox_style": True, "tie_word_embeddings": False, "num_anchors": 24,
+    }
+    assert SAMPLE_FROM_ANCHOR is True
+    # the table and this test cover the same fields (a field added to one must be checked here)
+    assert {f.name for f in ENGINE_FIELDS} == set(want) | {"rope_parameters", "dtype"}
+    for cfg in (auto, plain):
+        for name, value in want.items():
+            assert getattr(cfg, name) == value, (type(cfg).__name__, name, getattr(cfg, name, None), value)
+        assert cfg.rope_parameters["rope_theta"] == TCFG.rope.theta
+        assert str(cfg.dtype).removeprefix("torch.") == "bfloat16"
+    assert type(auto).__name__ == "Qwen3Config" and auto.model_type == "qwen3"
+    assert raw["dtype"] == raw["torch_dtype"] == "bfloat16"
+    # the speculators format's keys would send loaders down that format's code path
+    assert not {"speculators_config", "speculators_model_type", "dflash_config", "eagle_aux_hidden_state_layer_ids",
+                "dspark_target_layer_ids"} & set(raw)
+    header, _ = safetensors_io.read_header(tmp_path / "ref" / "model.safetensors")
+    dtypes = {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dtypes and set(dtypes.values()) == {"BF16"}
+    # bfloat16 round trip: the import reads it back (weights rounded once), and keeps num_anchors
+    assert main(["import", str(tmp_path / "ref"), str(tmp_path / "back"), "--target", str(tdir)]) == 0
+    assert drafter_dir.read_training(tmp_path / "back") == {"num_anchors": 24}
+    back = load_drafter(tmp_path / "back", model)
+    a, b = nnx.to_pure_dict(nnx.state(d, nnx.Param)), nnx.to_pure_dict(nnx.state(back, nnx.Param))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2.0**-8, atol=1e-30), a, b)
+
+
+def test_num_anchors_override_checkpoint_metadata_and_default(target, tmp_path, capsys):
+    from dspark_jax.io import drafter_dir
+    from dspark_jax.io.reference import recorded_num_anchors
+
+    model, tdir = target
+    d = _dspark(model, head_type="gated")
+    run = tmp_path / "run"
+    drafter_dir.save(d, run / "drafter")  # a drafter written before training recorded num_anchors
+
+    def export(*extra):
+        out = tmp_path / f"ref{len(list(tmp_path.iterdir()))}"
+        assert main(["export", str(run / "drafter"), str(out), "--target", str(tdir), *extra]) == 0
+        return json.loads((out / "config.json").read_text())["num_anchors"], capsys.readouterr().err
+
+    n, err = export()
+    assert n == 512 and "records no training num_anchors" in err and "--num-anchors" in err
+    assert "markov_head_type 'gated'" in err  # the engines build only the vanilla head
+    # the run's checkpoint metadata (orbax JsonSave: plain JSON), newest step first, only for this drafter
+    ours = json.loads((run / "drafter" / drafter_dir.CONFIG_FILE).read_text())
+    for step, anchors, dc in ((10, 40, ours), (20, 48, ours), (30, 99, {**ours, "gamma": 9})):
+        meta = run / "checkpoints" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        (meta / "metadata").write_text(json.dumps({"config": {"data": {"num_anchors": anchors}}, "drafter_config": dc}))
+    assert recorded_num_anchors(run / "drafter")[0] == 48
+    n, err = export()
+    assert n == 48 and "checkpoints/20/meta/metadata" in err
+    assert export("--num-anchors", "64")[0] == 64
+    drafter_dir.save(d, run / "drafter", training={"num_anchors": 32})
+    assert export()[0] == 32
+
+
+@pytest.mark.parametrize("kind,reason", [("eagle3", "no vLLM / SGLang EAGLE-3 config contract"),
+                                         ("mtp1", "inside the target's own checkpoint")])
+def test_export_refusal_says_why_and_what_to_use(target, tmp_path, capsys, kind, reason):
+    from dspark_jax.drafter import registry
+
+    model, tdir = target
+    d = create_model(lambda: registry.build(TCFG, DrafterSection(kind=kind, target_layer_ids=(0, 2)), rngs=nnx.Rngs(0)))
+    attach_target(d, model)
+    save_drafter(d, tmp_path / "ours")
+    assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and reason in err and "python -m dspark_jax.serve" in err
     assert not (tmp_path / "ref").exists()
