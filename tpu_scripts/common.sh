@@ -22,9 +22,14 @@ REF="main"
 PYTHON_VERSION="3.12"
 POLL_S=300
 DELETE_WHEN_DONE=0
+DELETE_ON_EXIT=0
+FORCE=0
 DRY_RUN=0
 OVERRIDES=()
 ORIG_ARGS=("$@")
+# What the tarball of this checkout leaves out (setup.sh); a --config file in there is copied
+# to the workers on its own (launch.sh). Entries starting with ./ are top-level folders.
+TARBALL_EXCLUDES=(./.git ./.venv ./.ci-venv ./runs __pycache__ .pytest_cache '*.egg-info')
 # Each script sets NEEDS (e.g. NEEDS=(type output_dir)) before parse_flags for its required flags.
 
 # Dry-run lines go to the caller's stdout even from inside $(...).
@@ -38,13 +43,16 @@ COMMON_HELP="Common flags (every script accepts all of them; each uses what it n
   --runtime-version V     default per generation: v2-alpha-tpuv5-lite, v2-alpha-tpuv5, v2-alpha-tpuv6e
   --spot                  spot capacity (cheaper, preemptible) through a queued resource
   --reserved              use a reservation (not with --spot)
-  --config CONFIG         training preset or YAML path passed to python -m dspark_jax.train
+  --config CONFIG         training preset or YAML path passed to python -m dspark_jax.train; a local
+                          file outside the tarball of this checkout is copied to every worker
   --output-dir gs://...   train.output_dir: checkpoints, drafter export, logs
   --repo-url URL          install from this git URL (default: a tarball of this checkout)
   --ref REF               git branch, tag or commit with --repo-url (default: main)
   --python VERSION        Python installed on the workers with uv (default: 3.12; >= 3.11)
   --poll SECONDS          watch.sh: seconds between state checks (default: 300)
   --delete-when-done      watch.sh: delete the TPU once training has finished
+  --delete-on-exit        watch.sh: delete the TPU once the job has ended, finished or failed
+  --force                 setup.sh: install even while a training job runs on the workers
   --dry-run               print the commands ('+ ' prefix), run nothing
   -h, --help              this help
   section.key=value ...   extra training overrides (train.output_dir comes from --output-dir)"
@@ -116,13 +124,15 @@ parse_flags() {
         usage
         exit 0
         ;;
-      --dry-run | --spot | --reserved | --delete-when-done)
+      --dry-run | --spot | --reserved | --delete-when-done | --delete-on-exit | --force)
         ((inline)) && die "$key takes no value"
         case $key in
           --dry-run) DRY_RUN=1 ;;
           --spot) SPOT=1 ;;
           --reserved) RESERVED=1 ;;
           --delete-when-done) DELETE_WHEN_DONE=1 ;;
+          --delete-on-exit) DELETE_ON_EXIT=1 ;;
+          --force) FORCE=1 ;;
         esac
         shift
         continue
@@ -217,4 +227,32 @@ qr_state() {
 
 info() {
   echo "$SCRIPT_NAME: $*" >&2
+}
+
+# What `worker.sh status` printed on the workers (one line each; gcloud may add prefixes):
+#   dspark-job worker=N state=none|running|exited|lost [code=C]
+# Sets JOB_RUNNING (the workers whose job runs), JOB_DONE (how many exited with 0) and, for the
+# first worker whose job failed (a nonzero exit code, or gone without one: killed), JOB_FAILED
+# (its worker id, "" when none failed), JOB_CODE (its exit code; 1 for a lost job) and JOB_WHY.
+parse_job_status() {
+  local re='dspark-job worker=([^ ]+) state=([a-z]+)( code=([0-9]+))?' line w state code lost=""
+  JOB_RUNNING=() JOB_DONE=0 JOB_FAILED="" JOB_CODE=0 JOB_WHY=""
+  while IFS= read -r line; do
+    [[ $line =~ $re ]] || continue
+    w=${BASH_REMATCH[1]} state=${BASH_REMATCH[2]} code=${BASH_REMATCH[4]:-1}
+    case $state in
+      running) JOB_RUNNING+=("$w") ;;
+      exited)
+        if ((code == 0)); then
+          JOB_DONE=$((JOB_DONE + 1))
+        elif [[ -z $JOB_FAILED ]]; then
+          JOB_FAILED=$w JOB_CODE=$code JOB_WHY="exit code $code"
+        fi
+        ;;
+      lost) [[ -n $lost ]] || lost=$w ;;
+    esac
+  done <<<"$1"
+  if [[ -z $JOB_FAILED && -n $lost ]]; then
+    JOB_FAILED=$lost JOB_CODE=1 JOB_WHY="no exit code: the job was killed, or the VM restarted"
+  fi
 }
