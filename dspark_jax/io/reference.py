@@ -365,19 +365,26 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=No
 
 def reference_tensors(drafter: Drafter, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """Our drafter -> the reference layout's tensors (incl. embed_tokens / lm_head)."""
+    from dspark_jax.parallel.sharding import host_arrays
+
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    pure = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(trainable_state(drafter)))
-    pure["embed"] = np.asarray(jax.device_get(drafter.embed[...]))
-    pure["lm_head"] = np.asarray(jax.device_get(drafter.lm_head[...]))
+    # arrays spread over several processes (a multi-host run's drafter) are gathered: a collective
+    pure = host_arrays({**nnx.to_pure_dict(trainable_state(drafter)), "embed": drafter.embed[...],
+                        "lm_head": drafter.lm_head[...]})
     pure = jax.tree.map(lambda a: a.astype(np_dtype), pure)
     return export_tensors(pure, REFERENCE_KEY_TABLE, drafter.dcfg.num_layers)
 
 
 def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "bfloat16",
-                    num_anchors: int = DEFAULT_NUM_ANCHORS) -> None:
+                    num_anchors: int = DEFAULT_NUM_ANCHORS, write: bool = True) -> None:
+    """Write the reference layout. Every process of a multi-host run calls it (gathering the tensors
+    is a collective); only those with ``write`` write."""
+    tensors = reference_tensors(drafter, dtype)
+    if not write:
+        return
     ref_dir = Path(ref_dir)
     ref_dir.mkdir(parents=True, exist_ok=True)
-    safetensors_io.save_file(reference_tensors(drafter, dtype), ref_dir / REF_WEIGHTS, metadata={"format": "pt"})
+    safetensors_io.save_file(tensors, ref_dir / REF_WEIGHTS, metadata={"format": "pt"})
     (ref_dir / "config.json").write_text(json.dumps(reference_config(drafter, num_anchors, dtype), indent=2))
 
 

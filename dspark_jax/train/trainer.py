@@ -320,6 +320,14 @@ class Trainer:
             drafter_io.save(drafter, local_export, training={"num_anchors": int(self.cfg.data.num_anchors)})
             if is_remote(self.out):
                 copy_tree(local_export, export)
+        if registry.kind_of(drafter).has_reference_layout:  # what vLLM / SGLang load (docs/serving.md)
+            from dspark_jax.io.reference import write_reference
+
+            local_ref = self.local_out / "drafter_reference"
+            write_reference(drafter, local_ref, "bfloat16", int(self.cfg.data.num_anchors),
+                            write=jax.process_index() == 0)
+            if jax.process_index() == 0 and is_remote(self.out):
+                copy_tree(local_ref, self.out / "drafter_reference")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -49,3 +49,16 @@ def test_inherit(tmp_path):
     p.write_text("inherit: micro\ndrafter:\n  gamma: 3\n")
     cfg = from_cli([str(p)])
     assert cfg.drafter.gamma == 3 and cfg.target.model.hidden_size == 64
+
+
+def test_train_print_config_round_trips(tmp_path, capsys):
+    """`train --print-config` prints the resolved config; fed back as a file it is the same config."""
+    from dspark_jax.config import from_cli
+    from dspark_jax.train.__main__ import main
+
+    assert main(["micro", "drafter.gamma=3", "train.steps=7", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "resolved.yaml").write_text(printed)
+    assert from_cli([str(tmp_path / "resolved.yaml")]) == from_cli(["micro", "drafter.gamma=3", "train.steps=7"])
+    assert "gamma: 3" in printed
+    assert main(["--help"]) == 0 and "eagle3 | mtp1" in capsys.readouterr().out

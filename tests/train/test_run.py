@@ -67,6 +67,9 @@ def test_uninterrupted_run_writes_everything(uninterrupted):
     assert summary["step"] == 6 and not summary["preempted"]
     assert (out / "checkpoints" / "6").is_dir() and (out / "drafter" / "drafter_config.json").is_file()
     assert (out / "summary.json").is_file() and list((out / "tensorboard").iterdir())
+    ref = json.loads((out / "drafter_reference" / "config.json").read_text())  # what vLLM / SGLang load
+    assert ref["num_anchors"] == 8 and ref["sample_from_anchor"] is True and ref["torch_dtype"] == "bfloat16"
+    assert (out / "drafter_reference" / "model.safetensors").is_file()
     ev = summary["eval"]
     assert 1.0 <= ev["eval/expected_accepted_length"] <= 5.0 and len(ev["eval/acceptance_per_position"]) == 4
     assert set(summary["phases_s"]) >= {"training", "evaluation"}
