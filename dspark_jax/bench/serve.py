@@ -119,13 +119,21 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+
+def parse_config(spec: str, default_policy: str) -> tuple[str, str, str]:
+    """'NAME=DIR[@POLICY]' (or a bare DIR) -> (name, drafter dir, policy)."""
+    name, _, rest = spec.partition("=") if "=" in spec else ("", "", spec)
+    path, _, policy = rest.partition("@")
+    return (name or Path(path).name), path, (policy or default_policy)
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
-    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
-                    help="a drafter configuration (repeat); target-only always runs first")
-    ap.add_argument("--policy", default="fixed", help="verification policy of the drafter configurations")
+    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR[@POLICY]",
+                    help="a drafter configuration (repeat), with its own verification policy after @ (e.g. "
+                         "dspark-sched=DIR@production); target-only always runs first")
+    ap.add_argument("--policy", default="fixed", help="verification policy of configurations without @POLICY")
     ap.add_argument("--costs", default=None, help="cost table for scheduled policies")
     ap.add_argument("--calibrated", action="store_true")
     ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")
@@ -145,13 +153,13 @@ def main(argv=None) -> int:
     from dspark_jax.serve import build, serve_in_thread
 
     prompts = load_prompts(args.prompts, args.num_prompts)
-    configs = [("target-only", "none")] + [tuple(s.split("=", 1)) if "=" in s else (Path(s).name, s) for s in args.drafter]
+    configs = [("target-only", "none", None)] + [parse_config(s, args.policy) for s in args.drafter]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     slots = args.slots or max(args.concurrency)
-    for name, drafter in configs:
-        kw = {} if drafter == "none" else dict(policy=args.policy, costs=args.costs, calibrated=args.calibrated)
+    for name, drafter, policy in configs:
+        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated)
         app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots, **kw)
         server, thread, port = serve_in_thread(app)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
@@ -176,7 +184,8 @@ def main(argv=None) -> int:
             print(f"[bench serve] {name} / target-only throughput: " +
                   ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
     meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
-            "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots}
+            "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
+            "configs": {name: {"drafter": d, "policy": pol} for name, d, pol in configs}}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "pareto.png")
     print(f"[bench serve] {out / 'results.json'}, {out / 'pareto.png'}")

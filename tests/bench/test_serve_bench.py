@@ -22,3 +22,11 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
         assert all(lv["requests"] == 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
+
+
+def test_each_configuration_names_its_own_policy():
+    from dspark_jax.bench.serve import parse_config
+
+    assert parse_config("dspark-sched=/runs/d@production", "fixed") == ("dspark-sched", "/runs/d", "production")
+    assert parse_config("dspark=/runs/d", "fixed") == ("dspark", "/runs/d", "fixed")
+    assert parse_config("/runs/dflash", "threshold") == ("dflash", "/runs/dflash", "threshold")
