@@ -26,6 +26,7 @@ from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.decoding import rejection
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import TargetMismatchError, check_target
+from dspark_jax.engine.page_alloc import PageAllocator
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.policy import SCHEDULED, get_policy
 from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
@@ -33,6 +34,7 @@ from dspark_jax.engine.state import FINISH_REASONS, Control, DecodeState
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kv import PagedKVCache, pages_per_slot
 from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets"]
@@ -146,11 +148,16 @@ class Engine:
     def __init__(self, target, drafter=None, *, num_slots: int = 8, max_len: int = 512, gamma: int | None = None,
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None,
                  theta: str = "latency", cost: str | None = None, skip_drafting: bool | str = False,
-                 probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify, mesh=None):
+                 probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify, mesh=None,
+                 kv_pages: tuple[int, int] | None = None):
         """`kind` (the drafter's adapter, default from the registry) and `verify` (batched rejection
         sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing).
         `mesh` (a (data, fsdp, tensor) mesh): weights laid out by the rules table, the decode state
-        with slots over `data` and KV heads over `tensor` (`decode_shardings`)."""
+        with slots over `data` and KV heads over `tensor` (`decode_shardings`).
+        `kv_pages=(num_pages, page_size)`: the target's KV cache is paged (target/paged_kv.py), a
+        pool of `num_pages` pages shared by the slots instead of a dense `[R, max_len]` cache;
+        the host allocator `self.pages` (engine/page_alloc.py) gives a slot pages as it grows
+        and takes them back when its request ends (the drafter's cache stays dense)."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
         if mesh is not None:
@@ -181,6 +188,7 @@ class Engine:
             raise EngineError(f"largest verification bucket {buckets[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
                               "a round could not fit; add a bucket of that size")
         self.mode, self.G, self.R, self.S = mode, G, R, S
+        self.pages = self._page_allocator(kv_pages, mesh)
         self.gamma = G if gamma is None else int(gamma)
         self.buckets = buckets
         self.prefill_buckets = tuple(sorted(prefill_buckets or _prefill_buckets(S)))
@@ -237,6 +245,10 @@ class Engine:
     # ------------------------------------------------------------ state / controls
 
     def init_state(self) -> DecodeState:
+        """A fresh decode state (every slot free). With paged KV it also empties the page allocator:
+        the allocator follows the state last made here."""
+        if self.pages is not None:
+            self.pages.reset()
         st = self._fresh_state()
         return st if self.mesh is None else jax.device_put(st, self._state_sh)
 
@@ -248,7 +260,11 @@ class Engine:
         else:
             dcache, last = KVCache.create(cfg, R, 1, dt, num_layers=1), jnp.zeros((R, 1), dt)
         zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
-        return DecodeState(KVCache.create(cfg, R, S, dt), dcache, last, zi(), zi(), jnp.zeros((R,), bool),
+        if self.pages is None:
+            cache = KVCache.create(cfg, R, S, dt)
+        else:
+            cache = PagedKVCache.create(cfg, R, S, self.pages.num_pages, self.pages.page_size, dt)
+        return DecodeState(cache, dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
                            jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0), jnp.int32(0),
                            jnp.int32(self.spec.probe_every), zi())
@@ -290,6 +306,44 @@ class Engine:
                               "buckets=table.buckets, or measure the table for these buckets")
         return table
 
+    # ------------------------------------------------------------ paged KV (host side)
+
+    def _page_allocator(self, kv_pages, mesh) -> PageAllocator | None:
+        if kv_pages is None:
+            return None
+        try:
+            num_pages, page_size = (int(x) for x in kv_pages)
+        except (TypeError, ValueError):
+            raise EngineError(f"kv_pages must be (num_pages, page_size), got {kv_pages!r}") from None
+        if num_pages < 1 or page_size < 1:
+            raise EngineError(f"kv_pages needs num_pages >= 1 and page_size >= 1, got {kv_pages!r}")
+        if mesh is not None:
+            raise EngineError("kv_pages with a mesh is not supported yet (issue 16): the page pool has no "
+                              "layout over the data axis; use the dense cache (kv_pages=None) on a mesh")
+        return PageAllocator(num_pages, page_size, self.R, pages_per_slot(self.S, page_size))
+
+    def _set_pages(self, st: DecodeState, release=(), grow=None) -> DecodeState:
+        """Free the pages of slots in `release`, grow slots to the token counts in `grow`
+        ({slot: tokens}), and put the page table into the state if it changed."""
+        version = self.pages.version
+        self.pages.release_many(release)
+        self.pages.grow_many({s: min(int(n), self.S) for s, n in (grow or {}).items()})
+        if self.pages.version != version:
+            st = st._replace(cache=st.cache.with_page_table(jnp.asarray(self.pages.table)))
+        return st
+
+    def _pages_for_rounds(self, st: DecodeState, whole_request: bool) -> DecodeState:
+        """Before rounds: inactive slots give their pages back; each active slot gets pages for the
+        positions a round may write (pos .. pos + G, so pos + G + 1 tokens), or with
+        `whole_request` for every round until its max_new tokens (the compiled while loop never
+        returns to the host in between): pos - n_gen is constant while a request runs, so its last
+        round writes below pos + (max_new - n_gen) + G."""
+        pos, active, n_gen, max_new = (np.asarray(x) for x in jax.device_get((st.pos, st.active, st.n_gen,
+                                                                              st.max_new)))
+        reach = pos + (max_new - n_gen) + self.G if whole_request else pos + self.G + 1
+        return self._set_pages(st, release=np.flatnonzero(~active).tolist(),
+                               grow={int(s): int(reach[s]) for s in np.flatnonzero(active)})
+
     # ------------------------------------------------------------ compiled calls
 
     def prefill_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
@@ -310,6 +364,10 @@ class Engine:
             tok[s, : len(p)] = p
             plen[s] = len(p)
         join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
+        if self.pages is not None:  # pages for the prompt and the first round; free slots give theirs back
+            idle = np.flatnonzero(~np.asarray(jax.device_get(st.active))).tolist()
+            st = self._set_pages(st, release=sorted(set(idle) | set(slots.tolist())),
+                                 grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
         keys_arr = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
         return self._prefill(self.tstate, self.dp, st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join),
                              keys_arr, jnp.asarray(mx))
@@ -334,7 +392,10 @@ class Engine:
         return st, ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in samp)), stop_ids=jnp.asarray(stops))
 
     def step(self, st: DecodeState, ctl: Control):
-        """One compiled round for the whole batch -> (state, RoundOut)."""
+        """One compiled round for the whole batch -> (state, RoundOut). With paged KV the host
+        first frees the pages of finished slots and tops up the active ones for this round."""
+        if self.pages is not None:
+            st = self._pages_for_rounds(st, whole_request=False)
         self.round_calls += 1
         return self._round(self.tp, self.dp, st, ctl)
 
@@ -424,6 +485,8 @@ class Engine:
                 if tr is not None:
                     tr.add(calls - 1, slot_req, ro)
             else:
+                if self.pages is not None:
+                    st = self._pages_for_rounds(st, whole_request=True)
                 st, _ = self._loop(self.tp, self.dp, st, ctl, jnp.int32(1 << 30), jnp.asarray(bool(queue)))
                 calls += 1
             active = np.asarray(st.active)
@@ -436,6 +499,8 @@ class Engine:
                     results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),
                                                int(acc[s]), now - t_start[i], FINISH_REASONS[int(fin[s])])
                     slot_req[s] = -1
+                if self.pages is not None:  # a finished request's pages go back to the pool at once
+                    st = self._set_pages(st, release=finished)
         return GenerateResult(results, time.perf_counter() - t0, calls, tr)
 
 

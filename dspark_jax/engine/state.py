@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["DecodeState", "Control", "RoundOut", "FINISH_REASONS"]
@@ -27,7 +28,7 @@ FINISH_REASONS = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache  # target KV [L, R, S, Nkv, D]
+    cache: KVCache | PagedKVCache  # target KV: dense [L, R, S, Nkv, D] or paged (Engine(kv_pages=...))
     dcache: KVCache  # drafter cache (mode dependent; a 1-position dummy for target-only)
     last: jax.Array  # Eagle3 [R, m, H] / MTP-1 [R, H] / dummy [R, 1]
     anchor: jax.Array  # [R] int32

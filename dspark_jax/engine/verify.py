@@ -21,7 +21,8 @@ import numpy as np
 
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.paged_kv import PagedKVCache
+from dspark_jax.target.layers import lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = ["Packing", "pack", "verify_packed", "target_arrays"]
@@ -69,15 +70,17 @@ class VerifyOut(NamedTuple):
     logits: jax.Array  # [R, T, V] float32
     hidden: jax.Array  # [R, T, H] final normed hidden
     features: jax.Array  # [R, T, m, H] raw outputs of the feature layers (m >= 1; zeros if none asked)
-    cache: KVCache  # K/V written at the valid tokens' positions; lengths unchanged
+    cache: KVCache | PagedKVCache  # K/V written at the valid tokens' positions; lengths unchanged
 
 
-def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, valid, *, bucket: int,
+def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
                   feature_layers: tuple[int, ...] = ()) -> VerifyOut:
     """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
 
     Dense work on `bucket` packed tokens; attention on the padded [R, T] view against each
-    row's cache. Writes their K/V into `cache` (a later rollback is a `lengths` move).
+    row's cache. Writes their K/V into `cache` (a later rollback is a `lengths` move); a
+    `PagedKVCache` is written and read through its page table (every position a row may attend
+    must have a page: the engine allocates them before the round).
     """
     r, t = tokens.shape
     s = cache.max_len
@@ -98,9 +101,9 @@ def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache, tokens, start, val
         x, feats, (ck, cv) = carry  # the whole cache is carried: each layer writes its slice in place
         p, fslot, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        ck, cv = KVCache.write_layer_at(ck, cv, li, pk.slot, pk.pos, k[0], v[0])
+        ck, cv = cache.write_layer_at(ck, cv, li, pk.slot, pk.pos, k[0], v[0])  # dense or paged
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
-        o = attention(qv, ck[li].astype(dtype), cv[li].astype(dtype), mask)  # [R, T, Nq, D]
+        o = cache.attend_layer(qv, ck, cv, li, mask, dtype)  # [R, T, Nq, D]
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)

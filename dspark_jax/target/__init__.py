@@ -2,6 +2,7 @@
 
 from dspark_jax.target.config import ModelConfig, RopeConfig
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.target.transformer import ForwardOut, TargetModel
 
-__all__ = ["ModelConfig", "RopeConfig", "KVCache", "TargetModel", "ForwardOut"]
+__all__ = ["ModelConfig", "RopeConfig", "KVCache", "PagedKVCache", "TargetModel", "ForwardOut"]

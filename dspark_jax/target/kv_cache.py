@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
+from dspark_jax.target.layers import attention
 
 # slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
 CACHE_AXES = (None, "batch", None, "kv_heads", None)
@@ -50,3 +51,9 @@ class KVCache(NamedTuple):
         update stays in place when the cache is a loop carry (no copy of the whole cache)."""
         return (k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop"),
                 v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop"))
+
+    @staticmethod
+    def attend_layer(q, k_all, v_all, layer, mask, dtype):
+        """Attention of q [R, T, Nq, D] against layer `layer` of the stacked cache, mask [R, T, S]
+        (the paged cache, target/paged_kv.py, has the same method: forwards call only these)."""
+        return attention(q, k_all[layer].astype(dtype), v_all[layer].astype(dtype), mask)

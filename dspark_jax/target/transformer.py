@@ -18,6 +18,7 @@ from flax import nnx
 from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.target.layers import apply_rope, attention, causal_attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from dspark_jax.target.splash import splash_causal_attention, use_splash
 
@@ -91,7 +92,7 @@ class ForwardOut(NamedTuple):
     logits: jnp.ndarray | None  # [R, T, V] (float32) or None when not requested
     hidden: jnp.ndarray  # [R, T, H] after the final norm
     features: jnp.ndarray | None  # [R, T, m, H] raw outputs of the selected layers
-    cache: KVCache | None  # K/V written for valid tokens; lengths unchanged
+    cache: KVCache | PagedKVCache | None  # K/V written for valid tokens; lengths unchanged
 
 
 class TargetModel(nnx.Module):
@@ -121,13 +122,13 @@ class TargetModel(nnx.Module):
     def logits(self, hidden):
         return lm_head_logits(hidden, self.lm_head_weight())
 
-    def __call__(self, tokens, positions=None, valid=None, cache: KVCache | None = None,
+    def __call__(self, tokens, positions=None, valid=None, cache: KVCache | PagedKVCache | None = None,
                  feature_layers: tuple[int, ...] = (), return_logits: bool = True) -> ForwardOut:
         """Forward a chunk of new tokens [R, T] at `positions` (default 0..T-1).
 
         `valid` [R, T] marks real tokens; the valid tokens of a row must sit at consecutive
         positions starting at the row's cache length. Without a cache the chunk attends
-        causally to itself (training / full forward); with one, to the cache.
+        causally to itself (training / full forward); with one (dense or paged), to the cache.
         """
         cfg = self.cfg
         r, t = tokens.shape
@@ -178,8 +179,8 @@ class TargetModel(nnx.Module):
                 else:
                     out = attention(q, k, v, mask)
             else:
-                kv = KVCache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)
-                out = attention(q, kv[0][li].astype(dtype), kv[1][li].astype(dtype), mask)
+                kv = cache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)  # dense or paged
+                out = cache.attend_layer(q, kv[0], kv[1], li, mask, dtype)
             x = constrain(finish_layer(p, x, out, cfg), ("batch", "seq", "act_embed"))
             if m:
                 idx = jnp.maximum(slot, 0)

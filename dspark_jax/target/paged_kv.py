@@ -1,0 +1,120 @@
+"""Paged KV cache: a pool of fixed-size pages shared by the slots, one page table per slot.
+
+K/V of every slot live in one pool `[num_layers, num_pages, page_size, Nkv, D]`; slot r's
+position t is page `page_table[r, t // page_size]`, offset `t % page_size`. `page_table`
+`[R, ceil(max_len / page_size)]` int32 is static-shape; NO_PAGE (-1) marks entries with no page
+(writes there are dropped). Which page a slot owns is decided on the host
+(`engine/page_alloc.py`), so memory is proportional to the tokens the slots hold, not to
+`R * max_len`.
+
+Same interface as the dense `KVCache`: `write_layer_at` (the scan-carried in-place write),
+`attend_layer` (attention of one layer against the cache), `with_lengths`, `_replace`,
+`max_len`. The target forward (prefill) and verification call only these, so they run on
+either cache. `paged_attention` is the reference: it gathers each row's pages into its
+`[max_len]` view and calls `target.layers.attention`, so the numbers equal the dense path's
+(a ragged paged-attention kernel would later read the pages in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.parallel.sharding import constrain
+from dspark_jax.target.layers import attention
+
+__all__ = ["PagedKVCache", "NO_PAGE", "paged_attention", "gather_pages", "pages_per_slot"]
+
+NO_PAGE = -1
+# the page pool has no slot axis: KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
+PAGE_AXES = (None, None, None, "kv_heads", None)
+
+
+def pages_per_slot(max_len: int, page_size: int) -> int:
+    return -(-int(max_len) // int(page_size))
+
+
+def gather_pages(pages, page_table, length: int):
+    """One layer's pages [P, page_size, Nkv, D] -> each row's view [R, length, Nkv, D] through
+    `page_table` [R, M] (positions >= length cut off). Entries without a page read page 0: those
+    positions hold no token of the row and must be masked by the caller (finite values, so a
+    masked softmax weight of exactly 0 keeps them out of the result)."""
+    r, m = page_table.shape
+    view = jnp.take(pages, jnp.maximum(page_table, 0), axis=0)  # [R, M, ps, Nkv, D]
+    return view.reshape(r, m * pages.shape[1], *pages.shape[2:])[:, :length]
+
+
+def paged_attention(q, k_pages, v_pages, page_table, mask, dtype=None):
+    """Reference paged attention: q [R, T, Nq, D], one layer's pages [P, ps, Nkv, D],
+    page_table [R, M], mask [R, T, S] (True = may attend; S <= M * ps) -> [R, T, Nq, D].
+    Gathers each row's pages into its [S] view (cast to `dtype`, default the pages') and calls
+    `layers.attention`, so the result is the dense cache's, bit for bit, as long as every
+    position a query may attend has a page."""
+    s = mask.shape[-1]
+    k, v = gather_pages(k_pages, page_table, s), gather_pages(v_pages, page_table, s)
+    if dtype is not None:
+        k, v = k.astype(dtype), v.astype(dtype)
+    return attention(q, k, v, mask)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
+class PagedKVCache:
+    k: jax.Array  # [num_layers, num_pages, page_size, Nkv, D]
+    v: jax.Array  # same
+    page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
+    lengths: jax.Array  # [R] int32, committed tokens per slot
+    max_len: int  # static: positions per slot (the dense cache's S); writes at >= max_len are dropped
+
+    @classmethod
+    def create(cls, cfg, num_slots: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
+               num_layers: int | None = None) -> "PagedKVCache":
+        shape = (num_layers or cfg.num_layers, int(num_pages), int(page_size), cfg.num_kv_heads, cfg.head_dim)
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), PAGE_AXES)
+        table = jnp.full((num_slots, pages_per_slot(max_len, page_size)), NO_PAGE, jnp.int32)
+        return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len))
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    def _replace(self, **kw) -> "PagedKVCache":
+        return dataclasses.replace(self, **kw)
+
+    def with_lengths(self, lengths) -> "PagedKVCache":
+        """Commit (or roll back to) `lengths` tokens per slot: a pointer move, no copy."""
+        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+    def with_page_table(self, page_table) -> "PagedKVCache":
+        table = jnp.asarray(page_table, jnp.int32)
+        if table.shape != self.page_table.shape:
+            raise ValueError(f"page table of shape {table.shape}, this cache's is {self.page_table.shape}")
+        return self._replace(page_table=table)
+
+    def write_layer_at(self, k_all, v_all, layer, rows, positions, k, v):
+        """Write `k`, `v` [..., Nkv, D] of tokens at (`rows`, `positions`) (broadcast together) into
+        layer `layer` of the page pools `k_all`, `v_all` [L, P, ps, Nkv, D] (the scan carry, updated
+        in place): page `page_table[row, pos // ps]`, offset `pos % ps`. Dropped: padding rows
+        (>= R), positions outside [0, max_len), and positions whose page the slot does not have."""
+        r, m = self.page_table.shape
+        ps, p = k_all.shape[2], k_all.shape[1]
+        rows, positions = jnp.broadcast_arrays(jnp.asarray(rows, jnp.int32), jnp.asarray(positions, jnp.int32))
+        ok = (rows >= 0) & (rows < r) & (positions >= 0) & (positions < self.max_len)
+        page = self.page_table[jnp.clip(rows, 0, r - 1), jnp.clip(positions // ps, 0, m - 1)]
+        page = jnp.where(ok & (page >= 0), page, p)  # p: out of range, dropped
+        off = positions % ps
+        return (k_all.at[layer, page, off].set(k.astype(k_all.dtype), mode="drop"),
+                v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop"))
+
+    def attend_layer(self, q, k_all, v_all, layer, mask, dtype):
+        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]."""
+        return paged_attention(q, k_all[layer], v_all[layer], self.page_table, mask, dtype)
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table", "lengths"],
+                                 meta_fields=["max_len"])
