@@ -8,6 +8,7 @@ one message naming the key and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import types
 import typing
 from pathlib import Path
@@ -195,22 +196,35 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+def _config_dir() -> Path:
+    """The presets: package data `dspark_jax/configs/` (in the source tree a symlink to the
+    repository's top-level `configs/`, in a wheel the copied files), else the checkout's configs/."""
+    packaged = importlib.resources.files("dspark_jax") / "configs"
+    if isinstance(packaged, Path) and packaged.is_dir():
+        return packaged.resolve()
+    return Path(__file__).resolve().parents[2] / "configs"  # a checkout without the symlink
+
+
+CONFIG_DIR = _config_dir()
 
 
 def resolve_preset(name: str | Path, relative_to: Path | None = None) -> Path:
-    """A path, or a preset name like `micro` / `micro.yaml` from the repo's configs/."""
+    """A path, or a preset name like `micro` / `micro.yaml` from the shipped presets (configs/)."""
     p = Path(name)
     candidates = [p]
     if relative_to is not None:
         candidates.append(relative_to / p)
     stem = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
-    candidates += [CONFIG_DIR / stem, Path(__file__).resolve().parent / "presets" / stem]
+    candidates.append(CONFIG_DIR / stem)
     for c in candidates:
         if c.is_file():
             return c
-    presets = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
-    raise ConfigError(f"config file '{name}' not found; presets: {', '.join(presets) or 'none'}")
+    raise ConfigError(f"config file '{name}' not found; presets: {', '.join(preset_names()) or 'none'}")
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (`python -m dspark_jax.train NAME`)."""
+    return sorted(x.stem for x in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
 
 
 def _deep_merge(a: dict, b: dict) -> dict:
