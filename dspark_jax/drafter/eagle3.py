@@ -32,7 +32,7 @@ from flax import nnx
 from dspark_jax.drafter.frozen import Frozen, attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import apply_rope, attention, attention_parts, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
 from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
@@ -288,12 +288,18 @@ def cached_attention(cache: KVCache, q, k, v, positions, valid):
     in this call); what lies beyond `lengths` from earlier calls is never read before being
     overwritten, as long as writes start at `lengths`.
     """
-    r = q.shape[0]
+    r, t = q.shape[:2]
+    # the cache is read in place (keys before this call's first position) beside the new keys
+    # themselves, then written: attending to the written cache made XLA copy it every draft step
+    col = jnp.arange(t, dtype=jnp.int32)
+    before = jnp.arange(cache.max_len)[None, None, :] < positions[:, :1, None]
+    block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
+    dt = cache.k.dtype
+    out = attention_parts(q, [(cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype),
+                               jnp.broadcast_to(before, (r, t, cache.max_len))),
+                              (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)])
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
-    rows = jnp.arange(r)[:, None]
-    ck, cv = KVCache.write_layer(cache.k[0], cache.v[0], rows, write, k, v)
-    mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
-    out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
+    ck, cv = KVCache.write_layer(cache.k[0], cache.v[0], jnp.arange(r)[:, None], write, k, v)
     return out, cache._replace(k=ck[None], v=cv[None])
 
 

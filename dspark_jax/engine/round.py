@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Control, DecodeState, RoundOut
-from dspark_jax.engine.verify import verify_packed
+from dspark_jax.engine.verify import verify_forward, write_block
 from dspark_jax.scheduler import prefix as scheduler
 
 __all__ = ["prefill", "round_step", "run_rounds", "row_round_keys", "draft", "draft_part"]
@@ -164,10 +164,13 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     valid = (jnp.arange(G + 1)[None] <= lengths[:, None]) & act[:, None]
 
     def branch(bk):
-        return lambda cache: verify_packed(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
-                                           feature_layers=spec.feature_layers)
+        return lambda cache: verify_forward(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
+                                            feature_layers=spec.feature_layers)
 
+    # the branches only read the cache; the block's K / V are written after the switch (in place:
+    # written inside the branches, the cache was copied whole)
     vo = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    vo = vo._replace(cache=write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid), k_new=None, v_new=None)
     t_samp = jax.tree.map(lambda x: x[:, None], samp)
     p = sampling_probs(vo.logits, t_samp.temperature, t_samp.top_k, t_samp.top_p)  # [R, G+1, V]
 

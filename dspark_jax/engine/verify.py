@@ -8,7 +8,13 @@ attends each row against its own KV cache (keys <= the query's position, so each
 exactly its prefix of `1 + l_r` new tokens). Compute then scales with the bucket, not with
 `R * T`, while every shape stays static.
 
-`pack` / `unpack` are the two index maps; `verify_packed` is the forward.
+The forward reads the cache and never writes it (`verify_forward`): each row attends to its
+committed keys (positions < start) from the cache and to its own new tokens' keys from the
+block, and the block's K/V come back as `[L, R, T, Nkv, D]`. The round writes them after its
+`lax.switch` over buckets (`write_block`): a cache written inside the switch's branches was
+copied whole by XLA, several times per round (tests/engine/test_in_place.py).
+
+`pack` / `unpack` are the two index maps; `verify_packed` is the forward plus the write.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import numpy as np
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kv import PagedKVCache
-from dspark_jax.target.layers import lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import attention_parts, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
-__all__ = ["Packing", "pack", "verify_packed", "target_arrays"]
+__all__ = ["Packing", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
 
 
 def target_arrays(model, dtype=None) -> dict:
@@ -70,51 +76,73 @@ class VerifyOut(NamedTuple):
     logits: jax.Array  # [R, T, V] float32
     hidden: jax.Array  # [R, T, H] final normed hidden
     features: jax.Array  # [R, T, m, H] raw outputs of the feature layers (m >= 1; zeros if none asked)
-    cache: KVCache | PagedKVCache  # K/V written at the valid tokens' positions; lengths unchanged
+    cache: KVCache | PagedKVCache | None  # verify_packed: K/V written at the valid tokens' positions; lengths unchanged
+    k_new: jax.Array | None = None  # verify_forward: the block's K / V [L, R, T, Nkv, D] (cache dtype), not written
+    v_new: jax.Array | None = None
 
 
-def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
-                  feature_layers: tuple[int, ...] = ()) -> VerifyOut:
+def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
+                   feature_layers: tuple[int, ...] = ()) -> VerifyOut:
     """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
 
-    Dense work on `bucket` packed tokens; attention on the padded [R, T] view against each
-    row's cache. Writes their K/V into `cache` (a later rollback is a `lengths` move); a
-    `PagedKVCache` is written and read through its page table (every position a row may attend
-    must have a page: the engine allocates them before the round).
+    Dense work on `bucket` packed tokens; attention on the padded [R, T] view: a row's queries
+    attend to its cache keys before `start` (read, never written) and to the valid block keys at
+    or before their own column. Returns the block's K / V for `write_block`; `cache` is None.
     """
     r, t = tokens.shape
     s = cache.max_len
     pk = pack(tokens, start, valid, bucket, s)
     dtype = tp["layers"]["q_proj"].dtype
+    kv_dtype = cache.k.dtype
     x = jnp.take(tp["embed"], pk.tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
     cos, sin = rope_cos_sin(jnp.minimum(pk.pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
-    qpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= qpos[:, :, None]  # [R, T, S]
+    col = jnp.arange(t, dtype=jnp.int32)
+    before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
+    causal = (col[None, :] <= col[:, None])[None] & valid[:, None, :]  # block keys [R, T, T]
     gslot = jnp.minimum(pk.slot, r - 1)
     slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
     for i, l in enumerate(feature_layers):
         slot_of_layer[l] = i
     m = max(len(feature_layers), 1)
     feats0 = jnp.zeros((m, bucket, cfg.hidden_size), dtype)
+    blank = jnp.zeros((r, t, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
 
     def body(carry, layer):
-        x, feats, (ck, cv) = carry  # the whole cache is carried: each layer writes its slice in place
+        x, feats = carry
         p, fslot, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        ck, cv = cache.write_layer_at(ck, cv, li, pk.slot, pk.pos, k[0], v[0])  # dense or paged
+        # the block's keys as the cache would hold them (its dtype), in the padded [R, T] view
+        kb = blank.at[pk.slot, pk.col].set(k[0].astype(kv_dtype), mode="drop")
+        vb = blank.at[pk.slot, pk.col].set(v[0].astype(kv_dtype), mode="drop")
+        kc, vc = cache.layer_view(cache.k, cache.v, li, dtype)  # [R, S, Nkv, D], read only
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
-        o = cache.attend_layer(qv, ck, cv, li, mask, dtype)  # [R, T, Nq, D]
+        o = attention_parts(qv, [(kc, vc, before), (kb.astype(dtype), vb.astype(dtype), causal)])  # [R, T, Nq, D]
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)
             feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
-        return (x, feats, (ck, cv)), None
+        return (x, feats), (kb, vb)
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, feats, (k, v)), _ = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
-                                         (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
+    (x, feats), (k_new, v_new) = jax.lax.scan(body, (x, feats0), (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
     logits = lm_head_logits(h, tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
-    return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t),
-                     cache._replace(k=k, v=v))
+    return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t), None, k_new, v_new)
+
+
+def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid) -> KVCache | PagedKVCache:
+    """Write a verification's block K / V [L, R, T, Nkv, D] at positions start[r] + column of the
+    valid tokens (all layers at once, in place on a donated cache); lengths unchanged."""
+    r, t = valid.shape
+    pos = jnp.where(valid, start[:, None] + jnp.arange(t, dtype=jnp.int32)[None], cache.max_len)  # invalid: dropped
+    k, v = cache.write_layer_at(cache.k, cache.v, slice(None), jnp.arange(r)[:, None], pos, k_new, v_new)
+    return cache._replace(k=k, v=v)
+
+
+def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
+                  feature_layers: tuple[int, ...] = ()) -> VerifyOut:
+    """`verify_forward` and `write_block` in one call (benchmarks, tests); the engine's round
+    writes after its bucket switch instead."""
+    vo = verify_forward(tp, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
+    return vo._replace(cache=write_block(cache, vo.k_new, vo.v_new, start, valid))

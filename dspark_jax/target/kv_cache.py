@@ -53,6 +53,11 @@ class KVCache(NamedTuple):
                 v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop"))
 
     @staticmethod
+    def layer_view(k_all, v_all, layer, dtype):
+        """Layer `layer`'s keys and values [R, S, Nkv, D] in `dtype` (read only)."""
+        return k_all[layer].astype(dtype), v_all[layer].astype(dtype)
+
+    @staticmethod
     def attend_layer(q, k_all, v_all, layer, mask, dtype):
         """Attention of q [R, T, Nq, D] against layer `layer` of the stacked cache, mask [R, T, S]
         (the paged cache, target/paged_kv.py, has the same method: forwards call only these)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -83,6 +84,28 @@ def attention(q, k, v, mask):
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, nkv, g * t, -1)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
+    return out.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nq, d)
+
+
+def attention_parts(q, parts):
+    """`attention` over the union of several key sets, each (k [B, S_i, Nkv, D], v, mask [B, T, S_i]),
+    with one softmax across them (a shared max, one normaliser) and no concatenation: a cache
+    read in place beside a block of new keys, without copying the cache into a joint buffer."""
+    b, t, nq, d = q.shape
+    nkv = parts[0][0].shape[2]
+    g = nq // nkv
+    qh = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
+    scores = []
+    for k, _, mask in parts:
+        s = jnp.einsum("bkqd,bskd->bkqs", qh, k, preferred_element_type=jnp.float32)
+        s = s.reshape(b, nkv, g, t, -1) * (1.0 / math.sqrt(d))
+        scores.append(jnp.where(mask[:, None, None, :, :], s, MASK_VALUE))
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    exps = [jnp.exp(s - top) for s in scores]
+    denom = functools.reduce(jnp.add, [jnp.sum(e, axis=-1, keepdims=True) for e in exps])
+    out = functools.reduce(jnp.add, [
+        jnp.einsum("bkqs,bskd->bkqd", (e / denom).astype(v.dtype).reshape(b, nkv, g * t, -1), v)
+        for e, (_, v, _) in zip(exps, parts)])
     return out.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nq, d)
 
 

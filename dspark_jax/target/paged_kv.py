@@ -111,6 +111,12 @@ class PagedKVCache:
         return (k_all.at[layer, page, off].set(k.astype(k_all.dtype), mode="drop"),
                 v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop"))
 
+    def layer_view(self, k_all, v_all, layer, dtype):
+        """Layer `layer`'s keys and values as each row's [R, max_len, Nkv, D] view, in `dtype`
+        (positions without a page read page 0: the caller masks them)."""
+        return (gather_pages(k_all[layer], self.page_table, self.max_len).astype(dtype),
+                gather_pages(v_all[layer], self.page_table, self.max_len).astype(dtype))
+
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype):
         """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]."""
         return paged_attention(q, k_all[layer], v_all[layer], self.page_table, mask, dtype)

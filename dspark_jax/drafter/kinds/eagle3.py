@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from dspark_jax.drafter import eagle3 as e3
 from dspark_jax.drafter.kinds.base import DraftShape
-from dspark_jax.drafter.kinds.recurrent import RecurrentKind
+from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
 from dspark_jax.drafter.model import default_layer_ids, resolve_layer_ids, validate_layer_ids
 
 DEFAULT_GAMMA = 7
@@ -65,8 +66,16 @@ class Eagle3Kind(RecurrentKind):
     def commit(self, dp, dcache, carried, tokens, valid, cfg):
         return e3.eagle3_update(dp, dcache, carried, tokens, valid, cfg=cfg)
 
-    def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
-        return e3.eagle3_draft(key, dp, dcache, last, anchor, pos, G, sampling, cfg=cfg, path=path)
+    def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
+        # row r's step keys are split from its key, as `eagle3_draft` splits one row's
+        step_keys = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, G))(keys), 1, 0)  # [G, R]
+
+        def pick(ks, logits):
+            tok, q = sample_rows(ks, logits, sampling, path)
+            return tok, (tok, q)
+
+        (toks, qs), dcache = e3._draft_scan(dp, dcache, last, anchor, pos, step_keys, pick, cfg)
+        return jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1), dcache
 
 
 EAGLE3 = Eagle3Kind()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from dspark_jax.drafter import mtp
 from dspark_jax.drafter.kinds.base import DraftShape
-from dspark_jax.drafter.kinds.recurrent import RecurrentKind
+from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
 
 
 class MTP1Kind(RecurrentKind):
@@ -49,8 +49,10 @@ class MTP1Kind(RecurrentKind):
     def commit(self, dp, dcache, carried, tokens, valid, cfg):
         return mtp.mtp_update(dp, dcache, carried, tokens, valid, cfg=cfg)
 
-    def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
-        return mtp.mtp_draft(key, dp, dcache, last, anchor, pos, sampling, cfg=cfg, path=path)
+    def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
+        logits, dcache = mtp.mtp_draft_logits(dp, dcache, last, anchor, pos, cfg=cfg)
+        tok, q = sample_rows(keys, logits, sampling, path)
+        return tok[:, None], q[:, None], dcache
 
 
 MTP1 = MTP1Kind()

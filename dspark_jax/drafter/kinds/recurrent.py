@@ -12,13 +12,25 @@ from abc import abstractmethod
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.sampling import probs_from_params, sample
 from dspark_jax.drafter.eagle3 import create_cache
 from dspark_jax.drafter.kinds.base import DrafterKind
-from dspark_jax.target.kv_cache import KVCache
 
 
 def _where_rows(mask, new, old):
     return jnp.where(mask.reshape(mask.shape[0], *([1] * (old.ndim - 1))), new.astype(old.dtype), old)
+
+
+def sample_rows(keys, logits, sampling, path):
+    """Row r's draw from logits [R, V] with its own key and settings: tokens [R], q [R, V]. Each
+    row draws `sample(k_r, probs_from_params(logits_r[None], s_r))` exactly as a one-row draft
+    does; only this small per-row step is vmapped (vmapping the draft itself over rows made XLA
+    copy the whole drafter cache every round)."""
+    def one(k, lg, s):
+        q = probs_from_params(lg[None], s, path)
+        return sample(k, q)[0], q[0]
+
+    return jax.vmap(one)(keys, logits, sampling)
 
 
 class RecurrentKind(DrafterKind):
@@ -40,8 +52,9 @@ class RecurrentKind(DrafterKind):
         """Write committed positions (carry [R, T, ...], next tokens [R, T], valid prefix) into the cache."""
 
     @abstractmethod
-    def sample(self, key, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
-        """One row's draft: (tokens [1, G], q [1, G, V], cache with lengths = p)."""
+    def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
+        """The batch's draft, row r with its own key and sampling settings (`sample_rows`):
+        (tokens [R, G], q [R, G, V], cache with lengths = pos)."""
 
     def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
         return (create_cache(spec.tcfg, num_slots, max_len, dtype),
@@ -59,16 +72,8 @@ class RecurrentKind(DrafterKind):
         return dcache, _where_rows(join, new_last, last)
 
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
-        r = anchor.shape[0]
-
-        def one(k, ck, cv, ln, l_r, a_r, p_r, s_r):
-            c = KVCache(ck[:, None], cv[:, None], ln[None])
-            t, q, c = self.sample(k, dp, c, l_r[None], a_r[None], p_r[None], s_r, spec.G, spec.tcfg, path)
-            return t[0], q[0], c.k[:, 0], c.v[:, 0], c.lengths[0]
-
-        toks, q, k, v, ln = jax.vmap(one, in_axes=(0, 1, 1, 0, 0, 0, 0, 0), out_axes=(0, 0, 1, 1, 0))(
-            keys, dcache.k, dcache.v, dcache.lengths, last, anchor, pos, sampling)
-        return toks, q, jnp.zeros((r, spec.G), jnp.float32), KVCache(k, v, ln)
+        toks, q, dcache = self.sample(keys, dp, dcache, last, anchor, pos, sampling, spec.G, spec.tcfg, path)
+        return toks, q, jnp.zeros((anchor.shape[0], spec.G), jnp.float32), dcache
 
     def skip(self, spec, dp, dcache, last, anchor, pos, active):
         """A draft's first step writes position p - 1 (the carry there with the anchor x_p) and
