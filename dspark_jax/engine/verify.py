@@ -108,23 +108,26 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
     blank = jnp.zeros((r, t, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
 
     def body(carry, layer):
-        x, feats = carry
+        # the cache rides in the carry, read only: closed over, XLA hoisted its dtype conversion
+        # out of the layer loop (a converted copy of the whole cache)
+        x, feats, (ck, cv) = carry
         p, fslot, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
         # the block's keys as the cache would hold them (its dtype), in the padded [R, T] view
         kb = blank.at[pk.slot, pk.col].set(k[0].astype(kv_dtype), mode="drop")
         vb = blank.at[pk.slot, pk.col].set(v[0].astype(kv_dtype), mode="drop")
-        kc, vc = cache.layer_view(cache.k, cache.v, li, dtype)  # [R, S, Nkv, D], read only
+        kc, vc = cache.layer_view(ck, cv, li, dtype)  # [R, S, Nkv, D], read only
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
         o = attention_parts(qv, [(kc, vc, before), (kb.astype(dtype), vb.astype(dtype), causal)])  # [R, T, Nq, D]
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)
             feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
-        return (x, feats), (kb, vb)
+        return (x, feats, (ck, cv)), (kb, vb)
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, feats), (k_new, v_new) = jax.lax.scan(body, (x, feats0), (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
+    (x, feats, _), (k_new, v_new) = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
+                                                 (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
     logits = lm_head_logits(h, tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
@@ -136,7 +139,12 @@ def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid) -> KV
     valid tokens (all layers at once, in place on a donated cache); lengths unchanged."""
     r, t = valid.shape
     pos = jnp.where(valid, start[:, None] + jnp.arange(t, dtype=jnp.int32)[None], cache.max_len)  # invalid: dropped
-    k, v = cache.write_layer_at(cache.k, cache.v, slice(None), jnp.arange(r)[:, None], pos, k_new, v_new)
+    rows = jnp.arange(r)[:, None]
+
+    def one_layer(li, kv):  # layer by layer in a loop carry: updated in place (one scatter over all
+        return cache.write_layer_at(kv[0], kv[1], li, rows, pos, k_new[li], v_new[li])  # layers copied on a mesh)
+
+    k, v = jax.lax.fori_loop(0, k_new.shape[0], one_layer, (cache.k, cache.v))
     return cache._replace(k=k, v=v)
 
 
