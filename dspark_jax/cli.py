@@ -29,3 +29,25 @@ def report_user_errors(main):
             return 2
 
     return wrapped
+
+
+# Flags shared by the commands, defined here (no jax import) so `--help` stays fast.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
+
+def add_dtype_argument(ap) -> None:
+    """`--dtype auto|float32|bfloat16` for every command that loads a target."""
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                    help="weights and compute dtype of the target (default auto: bfloat16 for a checkpoint stored in "
+                         "bfloat16, else float32; an 8B model is 16 GB in bf16, 32 GB in float32)")
+
+
+def add_mesh_argument(ap, what: str = "request rows over data, KV heads over tensor") -> None:
+    """The inference commands' shared --mesh flag (parse it with `parallel.sharding.parse_mesh`)."""
+    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
+                    help=f"run on a device mesh, e.g. 1,1,8: weights laid out by the rules table, {what} "
+                         "(default: one device)")
+
+
+# The drafter kinds (drafter.registry.KINDS; equal, tests/test_cli_errors.py), for parsers built without jax.
+KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")

@@ -64,3 +64,46 @@ def test_one_name_per_concept_old_spellings_still_parse(module, old, new, capsys
         mod.main(["--help"])
     help_text = capsys.readouterr().out
     assert f"{new} " in help_text.replace(",", " ") and old in help_text
+
+
+FAST_HELP = ["dspark_jax.train", "dspark_jax.regenerate", "dspark_jax.data.prepare", "dspark_jax.eval",
+             "dspark_jax.calibrate", "dspark_jax.convert", "dspark_jax.generate", "dspark_jax.serve",
+             "dspark_jax.engine.plan", "dspark_jax.models", "dspark_jax.recipe", "dspark_jax.bench"]
+
+
+def test_help_of_the_user_commands_does_not_import_jax():
+    """`--help` answers at once: the user-facing commands build their parsers without importing
+    jax (about a second on these machines). One subprocess per command, all in one script."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        "mod = sys.argv[1]\n"
+        "sys.argv = [mod, '--help']\n"
+        "try:\n"
+        "    runpy.run_module(mod, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "sys.stderr.write('JAX=%s\\n' % ('jax' in sys.modules))\n")
+    slow = []
+    for mod in FAST_HELP:
+        r = subprocess.run([sys.executable, "-c", code, mod], capture_output=True, text=True, timeout=120)
+        assert "usage" in r.stdout.lower(), (mod, r.stdout[-300:], r.stderr[-300:])
+        if "JAX=True" in r.stderr:
+            slow.append(mod)
+    assert not slow, f"--help imports jax: {slow}"
+
+
+def test_kind_names_match_the_registry():
+    from dspark_jax.cli import KIND_NAMES
+    from dspark_jax.drafter.registry import KINDS
+
+    assert tuple(KINDS) == KIND_NAMES
+
+
+def test_train_help_lists_the_loaders_presets():
+    from dspark_jax.config.loader import preset_names
+    from dspark_jax.train.__main__ import _preset_names
+
+    assert _preset_names() == preset_names() and "smollm2_135m_dspark" in preset_names()

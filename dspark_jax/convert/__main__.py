@@ -1,5 +1,62 @@
+"""`python -m dspark_jax.convert import|export ...`: drafters between DeepSpec's layout (what vLLM /
+SGLang load) and ours; the work is in `dspark_jax.io.reference`."""
+
+from __future__ import annotations
+
+import argparse
 import sys
 
-from dspark_jax.io.reference import main
+from dspark_jax.cli import report_user_errors
 
-sys.exit(main())
+DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default (io.reference.DEFAULT_NUM_ANCHORS)
+
+
+@report_user_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m dspark_jax.convert",
+        description="Convert DSpark/DFlash drafters between the DeepSpec (PyTorch, Hugging Face save_pretrained) "
+                    "layout and dspark_jax's drafter directory (drafter.safetensors + drafter_config.json).",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="DeepSpec drafter directory -> dspark_jax drafter directory",
+                         description="Read REF_DIR (config.json with architectures [Qwen3DSparkModel] + safetensors), "
+                                     "check it against the target, write OUT_DIR.")
+    imp.add_argument("ref_dir", metavar="REF_DIR", help="DeepSpec drafter checkpoint directory")
+    imp.add_argument("out_dir", metavar="OUT_DIR", help="where to write the dspark_jax drafter")
+    exp = sub.add_parser("export", help="dspark_jax drafter directory -> DeepSpec drafter directory",
+                         description="Read OUR_DIR (drafter.safetensors + drafter_config.json), write REF_DIR in the "
+                                     "DeepSpec layout including the target's embedding and LM head.")
+    exp.add_argument("our_dir", metavar="OUR_DIR", help="dspark_jax drafter directory")
+    exp.add_argument("ref_dir", metavar="REF_DIR", help="where to write the DeepSpec layout")
+    exp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                     help="tensor dtype written (default bfloat16, as DeepSpec ships; float32 keeps our master weights)")
+    exp.add_argument("--num-anchors", type=int, default=None,
+                     help="num_anchors recorded in config.json (default: the training run's data.num_anchors, "
+                          f"else {DEFAULT_NUM_ANCHORS}, DeepSpec's)")
+    from dspark_jax.cli import add_mesh_argument
+
+    for p in (imp, exp):
+        p.add_argument("--target", required=True, metavar="TARGET_DIR",
+                       help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")
+        add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
+    args = ap.parse_args(argv)
+    from dspark_jax.io.reference import export_reference, import_reference
+    from dspark_jax.parallel.sharding import parse_mesh
+
+    try:
+        mesh = parse_mesh(args.mesh)
+        if args.cmd == "import":
+            d = import_reference(args.ref_dir, args.out_dir, args.target, mesh=mesh)
+            print(f"imported {args.ref_dir} -> {args.out_dir} ({d.dcfg.kind}, {d.dcfg.num_layers} layers, gamma {d.gamma})")
+        else:
+            d = export_reference(args.our_dir, args.ref_dir, args.target, args.dtype, args.num_anchors, mesh=mesh)
+            print(f"exported {args.our_dir} -> {args.ref_dir} ({d.dcfg.kind}, {args.dtype})")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,7 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.params import SamplingParams
 
 RETRY_STATUS = (429, 503)
 

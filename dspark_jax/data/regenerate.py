@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.params import SamplingParams
 from dspark_jax.cli import report_user_errors
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
@@ -241,8 +241,8 @@ def default_lengths(context: int, max_new: int | None, max_prompt: int | None) -
 
 @report_user_errors
 def main(argv=None) -> int:
-    from dspark_jax.io.hf import add_dtype_argument
-    from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
+    from dspark_jax.cli import add_dtype_argument
+    from dspark_jax.cli import add_mesh_argument
 
     ap = argparse.ArgumentParser(
         prog="python -m dspark_jax.regenerate",
@@ -301,6 +301,7 @@ def main(argv=None) -> int:
                                   max_new_tokens=max_new, sampling=sampling, seed=a.seed, thinking=thinking,
                                   resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress)
             return 0
+        from dspark_jax.parallel.sharding import parse_mesh
         mesh = parse_mesh(a.mesh)
         lt = _load(a.target, a.dtype, mesh)
         max_new, max_prompt = default_lengths(lt.cfg.max_position_embeddings, a.max_new_tokens, a.max_prompt_len)

@@ -26,7 +26,6 @@ pytree: pass it into ``jax.jit`` and its fields are traced (no recompilation per
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +34,7 @@ __all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "sampl
            "first_argmax", "probs_from_params"]
 
 
-class SamplingParams(NamedTuple):
-    """Sampling settings (a pytree: every field is a leaf, traced under jit)."""
-
-    temperature: Any = 1.0
-    top_k: Any = 0
-    top_p: Any = 1.0
+from dspark_jax.decoding.params import SamplingParams  # noqa: E402  (defined without jax)
 
 
 # Top-k settings up to this many tokens take a path that sorts only the top TOPK_CAP logits.

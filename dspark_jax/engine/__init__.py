@@ -10,11 +10,19 @@
 - generate.py: `python -m dspark_jax.generate`.
 """
 
-from dspark_jax.calibration.traces import Traces
-from dspark_jax.engine.engine import (
-    Engine, EngineError, GenerateResult, RequestResult, default_buckets, measure_accepted_length,
-)
-from dspark_jax.engine.page_alloc import OutOfPagesError, PageAllocator
+import importlib
 
-__all__ = ["Engine", "EngineError", "GenerateResult", "OutOfPagesError", "PageAllocator", "RequestResult", "Traces",
-           "default_buckets", "measure_accepted_length"]
+# Loaded on first use (PEP 562), so `python -m dspark_jax.generate --help` and the planner's
+# --help do not import jax.
+_EXPORTS = {"Traces": "dspark_jax.calibration.traces", "Engine": "dspark_jax.engine.engine",
+            "EngineError": "dspark_jax.engine.engine", "GenerateResult": "dspark_jax.engine.engine",
+            "RequestResult": "dspark_jax.engine.engine", "default_buckets": "dspark_jax.engine.engine",
+            "measure_accepted_length": "dspark_jax.engine.engine", "OutOfPagesError": "dspark_jax.engine.page_alloc",
+            "PageAllocator": "dspark_jax.engine.page_alloc"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dspark_jax.engine' has no attribute {name!r}")

@@ -21,15 +21,15 @@ from dspark_jax.cli import report_user_errors
 
 
 def parse_args(argv=None):
-    from dspark_jax.io.hf import add_dtype_argument
-    from dspark_jax.parallel.sharding import add_mesh_argument
+    from dspark_jax.cli import add_dtype_argument
+    from dspark_jax.cli import add_mesh_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
     add_mesh_argument(ap, "request slots over data, KV heads over tensor")
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
-    from dspark_jax.drafter.registry import KINDS
+    from dspark_jax.cli import KIND_NAMES as KINDS
 
     ap.add_argument("--mode", default=None, choices=("ar", *KINDS), help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")

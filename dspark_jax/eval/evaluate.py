@@ -349,8 +349,8 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
 
 @report_user_errors
 def main(argv=None) -> int:
-    from dspark_jax.io.hf import add_dtype_argument
-    from dspark_jax.parallel.sharding import add_mesh_argument, parse_mesh
+    from dspark_jax.cli import add_dtype_argument
+    from dspark_jax.cli import add_mesh_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,6 +384,7 @@ def main(argv=None) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     try:
+        from dspark_jax.parallel.sharding import parse_mesh
         mesh = parse_mesh(args.mesh)
         target, _, _ = load_models(args.target, None, "ar", args.dtype, mesh)
         tok = target.require_tokenizer()

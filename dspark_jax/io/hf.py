@@ -65,11 +65,7 @@ def checkpoint_dtype(path: str | Path) -> str:
     return "bfloat16" if str(hf.get("torch_dtype") or hf.get("dtype") or "") in ("bfloat16", "torch.bfloat16") else "float32"
 
 
-def add_dtype_argument(ap) -> None:
-    """`--dtype auto|float32|bfloat16` for every command that loads a target."""
-    ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                    help="weights and compute dtype of the target (default auto: bfloat16 for a checkpoint stored in "
-                         "bfloat16, else float32; an 8B model is 16 GB in bf16, 32 GB in float32)")
+from dspark_jax.cli import add_dtype_argument  # noqa: E402,F401  (defined without jax, re-exported)
 
 
 def parse_dtype(dtype) -> jnp.dtype:

@@ -64,11 +64,7 @@ def parse_mesh(text: str | None) -> Mesh | None:
     return make_mesh(d, f, t)
 
 
-def add_mesh_argument(ap, what: str = "request rows over data, KV heads over tensor") -> None:
-    """The inference commands' shared --mesh flag (parse it with `parse_mesh`)."""
-    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
-                    help=f"run on a device mesh, e.g. 1,1,8: weights laid out by the rules table, {what} "
-                         "(default: one device)")
+from dspark_jax.cli import add_mesh_argument  # noqa: E402,F401  (defined without jax, re-exported)
 
 
 def device_grid(shape: tuple[int, int, int], devices) -> np.ndarray:

@@ -19,8 +19,8 @@ DEFAULT_DRAFTER = Path("runs/dspark/drafter")  # where `python -m dspark_jax.tra
 
 
 def parse_args(argv=None):
-    from dspark_jax.io.hf import add_dtype_argument
-    from dspark_jax.parallel.sharding import add_mesh_argument
+    from dspark_jax.cli import add_dtype_argument
+    from dspark_jax.cli import add_mesh_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])

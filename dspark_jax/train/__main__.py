@@ -25,6 +25,18 @@ Presets: {presets}
 Sections and keys: see dspark_jax/config/schema.py."""
 
 
+def _preset_names() -> list[str]:
+    """The shipped presets, listed without importing the config package (which imports jax), so
+    --help answers at once (config.loader.preset_names is the same list)."""
+    from importlib.resources import files
+    from pathlib import Path
+
+    d = files("dspark_jax") / "configs"
+    if not d.is_dir():
+        d = Path(__file__).resolve().parents[2] / "configs"
+    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".yaml"))
+
+
 def maybe_initialize_distributed() -> None:
     """Multi-host (a TPU pod slice): connect the hosts before any other JAX call.
 
@@ -48,9 +60,7 @@ def maybe_initialize_distributed() -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from dspark_jax.config.loader import preset_names
-
-        print(USAGE.format(presets=", ".join(preset_names())))
+        print(USAGE.format(presets=", ".join(_preset_names())))
         return 0
     from dspark_jax.config import from_cli
 
