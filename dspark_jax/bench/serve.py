@@ -120,6 +120,9 @@ def plot(results: dict, path: Path) -> None:
 
 
 
+SCHEDULED_POLICIES = ("static", "production", "early_stop")  # engine.policy.SCHEDULED
+
+
 def parse_config(spec: str, default_policy: str) -> tuple[str, str, str]:
     """'NAME=DIR[@POLICY]' (or a bare DIR) -> (name, drafter dir, policy)."""
     name, _, rest = spec.partition("=") if "=" in spec else ("", "", spec)
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="fixed", help="verification policy of configurations without @POLICY")
     ap.add_argument("--costs", default=None, help="cost table for scheduled policies")
     ap.add_argument("--calibrated", action="store_true")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
+                    help="scheduled configurations skip the drafter where the cost table says it does not pay")
     ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -159,7 +164,8 @@ def main(argv=None) -> int:
     results: dict = {}
     slots = args.slots or max(args.concurrency)
     for name, drafter, policy in configs:
-        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated)
+        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated,
+                                                skip_drafting=args.skip_drafting if policy in SCHEDULED_POLICIES else False)
         app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots, **kw)
         server, thread, port = serve_in_thread(app)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)

@@ -33,6 +33,9 @@ def parse_args(argv=None):
     ap.add_argument("--threshold", type=float, default=0.0, help="--policy threshold: confidence threshold")
     ap.add_argument("--costs", default=None, help="cost table JSON (python -m dspark_jax.costs measure); its buckets become the engine's")
     ap.add_argument("--calibrated", action="store_true", help="use the drafter's stored STS temperatures (T = 1 fit)")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
+                    help="scheduled policies: skip the drafter in rounds where the cost table says speculation "
+                         "does not pay (python -m dspark_jax.generate --help)")
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
     ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + completion (default 1024)")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
@@ -43,7 +46,7 @@ def parse_args(argv=None):
 
 
 def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=False, slots=8,
-          max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None):
+          max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False):
     """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine
@@ -71,7 +74,7 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
         sts = load_temperatures(drafter, SamplingParams(1.0, 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
     eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
-                 buckets=None if table is None else [int(b) for b in table.buckets])
+                 buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting)
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=max_queue, metrics=metrics, threshold=threshold, sts=sts).start()
     served = Served(loop, tok, lt.chat_template, model_name or Path(str(lt.path)).name, metrics)
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
         app, served = build(args.target, args.drafter, policy=args.policy, threshold=args.threshold, costs=args.costs,
                             calibrated=args.calibrated, slots=args.slots, max_len=args.max_len,
                             max_queue=args.max_queue, model_name=args.model_name, dtype=args.dtype,
-                            mesh=parse_mesh(args.mesh))
+                            mesh=parse_mesh(args.mesh), skip_drafting=args.skip_drafting)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

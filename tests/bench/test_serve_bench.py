@@ -30,3 +30,13 @@ def test_each_configuration_names_its_own_policy():
     assert parse_config("dspark-sched=/runs/d@production", "fixed") == ("dspark-sched", "/runs/d", "production")
     assert parse_config("dspark=/runs/d", "fixed") == ("dspark", "/runs/d", "fixed")
     assert parse_config("/runs/dflash", "threshold") == ("dflash", "/runs/dflash", "threshold")
+
+
+def test_skip_drafting_reaches_the_server_and_only_scheduled_configurations():
+    from dspark_jax.bench.serve import SCHEDULED_POLICIES
+    from dspark_jax.engine.policy import SCHEDULED
+    from dspark_jax.serve.__main__ import parse_args
+
+    assert parse_args(["--skip-drafting"]).skip_drafting == "known"
+    assert parse_args([]).skip_drafting is False
+    assert set(SCHEDULED_POLICIES) == set(SCHEDULED)
