@@ -8,7 +8,7 @@ import sys
 
 from dspark_jax.cli import report_user_errors
 
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default (io.reference.DEFAULT_NUM_ANCHORS)
+DEFAULT_NUM_ANCHORS = 512  # DeepSpec's reference value (method note section 4), used when the run recorded none
 
 
 @report_user_errors

@@ -68,7 +68,7 @@ IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 # Width fields that must equal the target's (the drafter shares its embedding and LM head).
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's reference value (method note section 4), used when the run recorded none
+from dspark_jax.convert.__main__ import DEFAULT_NUM_ANCHORS  # noqa: E402  (DeepSpec's 512; defined jax-free for --help)
 
 # Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
 # The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
