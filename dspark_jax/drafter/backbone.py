@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
@@ -159,8 +158,9 @@ def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *
     return h.reshape(b, a, g, -1)
 
 
-def update_context(params: dict, cfg: ModelConfig, cache: KVCache, features, positions, valid) -> KVCache:
-    """Write the context K/V of new target features into the drafter cache.
+def update_context(params: dict, cfg: ModelConfig, cache, features, positions, valid):
+    """Write the context K/V of new target features into the drafter cache (a dense `KVCache`
+    or a `PagedKVCache`: only their shared interface is used).
 
     features [R,T,m,H] (raw target layer outputs of committed tokens); positions [R,T]
     (the tokens' sequence positions); valid [R,T] (padding is not written). Only context
@@ -178,16 +178,16 @@ def update_context(params: dict, cfg: ModelConfig, cache: KVCache, features, pos
     def body(kv, layer):
         p, li = layer
         k, v = context_kv(p, ctx, cos, sin, cfg)
-        return KVCache.write_layer_at(*kv, li, rows, write, k, v), None  # in place: the cache is carried
+        return cache.write_layer_at(*kv, li, rows, write, k, v), None  # in place: the cache is carried
 
     layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
     (k, v), _ = jax.lax.scan(body, (cache.k, cache.v), (params["layers"], layer_ids))
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1).astype(jnp.int32)
     lengths = jnp.where(valid.any(axis=1), end, cache.lengths)
-    return KVCache(k, v, lengths)
+    return cache._replace(k=k, v=v, lengths=lengths)
 
 
-def draft_hidden(params: dict, cfg: ModelConfig, cache: KVCache, anchor_tok, anchor_pos, *, gamma: int,
+def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, *, gamma: int,
                  mask_id: int, window: int | None = None):
     """Inference forward of one block per row: anchor_tok, anchor_pos [R] -> h [R,G,H].
 
@@ -204,10 +204,11 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache: KVCache, anchor_tok, anc
     cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
 
     def body(x, layer):
-        p, ck, cv = layer
+        p, li = layer
+        ck, cv = cache.layer_view(cache.k, cache.v, li, dtype)  # a paged cache gathers the row's pages
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        out = block_attention(q[:, None], ck.astype(dtype), cv.astype(dtype), k[:, None], v[:, None], cmask, keep)
+        out = block_attention(q[:, None], ck, cv, k[:, None], v[:, None], cmask, keep)
         return finish_layer(p, x, out[:, 0], cfg), None
 
-    x, _ = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cache.k.shape[0], dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

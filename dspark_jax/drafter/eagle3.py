@@ -281,8 +281,9 @@ def create_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float
     return KVCache.create(cfg, num_slots, max_len, dtype, num_layers=1)
 
 
-def cached_attention(cache: KVCache, q, k, v, positions, valid):
-    """Write k/v [R,T,Nkv,D] of valid tokens at `positions` into the one-layer cache, attend causally.
+def cached_attention(cache, q, k, v, positions, valid):
+    """Write k/v [R,T,Nkv,D] of valid tokens at `positions` into the one-layer cache (a dense
+    `KVCache` or a `PagedKVCache`), attend causally.
 
     Keys at cache index <= the query's position are seen (committed ones and those written
     in this call); what lies beyond `lengths` from earlier calls is never read before being
@@ -295,12 +296,12 @@ def cached_attention(cache: KVCache, q, k, v, positions, valid):
     before = jnp.arange(cache.max_len)[None, None, :] < positions[:, :1, None]
     block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
     dt = cache.k.dtype
-    out = attention_parts(q, [(cache.k[0].astype(q.dtype), cache.v[0].astype(q.dtype),
-                               jnp.broadcast_to(before, (r, t, cache.max_len))),
+    ck, cv = cache.layer_view(cache.k, cache.v, 0, q.dtype)  # a paged cache gathers the row's pages
+    out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))),
                               (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)])
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
-    ck, cv = KVCache.write_layer(cache.k[0], cache.v[0], jnp.arange(r)[:, None], write, k, v)
-    return out, cache._replace(k=ck[None], v=cv[None])
+    ck, cv = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
+    return out, cache._replace(k=ck, v=cv)
 
 
 def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig):

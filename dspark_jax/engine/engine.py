@@ -157,7 +157,8 @@ class Engine:
         `kv_pages=(num_pages, page_size)`: the target's KV cache is paged (target/paged_kv.py), a
         pool of `num_pages` pages shared by the slots instead of a dense `[R, max_len]` cache;
         the host allocator `self.pages` (engine/page_alloc.py) gives a slot pages as it grows
-        and takes them back when its request ends (the drafter's cache stays dense)."""
+        and takes them back when its request ends. The drafter's cache (any kind) is paged too,
+        with the same page table: a second pool of its own layers and heads."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
         if mesh is not None:
@@ -256,7 +257,12 @@ class Engine:
         R, S, G, cfg = self.R, self.S, self.G, self.target.cfg
         dt = self.tp["layers"]["q_proj"].dtype
         if self.kind is not None:
-            dcache, last = self.kind.init_decode(self.spec, self.drafter, R, S, dt)
+            if self.pages is None:
+                dcache, last = self.kind.init_decode(self.spec, self.drafter, R, S, dt)
+            else:  # the drafter's cache paged like the target's (same positions, same page table)
+                dense, _ = jax.eval_shape(lambda: self.kind.init_decode(self.spec, self.drafter, R, S, dt))
+                _, last = self.kind.init_decode(self.spec, self.drafter, R, 1, dt)
+                dcache = PagedKVCache.like(dense, self.pages.num_pages, self.pages.page_size)
         else:
             dcache, last = KVCache.create(cfg, R, 1, dt, num_layers=1), jnp.zeros((R, 1), dt)
         zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
@@ -329,7 +335,9 @@ class Engine:
         self.pages.release_many(release)
         self.pages.grow_many({s: min(int(n), self.S) for s, n in (grow or {}).items()})
         if self.pages.version != version:
-            st = st._replace(cache=st.cache.with_page_table(jnp.asarray(self.pages.table)))
+            table = lambda: jnp.array(self.pages.table)  # one buffer per cache: the state is donated
+            dcache = st.dcache.with_page_table(table()) if isinstance(st.dcache, PagedKVCache) else st.dcache
+            st = st._replace(cache=st.cache.with_page_table(table()), dcache=dcache)
         return st
 
     def _pages_for_rounds(self, st: DecodeState, whole_request: bool) -> DecodeState:

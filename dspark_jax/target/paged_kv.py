@@ -75,6 +75,15 @@ class PagedKVCache:
         table = jnp.full((num_slots, pages_per_slot(max_len, page_size)), NO_PAGE, jnp.int32)
         return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len))
 
+    @classmethod
+    def like(cls, dense, num_pages: int, page_size: int) -> "PagedKVCache":
+        """The paged twin of a dense cache (or its `jax.eval_shape`) [L, R, S, Nkv, D]: same layers,
+        heads, dtype, slots and max_len, `num_pages` pages of `page_size`. The engine pages the
+        drafter's cache this way, with the target's page table (both hold the same positions)."""
+        layers, r, s, nkv, d = dense.k.shape
+        cfg = type("CacheShape", (), dict(num_layers=layers, num_kv_heads=nkv, head_dim=d))
+        return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype)
+
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
@@ -116,6 +125,12 @@ class PagedKVCache:
         (positions without a page read page 0: the caller masks them)."""
         return (gather_pages(k_all[layer], self.page_table, self.max_len).astype(dtype),
                 gather_pages(v_all[layer], self.page_table, self.max_len).astype(dtype))
+
+    def dense(self):
+        """(k, v) as the dense cache's [L, R, max_len, Nkv, D] (each row's pages in order; positions
+        without a page read page 0): for tests and inspection, it copies the whole cache."""
+        view = jax.vmap(lambda pages: gather_pages(pages, self.page_table, self.max_len))
+        return view(self.k), view(self.v)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype):
         """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.engine import Engine
+from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
@@ -31,6 +32,11 @@ def _engine(target, kind, **kw):
     return Engine(target, d, num_slots=2, max_len=64, buckets=(2, 2 * (g + 1)), prefill_buckets=(16, 64), **lk, **kw)
 
 
+def _dense(cache):
+    """(k, v) [L, R, S, ...] of a dense or paged cache."""
+    return cache.dense() if isinstance(cache, PagedKVCache) else (cache.k, cache.v)
+
+
 def _rows_equal(a, b, lengths, what):
     """Cache arrays [L, R, S, ...] equal at every row's positions < lengths[row]."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -38,14 +44,24 @@ def _rows_equal(a, b, lengths, what):
         np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=2e-4, rtol=2e-4, err_msg=f"{what} row {r}")
 
 
-@pytest.mark.parametrize("skip", [False, True], ids=["drafting", "skipped_rounds"])
+@pytest.mark.parametrize("skip,paged", [(False, False), (True, False), (True, True)],
+                         ids=["drafting", "skipped_rounds", "skipped_rounds_paged"])
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp1"])
-def test_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence(target, prompts, kind, skip):
-    eng = _engine(target, kind, skip_drafting="best_case" if skip else False)
+def test_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence(target, prompts, kind, skip, paged):
+    """`paged`: target and drafter caches in pages of 4 (a pool of 40, shuffled by a slot that
+    held pages first) instead of dense; compared through each row's view."""
+    eng = _engine(target, kind, skip_drafting="best_case" if skip else False, kv_pages=(40, 4) if paged else None)
     pays = scheduler.make_table(eng.buckets, t_verify=(1.0, 1.0), t_draft=0.0)
     never = scheduler.make_table(eng.buckets, t_verify=(1.0, 1.0), t_draft=50.0)  # drafting costs 50 steps
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 2)))
-    st = eng.prefill_slots(eng.init_state(), [0, 1], prompts[:2], kd, [40, 40])
+    st = eng.init_state()
+    if paged:  # slot 1 takes the first pages, then gives them back: slot 0's pages are not 0, 1, 2, ...
+        st = eng._set_pages(st, grow={1: 9})
+        st = eng._set_pages(st, release=[1])
+    st = eng.prefill_slots(st, [0, 1], prompts[:2], kd, [40, 40])
+    if paged:
+        assert isinstance(st.dcache, PagedKVCache) and isinstance(st.cache, PagedKVCache)
+        np.testing.assert_array_equal(np.asarray(st.dcache.page_table), np.asarray(st.cache.page_table))
     skipped = 0
     for i in range(7):
         table = never if skip and i % 3 != 0 else pays
@@ -59,10 +75,11 @@ def test_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence(target, 
 
     fresh = eng.prefill_slots(eng.init_state(), [0, 1], committed, kd, [40, 40])
     np.testing.assert_array_equal(np.asarray(st.dcache.lengths), np.asarray(fresh.dcache.lengths))
-    _rows_equal(st.dcache.k, fresh.dcache.k, fresh.dcache.lengths, "drafter K")
-    _rows_equal(st.dcache.v, fresh.dcache.v, fresh.dcache.lengths, "drafter V")
+    (dk, dv), (fk, fv) = _dense(st.dcache), _dense(fresh.dcache)
+    _rows_equal(dk, fk, fresh.dcache.lengths, "drafter K")
+    _rows_equal(dv, fv, fresh.dcache.lengths, "drafter V")
     np.testing.assert_allclose(np.asarray(st.last, np.float32), np.asarray(fresh.last, np.float32), atol=2e-4, rtol=2e-4)
-    _rows_equal(st.cache.k, fresh.cache.k, pos, "target K")
+    _rows_equal(_dense(st.cache)[0], _dense(fresh.cache)[0], pos, "target K")
 
 
 def test_tau_counts_kept_tokens_and_cut_rounds_are_marked(target, prompts):

@@ -45,19 +45,20 @@ def _whole_cache_copies(hlo: str, shapes) -> list[str]:
     return found
 
 
-def _engine(target, kind):
+def _engine(target, kind, kv_pages=None):
     drafter = None if kind == "none" else tiny_drafter(kind, target, gamma=3)
     # a long context makes one cache far larger than anything else a round touches
-    return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,))
+    return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_round_keeps_caches_in_place(target, kind):
+@pytest.mark.parametrize("kind,paged", [(k, False) for k in KINDS] + [("none", True), ("dspark", True)])
+def test_round_keeps_caches_in_place(target, kind, paged):
     """Target cache: no copy for any kind. The block kinds' drafter context cache: no copy either.
     Eagle3 / MTP-1's one-layer drafter cache is still copied once per round on XLA:CPU (a layout
     copy after the commit's scatter; known, docs/engine.md), so only the target cache is checked
-    there."""
-    eng = _engine(target, kind)
+    there. `paged`: both caches as page pools (256 pages of 16, as many positions as the dense
+    caches): no copy of a pool either."""
+    eng = _engine(target, kind, (256, 16) if paged else None)
     st, c = _compiled_round(eng)
     caches = [st.cache] + ([st.dcache] if kind == "dspark" else [])
     shapes = {tuple(x.shape) for cache in caches for x in (cache.k, cache.v)}

@@ -4,8 +4,8 @@
   slots with fewer pages than positions), writes through the page table dropped where they must be;
 - the allocator: no page owned twice, freed pages reused, pages in use = sum of ceil(tokens / size),
   all-or-nothing growth with a clear out-of-pages error;
-- the engine with `kv_pages` gives the dense engine's tokens (greedy and sampled, target-only and
-  DSpark, host loop and while loop) with fewer pages than R * max_len / page_size, gives every
+- the engine with `kv_pages` gives the dense engine's tokens (greedy and sampled, target-only,
+  DSpark, Eagle3 and MTP-1 with their caches paged too, host loop and while loop) with fewer pages than R * max_len / page_size, gives every
   page back when the requests end, and fails with the allocator's message when the pool is too small.
 """
 
@@ -229,6 +229,22 @@ def test_engine_paged_dspark(target, prompts, dense_ar):
     assert paged.pages.pages_in_use == 0 and paged.compiled_rounds() == 1
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp1"])
+def test_engine_paged_recurrent_drafters(target, prompts, kind):
+    """Eagle3 and MTP-1 keep a one-layer cache of their own, paged with the target's page table:
+    the dense engine's sampled tokens for the same seeds, every page back at the end."""
+    d = tiny_drafter(kind, target, gamma=3)
+    g = 1 if kind == "mtp1" else 3
+    kw = dict(num_slots=R, max_len=S, buckets=(R * (g + 1),), prefill_buckets=(20,),
+              **(dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}))
+    want = _run(Engine(target, d, **kw), prompts, SAMPLED)
+    paged = Engine(target, d, kv_pages=(40, 2), **kw)
+    st = paged.init_state()
+    assert isinstance(st.dcache, PagedKVCache) and st.dcache.k.shape[:3] == (1, 40, 2)
+    assert _run(paged, prompts, SAMPLED) == want
+    assert paged.pages.pages_in_use == 0 and 0 < paged.pages.peak <= 40
+
+
 def test_engine_out_of_pages(target, prompts):
     """A pool too small for the admitted prompts fails before anything runs, with the allocator's message."""
     eng = Engine(target, None, num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(3, 4))
@@ -243,24 +259,32 @@ def test_engine_out_of_pages(target, prompts):
 # ------------------------------------------------------------------ compiled memory, kernel contract
 
 
-def test_round_memory_paged_vs_dense(target):
-    """XLA's memory analysis of one compiled round, target-only, 4 slots x 256 positions: with 16
-    pages of 16 (a quarter of the dense cache's 64) the round's arguments shrink by exactly the
-    cache bytes saved. The reference paged attention still gathers each layer's [R, S] view, so
-    the temporaries stay those of the dense round (reading pages in place needs a kernel)."""
+@pytest.mark.parametrize("kind", [None, "dspark"])
+def test_round_memory_paged_vs_dense(target, kind):
+    """XLA's memory analysis of one compiled round, 4 slots x 256 positions, target-only and with
+    a DSpark drafter: with 16 pages of 16 (a quarter of the dense caches' 64) the round's arguments
+    shrink by exactly the cache bytes saved, the drafter's cache included. The reference paged
+    attention still gathers each layer's [R, S] view, so the temporaries stay those of the dense
+    round (reading pages in place needs a kernel)."""
     import functools
 
     from dspark_jax.engine.round import round_step
 
+    d = None if kind is None else tiny_drafter(kind, target, gamma=3)
     out = {}
     for kv in (None, (16, 16)):
-        eng = Engine(target, None, num_slots=4, max_len=256, buckets=(4,), prefill_buckets=(16,), kv_pages=kv)
+        g = 0 if d is None else 3
+        eng = Engine(target, d, num_slots=4, max_len=256, buckets=(4 * (g + 1),), prefill_buckets=(16,), kv_pages=kv)
         st, ctl = eng.init_state(), eng.control()
         m = jax.jit(functools.partial(round_step, eng.spec), donate_argnums=(2,)).lower(
             eng.tp, eng.dp, st, ctl).compile().memory_analysis()
-        out[kv] = (sum(x.nbytes for x in jax.tree.leaves(st.cache)), m.argument_size_in_bytes, m.temp_size_in_bytes)
-    (c_d, a_d, t_d), (c_p, a_p, t_p) = out[None], out[(16, 16)]
+        caches = sum(x.nbytes for x in jax.tree.leaves((st.cache, st.dcache)))
+        dcache = sum(x.nbytes for x in jax.tree.leaves(st.dcache))
+        out[kv] = (caches, dcache, m.argument_size_in_bytes, m.temp_size_in_bytes)
+    (c_d, dc_d, a_d, t_d), (c_p, dc_p, a_p, t_p) = out[None], out[(16, 16)]
     assert c_p < c_d / 3 and a_d - a_p == c_d - c_p
+    if d is not None:
+        assert dc_p < dc_d / 3  # the drafter's cache is paged too
     assert t_p <= 1.1 * t_d + 4096
 
 
