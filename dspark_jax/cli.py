@@ -49,5 +49,25 @@ def add_mesh_argument(ap, what: str = "request rows over data, KV heads over ten
                          "(default: one device)")
 
 
+def add_kv_pages_argument(ap) -> None:
+    """`--kv-pages NUM,SIZE`: the engine's paged KV cache (`Engine(kv_pages=...)`)."""
+    ap.add_argument("--kv-pages", default=None, metavar="NUM,SIZE", type=parse_kv_pages,
+                    help="paged KV cache: a pool of NUM pages of SIZE tokens shared by the slots, for the target "
+                         "and the drafter (memory for the tokens in use; a request waits until the pool can hold "
+                         "its prompt + max tokens). Default: dense caches of slots x max-len")
+
+
+def parse_kv_pages(text: str) -> tuple[int, int]:
+    import argparse
+
+    try:
+        num, size = (int(x) for x in str(text).split(","))
+        if num < 1 or size < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NUM_PAGES,PAGE_SIZE (both >= 1), e.g. 512,16") from None
+    return num, size
+
+
 # The drafter kinds (drafter.registry.KINDS; equal, tests/test_cli_errors.py), for parsers built without jax.
 KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")

@@ -26,7 +26,7 @@ from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.decoding import rejection
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import TargetMismatchError, check_target
-from dspark_jax.engine.page_alloc import PageAllocator
+from dspark_jax.engine.page_alloc import OutOfPagesError, PageAllocator
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.policy import SCHEDULED, get_policy
 from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
@@ -34,7 +34,7 @@ from dspark_jax.engine.state import FINISH_REASONS, Control, DecodeState
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.paged_kv import PagedKVCache, pages_per_slot
+from dspark_jax.target.paged_kv import PAGE_AXES, PagedKVCache, pages_per_slot
 from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets"]
@@ -189,7 +189,7 @@ class Engine:
             raise EngineError(f"largest verification bucket {buckets[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
                               "a round could not fit; add a bucket of that size")
         self.mode, self.G, self.R, self.S = mode, G, R, S
-        self.pages = self._page_allocator(kv_pages, mesh)
+        self.pages = self._page_allocator(kv_pages)
         self.gamma = G if gamma is None else int(gamma)
         self.buckets = buckets
         self.prefill_buckets = tuple(sorted(prefill_buckets or _prefill_buckets(S)))
@@ -314,7 +314,7 @@ class Engine:
 
     # ------------------------------------------------------------ paged KV (host side)
 
-    def _page_allocator(self, kv_pages, mesh) -> PageAllocator | None:
+    def _page_allocator(self, kv_pages) -> PageAllocator | None:
         if kv_pages is None:
             return None
         try:
@@ -323,10 +323,34 @@ class Engine:
             raise EngineError(f"kv_pages must be (num_pages, page_size), got {kv_pages!r}") from None
         if num_pages < 1 or page_size < 1:
             raise EngineError(f"kv_pages needs num_pages >= 1 and page_size >= 1, got {kv_pages!r}")
-        if mesh is not None:
-            raise EngineError("kv_pages with a mesh is not supported yet (issue 16): the page pool has no "
-                              "layout over the data axis; use the dense cache (kv_pages=None) on a mesh")
         return PageAllocator(num_pages, page_size, self.R, pages_per_slot(self.S, page_size))
+
+    def pages_to_reserve(self, prompt_len: int, max_new: int) -> int:
+        """Pages a request may come to hold: every position its rounds can write (the prompt, its
+        max_new tokens and a last round's G drafts), within max_len."""
+        return self.pages.pages_for(min(int(prompt_len) + int(max_new) + self.G, self.S))
+
+    def admit_count(self, candidates, reserved: int) -> int:
+        """How many of `candidates` ((prompt_len, max_new), in arrival order) join now, with
+        `reserved` pages already promised to running requests: a leading run whose reservations
+        fit the pool, so a running request never finds the pool empty, and later ones wait (first
+        come, first served). A request that could not fit even an empty pool is an error."""
+        if self.pages is None:
+            return len(candidates)
+        budget, n = self.pages.num_pages - int(reserved), 0
+        for plen, max_new in candidates:
+            need = self.pages_to_reserve(plen, max_new)
+            if need > self.pages.num_pages:
+                raise OutOfPagesError(
+                    f"a request of {plen} prompt tokens and max_new_tokens {max_new} may hold {need} KV pages of "
+                    f"{self.pages.page_size} tokens, more than the whole pool of {self.pages.num_pages}: build the "
+                    "Engine with more pages (kv_pages=(num_pages, page_size); --kv-pages NUM,SIZE on the command "
+                    "line) or ask for fewer new tokens")
+            if need > budget:
+                break
+            budget -= need
+            n += 1
+        return n
 
     def _set_pages(self, st: DecodeState, release=(), grow=None) -> DecodeState:
         """Free the pages of slots in `release`, grow slots to the token counts in `grow`
@@ -335,7 +359,10 @@ class Engine:
         self.pages.release_many(release)
         self.pages.grow_many({s: min(int(n), self.S) for s, n in (grow or {}).items()})
         if self.pages.version != version:
-            table = lambda: jnp.array(self.pages.table)  # one buffer per cache: the state is donated
+            def table():  # one buffer per cache (the state is donated), laid out as the state's
+                t = jnp.array(self.pages.table)
+                return t if self.mesh is None else jax.device_put(t, self._state_sh.cache.page_table)
+
             dcache = st.dcache.with_page_table(table()) if isinstance(st.dcache, PagedKVCache) else st.dcache
             st = st._replace(cache=st.cache.with_page_table(table()), dcache=dcache)
         return st
@@ -459,6 +486,8 @@ class Engine:
         n = len(prompts)
         max_news = [int(m) for m in per_request(max_new_tokens, n, "max_new_tokens")]
         prompts = self.check_prompts(prompts, min(max_news) if max_news else 1)
+        for p, m in zip(prompts, max_news):  # paged KV: a request larger than the whole pool fails before anything runs
+            self.admit_count([(len(p), m)], 0)
         samplings = [x or SamplingParams() for x in per_request(sampling, n, "sampling")]
         stops = np.stack([stop_row(x) for x in per_request(list(stop_ids), n, "stop_ids")]) if n else None
         seeds = per_request(seed, n, "seed")
@@ -470,6 +499,7 @@ class Engine:
         st = self.init_state()
         queue = list(range(len(prompts)))
         slot_req = np.full((self.R,), -1, np.int64)
+        reserved = np.zeros((self.R,), np.int64)  # paged KV: pages promised to each slot's request
         t_start = np.zeros(len(prompts))
         results: list[RequestResult | None] = [None] * len(prompts)
         calls = 0
@@ -477,9 +507,16 @@ class Engine:
         while True:
             free = np.flatnonzero(slot_req < 0).tolist()
             if queue and free:
-                take = queue[: len(free)]
-                queue = queue[len(take):]
-                slots = free[: len(take)]
+                n_take = self.admit_count([(len(prompts[i]), max_news[i]) for i in queue[: len(free)]],
+                                          reserved.sum())
+                take = queue[:n_take]
+                queue = queue[n_take:]
+                slots = free[:n_take]
+            else:
+                take = []
+            if take:
+                if self.pages is not None:
+                    reserved[slots] = [self.pages_to_reserve(len(prompts[i]), max_news[i]) for i in take]
                 st, ctl = self.start(st, ctl, slots, [prompts[i] for i in take], req_keys[take],
                                      [max_news[i] for i in take], [samplings[i] for i in take],
                                      [stops[i] for i in take])
@@ -507,6 +544,7 @@ class Engine:
                     results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),
                                                int(acc[s]), now - t_start[i], FINISH_REASONS[int(fin[s])])
                     slot_req[s] = -1
+                    reserved[s] = 0
                 if self.pages is not None:  # a finished request's pages go back to the pool at once
                     st = self._set_pages(st, release=finished)
         return GenerateResult(results, time.perf_counter() - t0, calls, tr)
@@ -527,7 +565,9 @@ def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 6
 
 def decode_shardings(state: DecodeState, mesh):
     """Layout of a DecodeState on `mesh`: per-slot arrays split over `data` (slots), KV caches
-    [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. An axis that does not
+    [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. A paged cache's pool
+    [L, pages, page_size, Nkv, D] has no slot axis: KV heads over `tensor`, whole on `data` (every
+    data shard holds the pool; page tables split with their slots). An axis that does not
     divide its dimension is left whole (`logical_to_pspec`)."""
     from jax.sharding import NamedSharding
 
@@ -545,6 +585,9 @@ def decode_shardings(state: DecodeState, mesh):
         return one(x, names)
 
     def cache(c):
+        if isinstance(c, PagedKVCache):
+            pool = lambda a: one(a, PAGE_AXES)
+            return c._replace(k=pool(c.k), v=pool(c.v), page_table=per_slot(c.page_table), lengths=per_slot(c.lengths))
         kv = lambda a: one(a, (None, "batch", None, "kv_heads", None))
         return type(c)(kv(c.k), kv(c.v), per_slot(c.lengths))
 

@@ -19,8 +19,8 @@ __all__ = ["PageAllocator", "OutOfPagesError", "NO_PAGE"]
 NO_PAGE = -1
 
 
-class OutOfPagesError(RuntimeError):
-    """The pool has fewer free pages than a request needs."""
+class OutOfPagesError(ValueError):
+    """The pool has fewer free pages than a request needs (a user error: the pool was sized too small)."""
 
 
 class PageAllocator:
@@ -82,7 +82,8 @@ class PageAllocator:
             raise OutOfPagesError(
                 f"out of KV cache pages: slot(s) {sorted(need)} need {total} more page(s) of {self.page_size} "
                 f"tokens, but only {len(self._free)} of {self.num_pages} are free ({self.pages_in_use} held by "
-                f"{busy} slot(s)); build the Engine with more pages (kv_pages=(num_pages, page_size)), fewer "
+                f"{busy} slot(s)); build the Engine with more pages (kv_pages=(num_pages, page_size); --kv-pages "
+                "on the command line), fewer "
                 "slots, or give shorter prompts / max_new_tokens")
         for slot, extra in need.items():
             for _ in range(extra):

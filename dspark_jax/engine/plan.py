@@ -6,15 +6,17 @@ R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the co
 Weights and caches are exact (their shapes and the rules table's shardings); with `--compile`
 the engine's round (draft, verification over the largest bucket, rejection, cache update) is
 lowered for those shardings on fake CPU devices and compiled, and XLA's `memory_analysis()` gives
-one chip's arguments, outputs and temporaries. The caches are dense today
-(`[L, R, context, kv_heads, head_dim]` per slot whatever it holds; paged KV is issue 16's open part).
+one chip's arguments, outputs and temporaries. Dense caches hold `[L, R, context, kv_heads,
+head_dim]` whatever the slots use; with `--kv-pages NUM,SIZE` target and drafter caches are pools
+of NUM pages of SIZE tokens (the engine's `kv_pages`), sized for the tokens the slots hold at
+once, e.g. 128 slots averaging 2048 tokens: `--kv-pages 16384,16`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dspark_jax.cli import report_user_errors
+from dspark_jax.cli import add_kv_pages_argument, report_user_errors
 
 GIB = 1024 ** 3
 
@@ -26,7 +28,7 @@ def _chip_bytes(x, sharding) -> int:
 
 
 def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma: int | None = None,
-         compile_round: bool = False) -> dict:
+         compile_round: bool = False, kv_pages: tuple[int, int] | None = None) -> dict:
     """Per-chip bytes: target / drafter weights, target / drafter KV, and (compile_round) XLA's
     arguments / outputs / temporaries of one round."""
     import jax
@@ -54,7 +56,8 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     box = {}
 
     def build(ts, dp, dfz):  # the Engine's static parts, built on abstract models (nothing allocated)
-        eng = Engine(nnx.merge(tg, ts), nnx.merge(dg, dp, dfz), num_slots=slots, max_len=context, gamma=gamma)
+        eng = Engine(nnx.merge(tg, ts), nnx.merge(dg, dp, dfz), num_slots=slots, max_len=context, gamma=gamma,
+                     kv_pages=kv_pages)
         box["eng"] = eng
         return 0
 
@@ -67,7 +70,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
            "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)),
-           "G": eng.G, "buckets": list(eng.buckets)}
+           "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages}
     if compile_round:
         spec = eng.spec
 
@@ -87,13 +90,20 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
 
 def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_gib: float | None) -> str:
     g = lambda b: f"{b / GIB:9.2f} GiB"
+    pages = res.get("kv_pages")
+    kind = "(dense)" if pages is None else "(paged)"
+    # tokens the caches hold: every slot's context (dense, split over data) or the pool (whole on data)
+    tokens, per_token_div = (slots * context, mesh_shape[0]) if pages is None else (pages[0] * pages[1], 1)
     lines = [f"{name}: {slots} slots x {context} tokens, mesh data {mesh_shape[0]} x fsdp {mesh_shape[1]} x "
              f"tensor {mesh_shape[2]}, gamma {res['G']}, per chip:",
              f"  target weights      {g(res['target_weights'])}",
              f"  drafter weights     {g(res['drafter_weights'])}",
-             f"  target KV (dense)   {g(res['target_kv'])}   ({res['target_kv'] / slots / context * mesh_shape[0]:.0f} B "
+             f"  target KV {kind:9s} {g(res['target_kv'])}   ({res['target_kv'] / tokens * per_token_div:.0f} B "
              "per token per chip)",
-             f"  drafter KV (dense)  {g(res['drafter_kv'])}"]
+             f"  drafter KV {kind:8s} {g(res['drafter_kv'])}"]
+    if pages is not None:
+        lines.append(f"  KV pool: {pages[0]} pages of {pages[1]} tokens = {pages[0] * pages[1]} tokens in use at once "
+                     f"({pages[0] * pages[1] / slots:.0f} per slot on average; a slot holds at most {context})")
     total = res["target_weights"] + res["drafter_weights"] + res["target_kv"] + res["drafter_kv"]
     lines.append(f"  state total         {g(total)}")
     if "temporaries" in res:
@@ -119,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
     ap.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip, for the fit line (v5e 16, v6e 32, v5p 95)")
     ap.add_argument("--compile", action="store_true", help="also compile one round and report XLA's per-chip memory")
+    add_kv_pages_argument(ap)
     args = ap.parse_args(argv)
     try:
         mesh_shape = tuple(int(x) for x in args.mesh.split(","))
@@ -136,7 +147,7 @@ def main(argv=None) -> int:
         cfg = from_cli([args.config])
         if cfg.target.model is None:
             raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-        res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile)
+        res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

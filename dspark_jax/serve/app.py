@@ -116,6 +116,11 @@ def parse_request(served: Served, body, chat: bool) -> tuple[list[int], dict]:
     if len(ids) + max_tokens > room:
         raise BadRequest(f"max_tokens {max_tokens} + the {len(ids)} prompt tokens exceed this server's context of "
                          f"{room} tokens: ask for at most {room - len(ids)}", "max_tokens")
+    if eng.pages is not None and eng.pages_to_reserve(len(ids), max_tokens) > eng.pages.num_pages:
+        fit = eng.pages.num_pages * eng.pages.page_size - len(ids) - eng.G
+        raise BadRequest(f"max_tokens {max_tokens} + the {len(ids)} prompt tokens need more KV cache than this server's "
+                         f"whole page pool ({eng.pages.num_pages} pages of {eng.pages.page_size} tokens): ask for at "
+                         f"most {max(fit, 0)}", "max_tokens")
     settings = {
         "max_new": int(max_tokens),
         "sampling": SamplingParams(float(_number(body, "temperature", 1.0, 0.0)),

@@ -5,7 +5,9 @@ prefill per prompt-length bucket), writes their sampling settings and stop ids i
 rows of the traced controls, runs one compiled round for all slots, and hands each request the
 tokens its slot committed. A request leaves when it finishes (stop / length / context), when a
 stop string appears in its text, or when it is cancelled (client gone): its slot is freed at
-once. Nothing here knows about HTTP (serve/app.py does).
+once. With paged KV a request joins only when the pool can hold everything it may write (its
+reach: prompt + max_tokens + one round's drafts) beside what running requests were promised;
+otherwise it waits at the head of the queue. Nothing here knows about HTTP (serve/app.py does).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._slots: list[Request | None] = [None] * engine.R
+        self._reserved = np.zeros((engine.R,), np.int64)  # paged KV: pages promised to each slot's request
+        self._next: Request | None = None  # taken from the queue, waiting for pages (it keeps its place)
         self._ctl = engine.control(SamplingParams(), threshold=threshold, sts=sts, table=table)
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
         self.error: BaseException | None = None
@@ -91,7 +95,7 @@ class EngineLoop:
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting.qsize()
+        return self._waiting.qsize() + (self._next is not None)
 
     @property
     def slots_in_use(self) -> int:
@@ -120,6 +124,9 @@ class EngineLoop:
                 if r is not None:
                     self._slots[s] = None
                     r.on_finish("cancelled")
+            if self._next is not None:
+                self._next, nxt = None, self._next
+                nxt.on_finish("cancelled")
             while not self._waiting.empty():
                 self._waiting.get_nowait().on_finish("cancelled")
 
@@ -129,6 +136,7 @@ class EngineLoop:
         idx = jnp.asarray(slots, jnp.int32)
         for s in slots:
             self._slots[s] = None
+            self._reserved[s] = 0
         return st._replace(active=st.active.at[idx].set(False))
 
     def _drop_cancelled(self, st):
@@ -141,12 +149,20 @@ class EngineLoop:
         eng = self.engine
         free = [s for s, r in enumerate(self._slots) if r is None]
         taken: list[tuple[int, Request]] = []
-        while free and not self._waiting.empty():
-            req = self._waiting.get_nowait()
+        reserved = int(self._reserved.sum())
+        while free and (self._next is not None or not self._waiting.empty()):
+            req, self._next = (self._next, None) if self._next is not None else (self._waiting.get_nowait(), None)
             if req.cancelled:
                 req.on_finish("cancelled")
                 continue
-            taken.append((free.pop(0), req))
+            if not eng.admit_count([(len(req.prompt), req.max_new)], reserved):
+                self._next = req  # paged KV: waits, first in line, until running requests give pages back
+                break
+            s = free.pop(0)
+            if eng.pages is not None:
+                self._reserved[s] = eng.pages_to_reserve(len(req.prompt), req.max_new)
+                reserved += int(self._reserved[s])
+            taken.append((s, req))
         if not taken:
             return st
         reqs = [r for _, r in taken]

@@ -45,6 +45,28 @@ def test_generate_cli_jsonl(dirs, capsys):
     assert (root / "tr.jsonl").read_text().count("\n") == sum(r["rounds"] for r in recs)
 
 
+def test_generate_cli_kv_pages(dirs, capsys):
+    """`--kv-pages NUM,SIZE`: the dense run's completions (sampled, same seed) from a pool smaller
+    than the dense caches; a pool too small for a request, or a malformed value, is one line."""
+    root, _, _ = dirs
+    base = ["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
+            str(root / "prompts.jsonl"), "--max-new-tokens", "8", "--batch", "2", "--json", "--temperature", "1"]
+
+    def completions(extra):
+        rc = main(base + extra)
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        return [json.loads(x)["completion"] for x in out.out.splitlines()]
+
+    assert completions(["--kv-pages", "8,8"]) == completions([])
+    assert main(base + ["--kv-pages", "1,4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "more than the whole pool of 1" in err and "--kv-pages" in err
+    with pytest.raises(SystemExit):
+        main(base + ["--kv-pages", "4x8"])
+    assert "give NUM_PAGES,PAGE_SIZE" in capsys.readouterr().err
+
+
 def test_generate_cli_stdin_target_only(dirs, capsys, monkeypatch):
     root, _, _ = dirs
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nWhat is 2 plus 2?\n"))

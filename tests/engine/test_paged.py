@@ -245,11 +245,26 @@ def test_engine_paged_recurrent_drafters(target, prompts, kind):
     assert paged.pages.pages_in_use == 0 and 0 < paged.pages.peak <= 40
 
 
+def test_engine_waits_for_pages(target, prompts, dense_ar):
+    """A pool that holds one or two requests' reach at a time, not three: requests wait for pages
+    (first come, first served) instead of failing, and each still gets its dense tokens (a
+    request's randomness does not depend on its batch)."""
+    eng = Engine(target, None, num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(8, 4))
+    reach = [eng.pages_to_reserve(len(p), MAX_NEW) for p in prompts]
+    assert max(reach) <= 8 < sum(sorted(reach)[:3])  # never 3 at once
+    assert eng.admit_count([(len(p), MAX_NEW) for p in prompts[:3]], 0) < 3
+    for loop in ("host", "while"):
+        assert _run(eng, prompts, GREEDY, loop=loop) == dense_ar["greedy"]
+        assert eng.pages.peak <= 8 and eng.pages.pages_in_use == 0
+
+
 def test_engine_out_of_pages(target, prompts):
-    """A pool too small for the admitted prompts fails before anything runs, with the allocator's message."""
+    """A request larger than the whole pool fails before anything runs, saying what to change;
+    the allocator itself refuses growth beyond the free pages (all or nothing)."""
     eng = Engine(target, None, num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(3, 4))
-    with pytest.raises(OutOfPagesError, match="out of KV cache pages.*kv_pages=\\(num_pages, page_size\\)"):
+    with pytest.raises(OutOfPagesError, match="more than the whole pool of 3.*kv_pages=\\(num_pages, page_size\\)"):
         eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
+    assert eng.round_calls == 0
     with pytest.raises(EngineError, match="kv_pages must be"):
         Engine(target, None, num_slots=R, max_len=S, kv_pages=4)
     with pytest.raises(EngineError, match="page_size >= 1"):

@@ -14,6 +14,8 @@ out = {}
 for mesh in ((1, 1, 1), (2, 1, 2)):
     out[str(mesh)] = plan(cfg, 4, 64, mesh, compile_round=True)
 out["text"] = format_plan("micro", 4, 64, (2, 1, 2), out[str((2, 1, 2))], 1e-6)
+out["paged"] = plan(cfg, 4, 64, (2, 1, 2), compile_round=True, kv_pages=(8, 8))  # 64 tokens: a quarter of 4 x 64
+out["paged_text"] = format_plan("micro", 4, 64, (2, 1, 2), out["paged"], None)
 m = cfg.target.model
 out["cfg"] = [m.num_layers, m.num_kv_heads, m.head_dim]
 print(json.dumps(out))
@@ -32,3 +34,10 @@ def test_engine_plan_cache_bytes_and_compiled_round():
         assert r["temporaries"] > 0 and r["arguments"] >= r["target_weights"] + r["target_kv"]
         assert r["aliased"] > 0  # the donated state is updated in place
     assert "does NOT fit" in res["text"] and "compiled peak" in res["text"]
+    # paged: a pool of 8 pages of 8 tokens, whole on data (no slot axis), KV heads over tensor
+    paged = res["paged"]
+    assert paged["target_kv"] == 2 * layers * 8 * 8 * kv * hd * 4 // (2 if kv % 2 == 0 else 1)
+    assert paged["target_kv"] * 2 == two["target_kv"]  # a quarter of the tokens, not split over data 2
+    assert 0 < paged["drafter_kv"] < two["drafter_kv"]
+    assert paged["arguments"] < two["arguments"] and paged["aliased"] > 0
+    assert "target KV (paged)" in res["paged_text"] and "8 pages of 8 tokens = 64 tokens" in res["paged_text"]

@@ -166,6 +166,33 @@ def test_full_queue_answers_429_and_loses_nothing(server, reference):
     assert rejected and set(rejected) == {"1"}
 
 
+def test_paged_kv_server_waits_for_pages_and_refuses_what_never_fits(embedded_tiny_dir, tiny_dspark_drafter_dir,
+                                                                     reference):
+    """`--kv-pages 5,16`: 4 slots, but the pool holds only 2 of these requests' reach at a time.
+    8 concurrent requests all get the target's greedy answers (the others wait for pages, none is
+    refused or lost); a request that could not fit the whole pool is a 400 naming max_tokens."""
+    served, srv, thread, port = _start(embedded_tiny_dir, tiny_dspark_drafter_dir, kv_pages=(5, 16))
+    try:
+        eng = served.loop.engine
+        reach = [eng.pages_to_reserve(len(served.tokenizer.encode(p)), 12) for p in PROMPTS]
+        assert max(reach) <= 5 < sum(sorted(reach)[:3])  # never 3 at once: requests must wait
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        texts, _ = reference
+
+        def one(i):
+            return client.completions.create(model=served.model, prompt=PROMPTS[i], max_tokens=12,
+                                             temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as ex:
+            assert list(ex.map(one, range(8))) == texts
+        assert eng.pages.peak <= 5
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=served.model, prompt="hi", max_tokens=100, temperature=0)
+        assert e.value.body["param"] == "max_tokens" and "page pool" in e.value.body["message"]
+    finally:
+        _stop(srv, thread, served)
+
+
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
 def test_every_drafter_kind_is_lossless_over_http(kind, embedded_tiny_dir, reference, tmp_path):
     from flax import nnx
