@@ -121,6 +121,25 @@ def _probe_schedule(spec: Spec, st: DecodeState, drafted, a, act, ctl: Control):
             jnp.where(drafted, gap, st.probe_gap).astype(jnp.int32))
 
 
+def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, lengths):
+    """Target probabilities on the packed rows (logits [B, V], each with its slot's settings),
+    then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
+    reads its own packed rows (`pk.dest`); rows beyond its verified length are never read."""
+    r, t = lengths.shape[0], spec.G + 1
+    b = logits.shape[0]
+    slot = jnp.minimum(pk.slot, r - 1)  # padding rows take a real slot's settings (never read)
+    p = sampling_probs(logits, samp.temperature[slot], samp.top_k[slot], samp.top_p[slot], path=path)  # [B, V]
+    p = p[jnp.clip(pk.dest, 0, b - 1)].reshape(r, t, -1)  # [R, G + 1, V]: each row's verified prefix
+    if spec.G:
+        def verify_row(key, d, q_r, p_r, l_r):  # per-row keys: a request's verification is its own
+            acc, out, n = spec.verify(key, d[None], q_r[None], p_r[None], l_r[None])
+            return acc[0], out[0], n[0]
+
+        return jax.vmap(verify_row)(kv, drafts, q, p, lengths)
+    out = jax.vmap(sample)(kv, p[:, 0])[:, None]
+    return jnp.zeros((r,), jnp.int32), out, jnp.ones((r,), jnp.int32)
+
+
 def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     """One speculative round for all R slots -> (DecodeState, RoundOut)."""
     r = st.anchor.shape[0]
@@ -163,28 +182,22 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     toks = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [R, G+1]
     valid = (jnp.arange(G + 1)[None] <= lengths[:, None]) & act[:, None]
 
+    path = sampling_path(*samp, spec.tcfg.vocab_size)  # chosen over the batch's settings, as the draft's
+
     def branch(bk):
-        return lambda cache: verify_forward(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
-                                            feature_layers=spec.feature_layers)
+        def run(cache):
+            vo = verify_forward(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
+                                feature_layers=spec.feature_layers, packed_logits=True)
+            acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, kv, drafts, q, lengths)
+            return vo._replace(logits=None, packing=None), acc, out, n_out
+
+        return run
 
     # the branches only read the cache; the block's K / V are written after the switch (in place:
-    # written inside the branches, the cache was copied whole)
-    vo = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    # written inside the branches, the cache was copied whole). Sampling and rejection run inside
+    # the branch, on the bucket's packed rows: the vocabulary-wide work scales with B, not R (G + 1)
+    vo, acc, out, n_out = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
     vo = vo._replace(cache=write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid), k_new=None, v_new=None)
-    t_samp = jax.tree.map(lambda x: x[:, None], samp)
-    p = sampling_probs(vo.logits, t_samp.temperature, t_samp.top_k, t_samp.top_p)  # [R, G+1, V]
-
-    # 5. rejection sampling (+ bonus)
-    if G:
-        def verify_row(key, d, q_r, p_r, l_r):  # per-row keys: a request's verification is its own
-            acc, out, n = spec.verify(key, d[None], q_r[None], p_r[None], l_r[None])
-            return acc[0], out[0], n[0]
-
-        acc, out, n_out = jax.vmap(verify_row)(kv, drafts, q, p, lengths)
-    else:
-        acc = jnp.zeros((r,), jnp.int32)
-        out = jax.vmap(sample)(kv, p[:, 0])[:, None]
-        n_out = jnp.ones((r,), jnp.int32)
     n_verified = n_out  # accepted drafts + the correction / bonus token
     n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
     acc = jnp.minimum(acc, n_out)

@@ -73,21 +73,24 @@ def unpack(packed, pk: Packing, r: int, t: int):
 
 
 class VerifyOut(NamedTuple):
-    logits: jax.Array  # [R, T, V] float32
+    logits: jax.Array  # [R, T, V] float32 ([bucket, V], packed, with `packed_logits`)
     hidden: jax.Array  # [R, T, H] final normed hidden
     features: jax.Array  # [R, T, m, H] raw outputs of the feature layers (m >= 1; zeros if none asked)
     cache: KVCache | PagedKVCache | None  # verify_packed: K/V written at the valid tokens' positions; lengths unchanged
     k_new: jax.Array | None = None  # verify_forward: the block's K / V [L, R, T, Nkv, D] (cache dtype), not written
     v_new: jax.Array | None = None
+    packing: Packing | None = None  # with `packed_logits`: which packed row holds each [R, T] token
 
 
 def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
-                   feature_layers: tuple[int, ...] = ()) -> VerifyOut:
+                   feature_layers: tuple[int, ...] = (), packed_logits: bool = False) -> VerifyOut:
     """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
 
     Dense work on `bucket` packed tokens; attention on the padded [R, T] view: a row's queries
     attend to its cache keys before `start` (read, never written) and to the valid block keys at
     or before their own column. Returns the block's K / V for `write_block`; `cache` is None.
+    `packed_logits`: logits stay packed ([bucket, V], with the packing), so whatever works on
+    the vocabulary afterwards (sampling, rejection) can scale with the bucket, not R * T.
     """
     r, t = tokens.shape
     s = cache.max_len
@@ -131,6 +134,8 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
     logits = lm_head_logits(h, tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
+    if packed_logits:
+        return VerifyOut(logits, unpack(h, pk, r, t), unpack(features, pk, r, t), None, k_new, v_new, pk)
     return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t), None, k_new, v_new)
 
 

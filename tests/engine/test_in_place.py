@@ -75,9 +75,17 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
     from dspark_jax.engine import round as round_mod
     from dspark_jax.engine.verify import verify_packed
 
-    def written_inside(tp, cfg, cache, tokens, start, valid, *, bucket, feature_layers=()):
+    def written_inside(tp, cfg, cache, tokens, start, valid, *, bucket, feature_layers=(), packed_logits=False):
         vo = verify_packed(tp, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
-        return vo._replace(k_new=vo.cache.k, v_new=vo.cache.v)  # the written cache leaves the switch
+        vo = vo._replace(k_new=vo.cache.k, v_new=vo.cache.v)  # the written cache leaves the switch
+        if packed_logits:  # the packed view the round now asks for
+            from dspark_jax.engine.verify import pack
+
+            pk = pack(tokens, start, valid, bucket, cache.max_len)
+            r, t = valid.shape
+            return vo._replace(logits=vo.logits.reshape(r * t, -1)[:bucket], packing=pk._replace(
+                dest=jnp.arange(r * t, dtype=jnp.int32)))
+        return vo
 
     def write_nothing(cache, k, v, start, valid):
         return cache._replace(k=k, v=v)
