@@ -457,6 +457,48 @@ def _cmd_show(args) -> int:
     return 0
 
 
+def plot_tables(paths, out, *, per_slot: bool = False):
+    """T_verify against B for each table (one line each, named by its file): dashed lines for
+    files named before*, in the colour of the matching after*, so a before / after set reads at a
+    glance. `per_slot`: B / R on the x
+    axis (tables measured at several R on one scale) and times relative to B = R."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    colors: dict[str, str] = {}  # before_X and after_X share a colour
+    for path in paths:
+        d = load_cost_file(path)
+        b = np.asarray(d["buckets"], float)
+        t = 1e3 * np.asarray(d["t_verify"], float)
+        name = Path(path).stem
+        r = int((d.get("engine") or {}).get("num_slots", b[0])) if per_slot else 1
+        x, y = (b / r, t / t[0]) if per_slot else (b, t)
+        before = name.startswith("before")
+        key = name.removeprefix("before").removeprefix("after").strip("_-")
+        color = colors.setdefault(key, f"C{len(colors) % 10}")
+        ax.plot(x, y, "o--" if before else "o-", color=color, alpha=0.6 if before else 1.0, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens verified per slot (B / R)" if per_slot else "tokens verified B")
+    ax.set_ylabel("T_verify(B) / T_verify(R)" if per_slot else "T_verify (ms)")
+    ax.set_title("what B costs: verification time per round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _cmd_plot(args) -> int:
+    print(f"wrote {plot_tables(args.paths, args.out, per_slot=args.per_slot)}")
+    return 0
+
+
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.costs", description=__doc__.split("\n\n")[0])
@@ -477,8 +519,12 @@ def main(argv=None) -> int:
     r.add_argument("--out", default="configs/costs/accelerator_synthetic.json")
     s = sub.add_parser("show", help="print a cost table")
     s.add_argument("path")
+    pl = sub.add_parser("plot", help="plot T_verify against B for cost tables (files named before* dashed)")
+    pl.add_argument("paths", nargs="+")
+    pl.add_argument("--out", required=True, help="PNG to write")
+    pl.add_argument("--per-slot", action="store_true", help="x = B / R, y relative to B = R (tables of several R)")
     args = ap.parse_args(argv)
-    return {"measure": _cmd_measure, "roofline": _cmd_roofline, "show": _cmd_show}[args.cmd](args)
+    return {"measure": _cmd_measure, "roofline": _cmd_roofline, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -177,3 +177,16 @@ def test_measure_cli_on_the_engine(tmp_path):
     assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 0 and d["t_draft"] == 0
     assert d["measured_on"] == MEASURED_ON and [p["active_slots"] for p in d["plan"]] == [1, 2]
     assert d["device_kind"] == jax.devices()[0].device_kind
+
+
+def test_plot_before_and_after(tmp_path):
+    """`costs plot`: one line per table, before* dashed in its after*'s colour; a PNG is written."""
+    from dspark_jax.scheduler.costs import main
+
+    for name, tv in (("before_R4", [1e-3, 1.1e-3, 1.2e-3]), ("after_R4", [0.7e-3, 0.9e-3, 1.2e-3])):
+        save_cost_file(tmp_path / f"{name}.json", BK, tv, 5e-4, backend="cpu", device_kind="cpu", provenance="test")
+    out = tmp_path / "fig" / "curve.png"
+    paths = [str(tmp_path / "before_R4.json"), str(tmp_path / "after_R4.json")]
+    assert main(["plot", *paths, "--out", str(out), "--per-slot"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
