@@ -34,6 +34,7 @@ from dspark_jax.engine.state import FINISH_REASONS, Control, DecodeState
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import PAGE_AXES, PagedKVCache, pages_per_slot
 from dspark_jax.decoding.sampling import SamplingParams
 
@@ -149,7 +150,7 @@ class Engine:
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None,
                  theta: str = "latency", cost: str | None = None, skip_drafting: bool | str = False,
                  probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify, mesh=None,
-                 kv_pages: tuple[int, int] | None = None):
+                 kv_pages: tuple[int, int] | None = None, paged_attention: str = "auto"):
         """`kind` (the drafter's adapter, default from the registry) and `verify` (batched rejection
         sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing).
         `mesh` (a (data, fsdp, tensor) mesh): weights laid out by the rules table, the decode state
@@ -158,7 +159,10 @@ class Engine:
         pool of `num_pages` pages shared by the slots instead of a dense `[R, max_len]` cache;
         the host allocator `self.pages` (engine/page_alloc.py) gives a slot pages as it grows
         and takes them back when its request ends. The drafter's cache (any kind) is paged too,
-        with the same page table: a second pool of its own layers and heads."""
+        with the same page table: a second pool of its own layers and heads.
+        `paged_attention`: how verification reads the target's pages: "auto" (the Pallas kernel
+        on TPU, target/paged_kernel.py; the gathering reference elsewhere), "pallas" (forced:
+        interpret mode off TPU) or "reference"."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
         if mesh is not None:
@@ -190,6 +194,10 @@ class Engine:
                               "a round could not fit; add a bucket of that size")
         self.mode, self.G, self.R, self.S = mode, G, R, S
         self.pages = self._page_allocator(kv_pages)
+        try:
+            self.paged_attention = resolve_impl(paged_attention)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self.gamma = G if gamma is None else int(gamma)
         self.buckets = buckets
         self.prefill_buckets = tuple(sorted(prefill_buckets or _prefill_buckets(S)))
@@ -269,7 +277,8 @@ class Engine:
         if self.pages is None:
             cache = KVCache.create(cfg, R, S, dt)
         else:
-            cache = PagedKVCache.create(cfg, R, S, self.pages.num_pages, self.pages.page_size, dt)
+            cache = PagedKVCache.create(cfg, R, S, self.pages.num_pages, self.pages.page_size, dt,
+                                        impl=self.paged_attention)
         return DecodeState(cache, dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
                            jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0), jnp.int32(0),

@@ -28,7 +28,7 @@ import numpy as np
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kv import PagedKVCache
-from dspark_jax.target.layers import attention_parts, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = ["Packing", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
@@ -100,7 +100,6 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
     x = jnp.take(tp["embed"], pk.tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
     cos, sin = rope_cos_sin(jnp.minimum(pk.pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
     col = jnp.arange(t, dtype=jnp.int32)
-    before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
     causal = (col[None, :] <= col[:, None])[None] & valid[:, None, :]  # block keys [R, T, T]
     gslot = jnp.minimum(pk.slot, r - 1)
     slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
@@ -119,9 +118,9 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
         # the block's keys as the cache would hold them (its dtype), in the padded [R, T] view
         kb = blank.at[pk.slot, pk.col].set(k[0].astype(kv_dtype), mode="drop")
         vb = blank.at[pk.slot, pk.col].set(v[0].astype(kv_dtype), mode="drop")
-        kc, vc = cache.layer_view(ck, cv, li, dtype)  # [R, S, Nkv, D], read only
         qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
-        o = attention_parts(qv, [(kc, vc, before), (kb.astype(dtype), vb.astype(dtype), causal)])  # [R, T, Nq, D]
+        # committed keys (< start) read from the cache in place, the block's own keys beside them
+        o = cache.attend_committed(qv, ck, cv, li, start, [(kb.astype(dtype), vb.astype(dtype), causal)], dtype)
         x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.layers import attention
+from dspark_jax.target.layers import attention, attention_parts
 
 # slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
 CACHE_AXES = (None, "batch", None, "kv_heads", None)
@@ -56,6 +56,14 @@ class KVCache(NamedTuple):
     def layer_view(k_all, v_all, layer, dtype):
         """Layer `layer`'s keys and values [R, S, Nkv, D] in `dtype` (read only)."""
         return k_all[layer].astype(dtype), v_all[layer].astype(dtype)
+
+    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype):
+        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] (read in
+        place) and the key sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax."""
+        kc, vc = self.layer_view(k_all, v_all, layer, dtype)
+        r, t, s = q.shape[0], q.shape[1], k_all.shape[2]
+        before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
+        return attention_parts(q, [(kc, vc, before), *extra])
 
     @staticmethod
     def attend_layer(q, k_all, v_all, layer, mask, dtype):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.layers import attention
+from dspark_jax.target.layers import attention, attention_parts
 
 __all__ = ["PagedKVCache", "NO_PAGE", "paged_attention", "gather_pages", "pages_per_slot"]
 
@@ -66,14 +66,15 @@ class PagedKVCache:
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
     lengths: jax.Array  # [R] int32, committed tokens per slot
     max_len: int  # static: positions per slot (the dense cache's S); writes at >= max_len are dropped
+    impl: str = "reference"  # static: how `attend_committed` reads pages ("reference" gather or "pallas" kernel)
 
     @classmethod
     def create(cls, cfg, num_slots: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
-               num_layers: int | None = None) -> "PagedKVCache":
+               num_layers: int | None = None, impl: str = "reference") -> "PagedKVCache":
         shape = (num_layers or cfg.num_layers, int(num_pages), int(page_size), cfg.num_kv_heads, cfg.head_dim)
         zeros = lambda: constrain(jnp.zeros(shape, dtype), PAGE_AXES)
         table = jnp.full((num_slots, pages_per_slot(max_len, page_size)), NO_PAGE, jnp.int32)
-        return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len))
+        return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len), impl)
 
     @classmethod
     def like(cls, dense, num_pages: int, page_size: int) -> "PagedKVCache":
@@ -82,7 +83,7 @@ class PagedKVCache:
         drafter's cache this way, with the target's page table (both hold the same positions)."""
         layers, r, s, nkv, d = dense.k.shape
         cfg = type("CacheShape", (), dict(num_layers=layers, num_kv_heads=nkv, head_dim=d))
-        return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype)
+        return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype)  # drafters read by the reference
 
     @property
     def page_size(self) -> int:
@@ -132,10 +133,27 @@ class PagedKVCache:
         view = jax.vmap(lambda pages: gather_pages(pages, self.page_table, self.max_len))
         return view(self.k), view(self.v)
 
+    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype):
+        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
+        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax. "pallas": the kernel reads
+        the pages in place (target/paged_kernel.py) and the extra keys join through their
+        log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it."""
+        if self.impl != "pallas":
+            kc, vc = self.layer_view(k_all, v_all, layer, dtype)
+            r, t = q.shape[:2]
+            before = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32)[None, None, :] < start[:, None, None],
+                                      (r, t, self.max_len))
+            return attention_parts(q, [(kc, vc, before), *extra])
+        from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse
+
+        parts = [paged_attention_lse(q, k_all, v_all, self.page_table, start, start, layer=layer)]
+        parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
+        return merge_parts(parts).astype(dtype)
+
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype):
         """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]."""
         return paged_attention(q, k_all[layer], v_all[layer], self.page_table, mask, dtype)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table", "lengths"],
-                                 meta_fields=["max_len"])
+                                 meta_fields=["max_len", "impl"])

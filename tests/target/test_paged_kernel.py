@@ -1,0 +1,120 @@
+"""The Pallas paged-attention kernel (target/paged_kernel.py) in interpret mode against the
+reference (gather the row's pages, dense attention): shuffled page tables, rows with fewer pages
+than positions and with no visible key, queries at several positions, a layer of the whole pool
+read in place, the merge with a block of new keys, and the engine's verification through it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse, resolve_impl
+from dspark_jax.target.paged_kv import NO_PAGE, gather_pages, pages_per_slot
+
+
+def _case(rng, page_size, r=4, s=13, t=3, nkv=2, g=2, d=8, layers=1):
+    m = pages_per_slot(s, page_size)
+    kv_len = np.array([s, 6, 0, 3])[:r]  # row 2 sees no key at all
+    owned = [-(-int(n) // page_size) for n in kv_len]
+    num_pages = sum(owned) + 2  # spare pages hold garbage that must never be read
+    perm = rng.permutation(num_pages)
+    table = np.full((r, m), NO_PAGE, np.int32)
+    k = 0
+    for i, n in enumerate(owned):
+        table[i, :n] = perm[k: k + n]
+        k += n
+    pool = lambda: jnp.asarray(rng.normal(size=(layers, num_pages, page_size, nkv, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
+    q_start = np.array([s - t, 4, 0, 1])[:r]  # query t of row r sits at q_start[r] + t
+    return q, pool(), pool(), table, kv_len, q_start
+
+
+def _reference_mask(kv_len, q_start, s, t):
+    pos = np.arange(s)
+    qpos = q_start[:, None] + np.arange(t)[None]
+    return (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 5])
+def test_kernel_equals_gathered_attention(page_size):
+    rng = np.random.default_rng(page_size)
+    q, kp, vp, table, kv_len, q_start = _case(rng, page_size, layers=2)
+    s, t = 13, q.shape[1]
+    mask = _reference_mask(kv_len, q_start, s, t)
+    for layer in (0, 1):
+        out, lse = paged_attention_lse(q, kp, vp, jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start),
+                                       layer=layer)
+        k, v = (gather_pages(x[layer], jnp.asarray(table), s) for x in (kp, vp))
+        want = np.asarray(attention(q, k, v, jnp.asarray(mask)))
+        _, want_lse = attention_lse(q, k, v, jnp.asarray(mask))
+        seen = mask.any(-1)  # [R, T]: queries that see a key
+        np.testing.assert_allclose(np.asarray(out)[seen], want[seen], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-5, atol=2e-5)
+        assert (np.asarray(out)[~seen] == 0).all() and seen.sum() < seen.size  # row 2: nothing seen, output 0
+    # one layer's pages [P, ps, Nkv, D] without the layer axis: the same
+    out0, _ = paged_attention_lse(q, kp[0], vp[0], jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start))
+    out_l0, _ = paged_attention_lse(q, kp, vp, jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start), layer=0)
+    np.testing.assert_array_equal(np.asarray(out0), np.asarray(out_l0))
+
+
+def test_merge_with_a_block_equals_one_softmax():
+    """Committed keys from the pages plus a block of new keys, merged through their log-sum-exp,
+    equal `attention_parts` over both (what the verification computes)."""
+    rng = np.random.default_rng(7)
+    q, kp, vp, table, kv_len, _ = _case(rng, 4)
+    r, t, nq, d = q.shape
+    start = kv_len  # the verification: every committed key visible to every query of the block
+    kb = jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32)
+    vb = jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32)
+    causal = jnp.asarray(np.broadcast_to(np.tril(np.ones((t, t), bool)), (r, t, t)))
+    got = merge_parts([paged_attention_lse(q, kp, vp, jnp.asarray(table), jnp.asarray(start), jnp.asarray(start),
+                                           layer=0), attention_lse(q, kb, vb, causal)])
+    k, v = (gather_pages(x[0], jnp.asarray(table), 13) for x in (kp, vp))
+    before = jnp.asarray(np.broadcast_to(np.arange(13)[None, None] < start[:, None, None], (r, t, 13)))
+    want = attention_parts(q, [(k, v, before), (kb, vb, causal)])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_a_kernel_that_ignores_the_page_table_is_caught():
+    """The comparison above catches a kernel reading pages in pool order instead of the table's."""
+    rng = np.random.default_rng(3)
+    q, kp, vp, table, kv_len, q_start = _case(rng, 4)
+    in_order = np.where(table >= 0, np.arange(table.size).reshape(table.shape) % kp.shape[1], NO_PAGE)
+    out, _ = paged_attention_lse(q, kp, vp, jnp.asarray(in_order.astype(np.int32)), jnp.asarray(kv_len),
+                                 jnp.asarray(q_start), layer=0)
+    k, v = (gather_pages(x[0], jnp.asarray(table), 13) for x in (kp, vp))
+    want = np.asarray(attention(q, k, v, jnp.asarray(_reference_mask(kv_len, q_start, 13, q.shape[1]))))
+    assert not np.allclose(np.asarray(out)[0], want[0], atol=1e-3)
+
+
+def test_resolve_impl():
+    assert resolve_impl("auto") == "reference"  # these tests run on CPU
+    assert resolve_impl("pallas") == "pallas"
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_impl("flash")
+
+
+def test_engine_verification_through_the_kernel():
+    """The engine with paged KV read by the kernel (interpret mode) gives the dense engine's
+    greedy tokens, target-only and with a DSpark drafter."""
+    from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.engine import Engine, EngineError
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 17, 5)]
+    greedy = SamplingParams(0.0, 0, 1.0)
+    for d in (None, tiny_drafter("dspark", target, gamma=3)):
+        g = 0 if d is None else 3
+        kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,))
+        want = [r.tokens for r in Engine(target, d, **kw).generate(prompts, max_new_tokens=10, sampling=greedy).results]
+        eng = Engine(target, d, kv_pages=(24, 4), paged_attention="pallas", **kw)
+        assert eng.init_state().cache.impl == "pallas"
+        got = [r.tokens for r in eng.generate(prompts, max_new_tokens=10, sampling=greedy).results]
+        assert got == want
+    with pytest.raises(EngineError, match="not one of"):
+        Engine(target, None, num_slots=2, max_len=40, kv_pages=(24, 4), paged_attention="flash")
