@@ -66,7 +66,7 @@ class KVCache(NamedTuple):
         return attention_parts(q, [(kc, vc, before), *extra])
 
     @staticmethod
-    def attend_layer(q, k_all, v_all, layer, mask, dtype):
+    def attend_layer(q, k_all, v_all, layer, mask, dtype, positions=None):
         """Attention of q [R, T, Nq, D] against layer `layer` of the stacked cache, mask [R, T, S]
         (the paged cache, target/paged_kv.py, has the same method: forwards call only these)."""
         return attention(q, k_all[layer].astype(dtype), v_all[layer].astype(dtype), mask)

@@ -150,8 +150,17 @@ class PagedKVCache:
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
         return merge_parts(parts).astype(dtype)
 
-    def attend_layer(self, q, k_all, v_all, layer, mask, dtype):
-        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]."""
+    def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None):
+        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len].
+        With the "pallas" impl and `positions` [R, T] (each row's queries at consecutive positions,
+        as a forward over new tokens has them; the mask then being keys <= the query's position)
+        the kernel reads the pages in place instead of the mask."""
+        if self.impl == "pallas" and positions is not None:
+            from dspark_jax.target.paged_kernel import paged_attention_lse
+
+            start = positions[:, 0].astype(jnp.int32)
+            out, _ = paged_attention_lse(q, k_all, v_all, self.page_table, start + q.shape[1], start, layer=layer)
+            return out.astype(dtype)
         return paged_attention(q, k_all[layer], v_all[layer], self.page_table, mask, dtype)
 
 

@@ -180,7 +180,7 @@ class TargetModel(nnx.Module):
                     out = attention(q, k, v, mask)
             else:
                 kv = cache.write_layer_at(kv[0], kv[1], li, rows, write_pos, k, v)  # dense or paged
-                out = cache.attend_layer(q, kv[0], kv[1], li, mask, dtype)
+                out = cache.attend_layer(q, kv[0], kv[1], li, mask, dtype, positions=positions)
             x = constrain(finish_layer(p, x, out, cfg), ("batch", "seq", "act_embed"))
             if m:
                 idx = jnp.maximum(slot, 0)

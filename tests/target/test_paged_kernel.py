@@ -96,9 +96,33 @@ def test_resolve_impl():
         resolve_impl("flash")
 
 
+def test_target_prefill_through_the_kernel():
+    """The target's forward over a paged cache (a prompt chunk, then a second chunk after it)
+    reads the pages through the kernel when the cache says "pallas": its logits equal the
+    reference's."""
+    from dspark_jax.target.paged_kv import PagedKVCache
+    from dspark_jax.testing.tiny import tiny_config, tiny_target
+
+    target = tiny_target(tiny_config(vocab_size=32, hidden_size=32, num_layers=2), logit_scale=1.0)
+    table = np.array([[4, 0, 7, NO_PAGE], [2, 5, 1, 3]], np.int32)
+    out = {}
+    for impl in ("reference", "pallas"):
+        cache = PagedKVCache.create(target.cfg, 2, 16, 8, 4, impl=impl).with_page_table(table)
+        logits = []
+        for start, n in ((0, 6), (6, 3)):
+            toks = jnp.asarray(np.random.default_rng(start).integers(0, 32, (2, n)))
+            pos = jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (2, n))
+            fo = target(toks, positions=pos, valid=jnp.ones((2, n), bool), cache=cache)
+            cache = fo.cache.with_lengths(jnp.full((2,), start + n, jnp.int32))
+            logits.append(np.asarray(fo.logits))
+        out[impl] = logits
+    for a, b in zip(out["reference"], out["pallas"]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
 def test_engine_verification_through_the_kernel():
-    """The engine with paged KV read by the kernel (interpret mode) gives the dense engine's
-    greedy tokens, target-only and with a DSpark drafter."""
+    """The engine with paged KV read by the kernel (interpret mode: prefill and verification)
+    gives the dense engine's greedy tokens, target-only and with a DSpark drafter."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine, EngineError
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
