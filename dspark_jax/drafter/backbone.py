@@ -203,10 +203,18 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
     keep = jnp.ones((r, 1), bool)
     cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
 
+    # a paged cache read by the Pallas kernel: context keys < anchor in place, the block's own keys
+    # merged through their log-sum-exp (no sliding window there: the kernel has no lower bound)
+    kernel = getattr(cache, "impl", "reference") == "pallas" and window is None
+    whole_block = jnp.ones((r, gamma, gamma), bool)
+
     def body(x, layer):
         p, li = layer
-        ck, cv = cache.layer_view(cache.k, cache.v, li, dtype)  # a paged cache gathers the row's pages
         q, k, v = project_qkv(p, x, cos, sin, cfg)
+        if kernel:
+            out = cache.attend_committed(q, cache.k, cache.v, li, anchor_pos, [(k, v, whole_block)], dtype)
+            return finish_layer(p, x, out, cfg), None
+        ck, cv = cache.layer_view(cache.k, cache.v, li, dtype)  # a paged cache gathers the row's pages
         out = block_attention(q[:, None], ck, cv, k[:, None], v[:, None], cmask, keep)
         return finish_layer(p, x, out[:, 0], cfg), None
 

@@ -296,9 +296,12 @@ def cached_attention(cache, q, k, v, positions, valid):
     before = jnp.arange(cache.max_len)[None, None, :] < positions[:, :1, None]
     block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
     dt = cache.k.dtype
-    ck, cv = cache.layer_view(cache.k, cache.v, 0, q.dtype)  # a paged cache gathers the row's pages
-    out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))),
-                              (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)])
+    own = (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)
+    if getattr(cache, "impl", "reference") == "pallas":  # pages read in place by the kernel
+        out = cache.attend_committed(q, cache.k, cache.v, 0, positions[:, 0], [own], q.dtype)
+    else:
+        ck, cv = cache.layer_view(cache.k, cache.v, 0, q.dtype)  # a paged cache gathers the row's pages
+        out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))), own])
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     ck, cv = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
     return out, cache._replace(k=ck, v=cv)

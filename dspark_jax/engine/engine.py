@@ -270,7 +270,7 @@ class Engine:
             else:  # the drafter's cache paged like the target's (same positions, same page table)
                 dense, _ = jax.eval_shape(lambda: self.kind.init_decode(self.spec, self.drafter, R, S, dt))
                 _, last = self.kind.init_decode(self.spec, self.drafter, R, 1, dt)
-                dcache = PagedKVCache.like(dense, self.pages.num_pages, self.pages.page_size)
+                dcache = PagedKVCache.like(dense, self.pages.num_pages, self.pages.page_size, self.paged_attention)
         else:
             dcache, last = KVCache.create(cfg, R, 1, dt, num_layers=1), jnp.zeros((R, 1), dt)
         zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated

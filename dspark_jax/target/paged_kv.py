@@ -77,13 +77,13 @@ class PagedKVCache:
         return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len), impl)
 
     @classmethod
-    def like(cls, dense, num_pages: int, page_size: int) -> "PagedKVCache":
+    def like(cls, dense, num_pages: int, page_size: int, impl: str = "reference") -> "PagedKVCache":
         """The paged twin of a dense cache (or its `jax.eval_shape`) [L, R, S, Nkv, D]: same layers,
         heads, dtype, slots and max_len, `num_pages` pages of `page_size`. The engine pages the
         drafter's cache this way, with the target's page table (both hold the same positions)."""
         layers, r, s, nkv, d = dense.k.shape
         cfg = type("CacheShape", (), dict(num_layers=layers, num_kv_heads=nkv, head_dim=d))
-        return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype)  # drafters read by the reference
+        return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype, impl=impl)
 
     @property
     def page_size(self) -> int:

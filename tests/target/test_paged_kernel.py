@@ -121,8 +121,9 @@ def test_target_prefill_through_the_kernel():
 
 
 def test_engine_verification_through_the_kernel():
-    """The engine with paged KV read by the kernel (interpret mode: prefill and verification)
-    gives the dense engine's greedy tokens, target-only and with a DSpark drafter."""
+    """The engine with paged KV read by the kernel (interpret mode: prefill, verification and
+    the drafters' cached attention) gives the dense engine's greedy tokens, target-only and with
+    DSpark, Eagle3 and MTP-1 drafters."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine, EngineError
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
@@ -132,12 +133,16 @@ def test_engine_verification_through_the_kernel():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 17, 5)]
     greedy = SamplingParams(0.0, 0, 1.0)
-    for d in (None, tiny_drafter("dspark", target, gamma=3)):
-        g = 0 if d is None else 3
-        kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,))
+    for kind in (None, "dspark", "eagle3", "mtp1"):
+        d = None if kind is None else tiny_drafter(kind, target, gamma=3)
+        assert kind != "dspark" or d.dcfg.sliding_window is None  # (a window falls back to the gather)
+        g = {None: 0, "mtp1": 1}.get(kind, 3)
+        kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,),
+                  **(dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}))
         want = [r.tokens for r in Engine(target, d, **kw).generate(prompts, max_new_tokens=10, sampling=greedy).results]
         eng = Engine(target, d, kv_pages=(24, 4), paged_attention="pallas", **kw)
-        assert eng.init_state().cache.impl == "pallas"
+        st = eng.init_state()
+        assert st.cache.impl == "pallas" and (kind is None or st.dcache.impl == "pallas")
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=10, sampling=greedy).results]
         assert got == want
     with pytest.raises(EngineError, match="not one of"):
