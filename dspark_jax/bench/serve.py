@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
+    from dspark_jax.cli import add_kv_pages_argument
+
+    add_kv_pages_argument(ap)
     ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
     args = ap.parse_args(argv)
     import openai
@@ -162,11 +165,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
+    peak_pages: dict = {}
     slots = args.slots or max(args.concurrency)
     for name, drafter, policy in configs:
         kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated,
                                                 skip_drafting=args.skip_drafting if policy in SCHEDULED_POLICIES else False)
-        app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots, **kw)
+        app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
+                            kv_pages=args.kv_pages, **kw)
         server, thread, port = serve_in_thread(app)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
         try:
@@ -184,6 +189,8 @@ def main(argv=None) -> int:
             server.should_exit = True
             thread.join(60)
             served.loop.stop()
+            if served.loop.engine.pages is not None:
+                peak_pages[name] = served.loop.engine.pages.peak
     base = {lv["concurrency"]: lv["throughput"] for lv in results["target-only"]}
     for name, levels in results.items():
         if name != "target-only":
@@ -191,7 +198,8 @@ def main(argv=None) -> int:
                   ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
     meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
-            "configs": {name: {"drafter": d, "policy": pol} for name, d, pol in configs}}
+            "configs": {name: {"drafter": d, "policy": pol} for name, d, pol in configs},
+            "kv_pages": args.kv_pages, "peak_pages": peak_pages or None}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "pareto.png")
     print(f"[bench serve] {out / 'results.json'}, {out / 'pareto.png'}")

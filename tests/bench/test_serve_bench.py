@@ -14,8 +14,13 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
 
     assert main(["--target", str(embedded_tiny_dir), "--drafter", f"dspark={tiny_dspark_drafter_dir}",
                  "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8", "--num-prompts", "4",
-                 "--max-len", "128", "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "results.json").read_text())["results"]
+                 "--max-len", "128", "--kv-pages", "12,16", "--out", str(tmp_path)]) == 0
+    whole = json.loads((tmp_path / "results.json").read_text())
+    res = whole["results"]
+    # paged KV (12 pages of 16 tokens, half of 3 slots x 128): both configurations used the pool
+    assert whole["meta"]["kv_pages"] == [12, 16]
+    assert set(whole["meta"]["peak_pages"]) == {"target-only", "dspark"}
+    assert all(0 < p <= 12 for p in whole["meta"]["peak_pages"].values())
     assert list(res) == ["target-only", "dspark"]
     for levels in res.values():
         assert [lv["concurrency"] for lv in levels] == [1, 3]
