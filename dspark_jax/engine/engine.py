@@ -160,9 +160,9 @@ class Engine:
         the host allocator `self.pages` (engine/page_alloc.py) gives a slot pages as it grows
         and takes them back when its request ends. The drafter's cache (any kind) is paged too,
         with the same page table: a second pool of its own layers and heads.
-        `paged_attention`: how verification reads the target's pages: "auto" (the Pallas kernel
-        on TPU, target/paged_kernel.py; the gathering reference elsewhere), "pallas" (forced:
-        interpret mode off TPU) or "reference"."""
+        `paged_attention`: how prefill, verification and the drafters read the pages: "auto" (the
+        Pallas kernel on TPU, target/paged_kernel.py; the gathering reference elsewhere),
+        "pallas" (forced: interpret mode off TPU) or "reference"."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
         if mesh is not None:
