@@ -5,7 +5,7 @@
 - verify.py: the target's verification forward, packed dense work + padded attention view.
 - policy.py: verification-length policies (fixed, threshold, scheduler variants).
 - round.py: prefill, the one compiled round, the while loop of rounds.
-- page_alloc.py: the host-side page allocator of the paged target KV cache (Engine(kv_pages=...)).
+- page_alloc.py: the host-side page allocator of the paged KV caches (Engine(kv_pages=...)).
 - engine.py: the Engine class (continuous batching, Python API), measure_accepted_length.
 - generate.py: `python -m dspark_jax.generate`.
 """
