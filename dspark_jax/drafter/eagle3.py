@@ -290,21 +290,23 @@ def cached_attention(cache, q, k, v, positions, valid):
     overwritten, as long as writes start at `lengths`.
     """
     r, t = q.shape[:2]
-    # the cache is read in place (keys before this call's first position) beside the new keys
-    # themselves, then written: attending to the written cache made XLA copy it every draft step
+    # the new keys are written first and the attention then reads the written cache, masked to the
+    # keys before this call's first position (what was written there is masked out), beside the new
+    # keys themselves: read before the write, the cache was copied whole around the scatter (XLA
+    # kept the original buffer alive for the read)
     col = jnp.arange(t, dtype=jnp.int32)
     before = jnp.arange(cache.max_len)[None, None, :] < positions[:, :1, None]
     block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
     dt = cache.k.dtype
     own = (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)
-    if getattr(cache, "impl", "reference") == "pallas":  # pages read in place by the kernel
-        out = cache.attend_committed(q, cache.k, cache.v, 0, positions[:, 0], [own], q.dtype)
-    else:
-        ck, cv = cache.layer_view(cache.k, cache.v, 0, q.dtype)  # a paged cache gathers the row's pages
-        out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))), own])
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
-    ck, cv = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
-    return out, cache._replace(k=ck, v=cv)
+    k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
+    if getattr(cache, "impl", "reference") == "pallas":  # pages read in place by the kernel
+        out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype)
+    else:
+        ck, cv = cache.layer_view(k_all, v_all, 0, q.dtype)  # a paged cache gathers the row's pages
+        out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))), own])
+    return out, cache._replace(k=k_all, v=v_all)
 
 
 def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig):
