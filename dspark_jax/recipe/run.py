@@ -129,7 +129,8 @@ def _ci(r) -> str:
 def report_markdown(s: dict) -> str:
     kinds = s["kinds"]
     lines = [f"# Recipe `{s['recipe']}`", "", s["notes"], "", f"Target: `{s['target']}`", "", "## Training", "",
-             "| drafter | steps | held-out expected tau [95% CI] | measured tau | wall |", "|---|---|---|---|---|"]
+             "| drafter | steps | held-out expected tau [95% CI] | measured tau | wall of its last run (a resumed run "
+             "counts only itself) |", "|---|---|---|---|---|"]
     for k in kinds:
         t = s["train"].get(k)
         if t:
