@@ -32,7 +32,7 @@ from flax import nnx
 from dspark_jax.drafter.frozen import Frozen, attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, attention_parts, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
 from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
@@ -295,17 +295,12 @@ def cached_attention(cache, q, k, v, positions, valid):
     # keys themselves: read before the write, the cache was copied whole around the scatter (XLA
     # kept the original buffer alive for the read)
     col = jnp.arange(t, dtype=jnp.int32)
-    before = jnp.arange(cache.max_len)[None, None, :] < positions[:, :1, None]
     block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
     dt = cache.k.dtype
     own = (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
-    if getattr(cache, "impl", "reference") == "pallas":  # pages read in place by the kernel
-        out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype)
-    else:
-        ck, cv = cache.layer_view(k_all, v_all, 0, q.dtype)  # a paged cache gathers the row's pages
-        out = attention_parts(q, [(ck, cv, jnp.broadcast_to(before, (r, t, cache.max_len))), own])
+    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype)  # dense, paged or kernel
     return out, cache._replace(k=k_all, v=v_all)
 
 

@@ -18,6 +18,14 @@ from dspark_jax.target.layers import attention, attention_parts
 CACHE_AXES = (None, "batch", None, "kv_heads", None)
 
 
+def attend_before(q, k, v, start, extra):
+    """q [R, T, Nq, D] over the keys k, v [R, S, Nkv, D] at positions < start [R] and the key sets
+    in `extra`, one softmax (`attention_parts`): what both caches' `attend_committed` compute."""
+    r, t, s = q.shape[0], q.shape[1], k.shape[1]
+    before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
+    return attention_parts(q, [(k, v, before), *extra])
+
+
 class KVCache(NamedTuple):
     k: jnp.ndarray  # [num_layers, R, S, num_kv_heads, head_dim]
     v: jnp.ndarray  # same
@@ -60,10 +68,7 @@ class KVCache(NamedTuple):
     def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] (read in
         place) and the key sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax."""
-        kc, vc = self.layer_view(k_all, v_all, layer, dtype)
-        r, t, s = q.shape[0], q.shape[1], k_all.shape[2]
-        before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
-        return attention_parts(q, [(kc, vc, before), *extra])
+        return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype), start, extra)
 
     @staticmethod
     def attend_layer(q, k_all, v_all, layer, mask, dtype, positions=None):

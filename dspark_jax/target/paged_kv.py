@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.target.kv_cache import attend_before
+from dspark_jax.target.layers import attention
 
 __all__ = ["PagedKVCache", "NO_PAGE", "paged_attention", "gather_pages", "pages_per_slot"]
 
@@ -139,11 +140,7 @@ class PagedKVCache:
         the pages in place (target/paged_kernel.py) and the extra keys join through their
         log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it."""
         if self.impl != "pallas":
-            kc, vc = self.layer_view(k_all, v_all, layer, dtype)
-            r, t = q.shape[:2]
-            before = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32)[None, None, :] < start[:, None, None],
-                                      (r, t, self.max_len))
-            return attention_parts(q, [(kc, vc, before), *extra])
+            return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype), start, extra)
         from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse
 
         parts = [paged_attention_lse(q, k_all, v_all, self.page_table, start, start, layer=layer)]
