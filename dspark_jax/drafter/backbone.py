@@ -158,7 +158,7 @@ def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *
     return h.reshape(b, a, g, -1)
 
 
-def update_context(params: dict, cfg: ModelConfig, cache, features, positions, valid):
+def update_context(params: dict, cfg: ModelConfig, cache, features, positions, valid, rows=None):
     """Write the context K/V of new target features into the drafter cache (a dense `KVCache`
     or a `PagedKVCache`: only their shared interface is used).
 
@@ -167,13 +167,15 @@ def update_context(params: dict, cfg: ModelConfig, cache, features, positions, v
     K/V ever enter this cache (block K/V are never stored), so it needs no rollback: a
     block only reads positions < its anchor. `lengths` is set to one past the last
     position written in this call for rows with any valid token (others unchanged);
-    `draft_hidden` does not read it.
+    `draft_hidden` does not read it. `rows` [K]: the inputs' rows are those slots (a prefill
+    chunk; rows >= R are dropped).
     """
     r, t = positions.shape
     ctx = fuse_context(params, features, cfg)
     cos, sin = rope_cos_sin(positions, _inv_freq(cfg))
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
-    rows = jnp.arange(r)[:, None]
+    slots = jnp.arange(r, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
+    rows = slots[:, None]
 
     def body(kv, layer):
         p, li = layer
@@ -183,7 +185,8 @@ def update_context(params: dict, cfg: ModelConfig, cache, features, positions, v
     layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
     (k, v), _ = jax.lax.scan(body, (cache.k, cache.v), (params["layers"], layer_ids))
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1).astype(jnp.int32)
-    lengths = jnp.where(valid.any(axis=1), end, cache.lengths)
+    n = cache.lengths.shape[0]
+    lengths = cache.lengths.at[jnp.where(valid.any(axis=1), slots, n)].set(end, mode="drop")
     return cache._replace(k=k, v=v, lengths=lengths)
 
 

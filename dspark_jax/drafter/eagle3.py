@@ -281,13 +281,14 @@ def create_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype=jnp.float
     return KVCache.create(cfg, num_slots, max_len, dtype, num_layers=1)
 
 
-def cached_attention(cache, q, k, v, positions, valid):
+def cached_attention(cache, q, k, v, positions, valid, rows=None):
     """Write k/v [R,T,Nkv,D] of valid tokens at `positions` into the one-layer cache (a dense
     `KVCache` or a `PagedKVCache`), attend causally.
 
     Keys at cache index <= the query's position are seen (committed ones and those written
     in this call); what lies beyond `lengths` from earlier calls is never read before being
-    overwritten, as long as writes start at `lengths`.
+    overwritten, as long as writes start at `lengths`. `rows` [K]: the inputs' rows are those
+    slots (a prefill chunk; rows >= R write nothing).
     """
     r, t = q.shape[:2]
     # the new keys are written first and the attention then reads the written cache, masked to the
@@ -299,30 +300,50 @@ def cached_attention(cache, q, k, v, positions, valid):
     dt = cache.k.dtype
     own = (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
-    k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, jnp.arange(r)[:, None], write, k, v)
-    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype)  # dense, paged or kernel
+    slots = jnp.arange(r)[:, None] if rows is None else jnp.asarray(rows, jnp.int32)[:, None]
+    k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, slots, write, k, v)
+    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype, rows=rows)  # dense, paged or kernel
     return out, cache._replace(k=k_all, v=v_all)
 
 
-def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig):
+def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig, rows=None):
     """One pass of the layer over [R, T] inputs with the cache -> (pre-norm output, cache)."""
     p = params["layer"]
     cos, sin = _rope(positions, cfg)
     q, k, v = _qkv(p, _embed(params, tokens), h, cos, sin, cfg)
-    out, cache = cached_attention(cache, q, k, v, positions, valid)
+    out, cache = cached_attention(cache, q, k, v, positions, valid, rows)
     return finish_layer(p, h, out, cfg), cache
 
 
-def eagle3_update(params, cache: KVCache, feats, tokens, valid=None, *, cfg: ModelConfig) -> KVCache:
+def commit_positions(cache: KVCache, t: int, rows=None, at=None):
+    """Where a commit of T entries per row writes: positions [R, T] from `at` [R] (default the
+    rows' `lengths`)."""
+    if at is None:
+        at = cache.lengths if rows is None else cache.lengths[jnp.minimum(rows, cache.lengths.shape[0] - 1)]
+    return at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def committed(cache: KVCache, positions, valid, rows=None) -> KVCache:
+    """The cache with `lengths` one past each row's commit (positions [R, T], valid a prefix);
+    with `rows` [K] only those slots move (rows >= R: none)."""
+    end = positions[:, 0] + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    if rows is None:
+        return cache.with_lengths(end)
+    return cache.with_lengths(cache.lengths.at[jnp.asarray(rows, jnp.int32)].set(end, mode="drop"))
+
+
+def eagle3_update(params, cache: KVCache, feats, tokens, valid=None, *, cfg: ModelConfig, rows=None,
+                  at=None) -> KVCache:
     """Commit target features of new positions: feats [R, T, m, H] at positions lengths..,
     tokens [R, T] the token after each feature's position; valid [R, T] a prefix per row.
-    Returns the cache with `lengths` advanced by the valid count."""
+    Returns the cache with `lengths` advanced by the valid count. `rows` [K]: the inputs are
+    those slots' (rows >= R: unused); `at` [K]: their first position (default `lengths`)."""
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    _, cache = _layer_step(params, cache, _fuse(params, feats, cfg), tokens, positions, valid, cfg)
-    return cache.with_lengths(cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
+    positions = commit_positions(cache, t, rows, at)
+    _, cache = _layer_step(params, cache, _fuse(params, feats, cfg), tokens, positions, valid, cfg, rows)
+    return committed(cache, positions, valid, rows)
 
 
 def eagle3_prefill(params, cache: KVCache, feats, tokens, valid=None, *, cfg: ModelConfig) -> KVCache:

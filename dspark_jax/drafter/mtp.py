@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.drafter.eagle3 import _Layer, _cast, _frozen_head, _normal, _rope, cached_attention, create_cache
+from dspark_jax.drafter.eagle3 import (_Layer, _cast, _frozen_head, _normal, _rope, cached_attention, commit_positions,
+                                       committed, create_cache)
 from dspark_jax.drafter.frozen import attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
@@ -124,24 +125,26 @@ def mtp_loss(logits, tokens, loss_mask, *, target_logits=None, soft_weight: floa
     return loss
 
 
-def _layer_step(params, cache, hidden, next_tokens, positions, valid, cfg: ModelConfig):
+def _layer_step(params, cache, hidden, next_tokens, positions, valid, cfg: ModelConfig, rows=None):
     p = params["layer"]
     x = _inputs(params, hidden, next_tokens, cfg)
     cos, sin = _rope(positions, cfg)
     q, k, v = project_qkv(p, x, cos, sin, cfg)
-    out, cache = cached_attention(cache, q, k, v, positions, valid)
+    out, cache = cached_attention(cache, q, k, v, positions, valid, rows)
     return finish_layer(p, x, out, cfg), cache
 
 
-def mtp_update(params, cache: KVCache, hidden, tokens, valid=None, *, cfg: ModelConfig) -> KVCache:
+def mtp_update(params, cache: KVCache, hidden, tokens, valid=None, *, cfg: ModelConfig, rows=None,
+               at=None) -> KVCache:
     """Commit hidden [R, T, H] of new positions lengths.. with tokens [R, T] (the token after
-    each position); valid [R, T] a prefix per row. Advances `lengths` by the valid count."""
+    each position); valid [R, T] a prefix per row. Advances `lengths` by the valid count.
+    `rows` / `at`: as `eagle3_update` (a prefill chunk of some slots)."""
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    _, cache = _layer_step(params, cache, hidden, tokens, positions, valid, cfg)
-    return cache.with_lengths(cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
+    positions = commit_positions(cache, t, rows, at)
+    _, cache = _layer_step(params, cache, hidden, tokens, positions, valid, cfg, rows)
+    return committed(cache, positions, valid, rows)
 
 
 def mtp_prefill(params, cache: KVCache, hidden, tokens, valid=None, *, cfg: ModelConfig) -> KVCache:

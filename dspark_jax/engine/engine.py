@@ -29,7 +29,7 @@ from dspark_jax.drafter.frozen import TargetMismatchError, check_target
 from dspark_jax.engine.page_alloc import OutOfPagesError, PageAllocator
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.policy import SCHEDULED, get_policy
-from dspark_jax.engine.round import draft_part, prefill, round_step, run_rounds
+from dspark_jax.engine.round import admit, draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.state import FINISH_REASONS, Control, DecodeState
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.engine.verify import target_arrays
@@ -112,9 +112,10 @@ def kind_of_drafter(drafter):
         raise EngineError(str(e)) from None
 
 
-def default_buckets(R: int, G: int) -> tuple[int, ...]:
-    """Verification bucket sizes (tokens): R, 2R, 4R, ... and R * (G + 1) (every round fits)."""
-    top = R * (G + 1)
+def default_buckets(R: int, G: int, prefill_chunk: int = 0) -> tuple[int, ...]:
+    """Verification bucket sizes (tokens): R, 2R, 4R, ... and R * (G + 1) + prefill_chunk (every
+    round fits, with a whole prompt chunk beside it)."""
+    top = R * (G + 1) + int(prefill_chunk)
     out, b = {top}, R
     while b < top:
         out.add(b)
@@ -150,7 +151,8 @@ class Engine:
                  buckets=None, prefill_buckets=None, policy="fixed", table=None, layer_ids=None,
                  theta: str = "latency", cost: str | None = None, skip_drafting: bool | str = False,
                  probe_every: int = 8, probe_max: int = 64, kind=None, verify=rejection.verify, mesh=None,
-                 kv_pages: tuple[int, int] | None = None, paged_attention: str = "auto"):
+                 kv_pages: tuple[int, int] | None = None, paged_attention: str = "auto",
+                 prefill_chunk: int | None = None, prefill_rows: int = 4):
         """`kind` (the drafter's adapter, default from the registry) and `verify` (batched rejection
         sampling) are injection points for tests of deliberately broken variants (dspark_jax.testing).
         `mesh` (a (data, fsdp, tensor) mesh): weights laid out by the rules table, the decode state
@@ -162,7 +164,13 @@ class Engine:
         with the same page table: a second pool of its own layers and heads.
         `paged_attention`: how prefill, verification and the drafters read the pages: "auto" (the
         Pallas kernel on TPU, target/paged_kernel.py; the gathering reference elsewhere),
-        "pallas" (forced: interpret mode off TPU) or "reference"."""
+        "pallas" (forced: interpret mode off TPU) or "reference".
+        `prefill_chunk=C`: a request that joins while others run is not prefilled in a call of its
+        own (which stalls every running request for the whole prompt): its prompt goes into the
+        state and each round forwards up to C of its tokens, packed into the same target forward
+        as the others' verification (at most `prefill_rows` joining slots per round, earliest
+        first; the default buckets get room for a whole chunk). Requests that start on an idle
+        engine are still prefilled whole (nobody waits)."""
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
         if mesh is not None:
@@ -188,7 +196,11 @@ class Engine:
         R, S = int(num_slots), int(max_len)
         if S < G + 3:
             raise EngineError(f"max_len {S} is too short for gamma {G}: need at least {G + 3}")
-        buckets = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G)))))
+        chunk = int(prefill_chunk or 0)
+        if chunk < 0 or (prefill_chunk is not None and chunk == 0) or prefill_rows < 1:
+            raise EngineError(f"prefill_chunk must be >= 1 (or None: prefill prompts whole) and prefill_rows >= 1, "
+                              f"got {prefill_chunk} and {prefill_rows}")
+        buckets = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G, chunk)))))
         if buckets[-1] < R * (G + 1):
             raise EngineError(f"largest verification bucket {buckets[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
                               "a round could not fit; add a bucket of that size")
@@ -221,8 +233,9 @@ class Engine:
             raise EngineError(f"{what} schedules verification from the drafter's confidence head, and this {mode} "
                               "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
                               "DSpark drafter trained with its confidence head")
+        self.prefill_chunk = chunk
         self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, skip_rule,
-                         theta, int(probe_every), int(probe_max))
+                         theta, int(probe_every), int(probe_max), chunk, min(int(prefill_rows), R) if chunk else 0)
         self.table = None if table is None else self._checked_table(table)
         # policies that never read a table still need one in the compiled round's signature
         self._unread_table = scheduler.make_table(buckets, t_verify=np.ones(len(buckets)), t_draft=0.0)
@@ -249,6 +262,7 @@ class Engine:
         self._round = jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **round_kw)
         self._loop = jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,))
         self._draft = jax.jit(functools.partial(draft_part, spec)) if G else None
+        self._admit = jax.jit(admit, donate_argnums=(0,), **prefill_kw)
         self.round_calls = 0
 
     # ------------------------------------------------------------ state / controls
@@ -282,7 +296,8 @@ class Engine:
         return DecodeState(cache, dcache, last, zi(), zi(), jnp.zeros((R,), bool),
                            jax.random.split(jax.random.key(0), R), zi(), zi(), zi(), zi(), jnp.zeros((R, S), jnp.int32),
                            jnp.full((2, R, max(G, 1)), -1.0, jnp.float32), jnp.int32(0), jnp.int32(0),
-                           jnp.int32(self.spec.probe_every), zi())
+                           jnp.int32(self.spec.probe_every), zi(), zi(), zi(),
+                           jnp.zeros((R, S if self.prefill_chunk else 1), jnp.int32))
 
     def control(self, sampling: SamplingParams | None = None, gamma: int | None = None, threshold: float = 0.0,
                 stop_ids=(), sts=None, table=None, default_k: int | None = None) -> Control:
@@ -382,8 +397,9 @@ class Engine:
         `whole_request` for every round until its max_new tokens (the compiled while loop never
         returns to the host in between): pos - n_gen is constant while a request runs, so its last
         round writes below pos + (max_new - n_gen) + G."""
-        pos, active, n_gen, max_new = (np.asarray(x) for x in jax.device_get((st.pos, st.active, st.n_gen,
-                                                                              st.max_new)))
+        pos, active, n_gen, max_new, plen = (np.asarray(x) for x in jax.device_get(
+            (st.pos, st.active, st.n_gen, st.max_new, st.plen)))
+        pos = np.maximum(pos, plen - 1)  # a slot still prefilling in chunks got its prompt's pages when it joined
         reach = pos + (max_new - n_gen) + self.G if whole_request else pos + self.G + 1
         return self._set_pages(st, release=np.flatnonzero(~active).tolist(),
                                grow={int(s): int(reach[s]) for s in np.flatnonzero(active)})
@@ -416,17 +432,41 @@ class Engine:
         return self._prefill(self.tstate, self.dp, st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join),
                              keys_arr, jnp.asarray(mx))
 
+    def admit_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
+        """Start `prompts` in `slots` without forwarding them (`prefill_chunk`): the rounds forward
+        them in chunks beside the running requests."""
+        tok = np.zeros((self.R, self.S), np.int32)
+        plen = np.ones((self.R,), np.int32)
+        join = np.zeros((self.R,), bool)
+        mx = np.zeros((self.R,), np.int32)
+        old = jax.random.key_data(st.keys)
+        kd = np.zeros(old.shape, old.dtype)
+        slots = np.asarray(slots, np.int64)
+        for s, p in zip(slots, prompts):
+            tok[s, : len(p)] = p
+            plen[s] = len(p)
+        join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
+        if self.pages is not None:  # pages for the whole prompt and the first round, as a prefill's
+            st = self._set_pages(st, release=slots.tolist(), grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
+        keys_arr = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
+        return self._admit(st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join), keys_arr, jnp.asarray(mx))
+
     def start(self, st: DecodeState, ctl: Control, slots, prompts, key_data, max_new, samplings, stop_ids):
-        """Requests join `slots`: one prefill per prompt-length bucket, and their sampling settings
+        """Requests join `slots`: one prefill per prompt-length bucket (or, with `prefill_chunk`
+        while other requests run, their prompts handed to the rounds), and their sampling settings
         and stop ids written into those slots' rows of the traced controls -> (state, controls).
         The one admission path of `generate` and the server's loop."""
-        groups: dict = {}
-        for j, p in enumerate(prompts):
-            groups.setdefault(next((b for b in self.prefill_buckets if b >= len(p)), None), []).append(j)
         key_data = np.asarray(key_data)
-        for js in groups.values():
-            st = self.prefill_slots(st, [slots[j] for j in js], [prompts[j] for j in js], key_data[js],
-                                    [min(int(max_new[j]), self.S) for j in js])
+        max_new = [min(int(m), self.S) for m in max_new]
+        if self.prefill_chunk and bool(np.asarray(jax.device_get(st.active)).any()):
+            st = self.admit_slots(st, slots, prompts, key_data, max_new)
+        else:
+            groups: dict = {}
+            for j, p in enumerate(prompts):
+                groups.setdefault(next((b for b in self.prefill_buckets if b >= len(p)), None), []).append(j)
+            for js in groups.values():
+                st = self.prefill_slots(st, [slots[j] for j in js], [prompts[j] for j in js], key_data[js],
+                                        [max_new[j] for j in js])
         samp = [np.array(x) for x in jax.device_get(ctl.sampling)]
         stops = np.array(ctl.stop_ids)
         for j, s in enumerate(slots):

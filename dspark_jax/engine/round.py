@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Control, DecodeState, RoundOut
-from dspark_jax.engine.verify import verify_forward, write_block
+from dspark_jax.engine.verify import Chunk, verify_forward, write_block
 from dspark_jax.scheduler import prefix as scheduler
 
-__all__ = ["prefill", "round_step", "run_rounds", "row_round_keys", "draft", "draft_part"]
+__all__ = ["prefill", "admit", "prefilling", "round_step", "run_rounds", "row_round_keys", "draft", "draft_part"]
 
 
 # ------------------------------------------------------------------ keys, draft
@@ -48,6 +48,17 @@ def draft_part(spec: Spec, dp, st: DecodeState, sampling):
 # ------------------------------------------------------------------ prefill
 
 
+def _join(st: DecodeState, join, plen, anchor, pos, keys, max_new) -> DecodeState:
+    """The per-request fields of the slots where `join` [R] is True, for a new request."""
+    z = lambda a: jnp.where(join, 0, a)
+    return st._replace(
+        anchor=jnp.where(join, anchor, st.anchor), pos=jnp.where(join, pos, st.pos),
+        active=jnp.where(join, max_new > 0, st.active), keys=jnp.where(join, keys, st.keys),
+        rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen), finish=z(st.finish),
+        max_new=jnp.where(join, max_new, st.max_new), out=jnp.where(join[:, None], 0, st.out),
+        plen=jnp.where(join, plen, st.plen), joined=jnp.where(join, st.step, st.joined))
+
+
 def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
     """Start requests in the slots where `join` [R] is True: prompt tokens [R, P] (right padded), lengths plen [R].
 
@@ -62,15 +73,47 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
     cache = fo.cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
     dcache, last = st.dcache, st.last
     if spec.kind is not None:
-        dcache, last = spec.kind.prefill(spec, dp, dcache, last, fo.features, fo.hidden, tokens, plen, join)
+        zero = jnp.zeros((r,), jnp.int32)
+        dcache, last = spec.kind.prefill(spec, dp, dcache, last, fo.features, fo.hidden, tokens, zero,
+                                         jnp.where(join, plen - 1, 0), jnp.arange(r, dtype=jnp.int32))
     anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
-    z = lambda a: jnp.where(join, 0, a)
-    return st._replace(
-        cache=cache, dcache=dcache, last=last,
-        anchor=jnp.where(join, anchor, st.anchor), pos=jnp.where(join, plen - 1, st.pos),
-        active=jnp.where(join, max_new > 0, st.active), keys=jnp.where(join, keys, st.keys),
-        rounds=z(st.rounds), acc_sum=z(st.acc_sum), n_gen=z(st.n_gen), finish=z(st.finish),
-        max_new=jnp.where(join, max_new, st.max_new), out=jnp.where(join[:, None], 0, st.out))
+    st = st._replace(cache=cache, dcache=dcache, last=last)
+    return _join(st, join, plen, anchor, plen - 1, keys, max_new)
+
+
+def admit(st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
+    """Start requests in the slots where `join` is True without forwarding them: their prompts
+    (tokens [R, P], right padded) go into the state, and the rounds forward them in chunks
+    beside the other slots' verification (`prefill_chunk`), so a long prompt stalls nobody."""
+    r, n = tokens.shape
+    rows = jnp.zeros(st.prompt.shape, jnp.int32).at[:, :n].set(tokens[:, : st.prompt.shape[1]].astype(jnp.int32))
+    anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
+    st = st._replace(prompt=jnp.where(join[:, None], rows, st.prompt),
+                     cache=st.cache.with_lengths(jnp.where(join, 0, st.cache.lengths)))
+    return _join(st, join, plen, anchor, jnp.zeros_like(plen), keys, max_new)
+
+
+def prefilling(st: DecodeState):
+    """Slots whose prompt is still being forwarded in chunks (the last prompt token is the
+    first anchor: a slot decodes once pos == plen - 1)."""
+    return st.active & (st.pos < st.plen - 1)
+
+
+def _chunk(spec: Spec, st: DecodeState, filling, n_block):
+    """This round's prompt chunks: up to `prefill_rows` prefilling slots, the earliest joined
+    first, take up to `prefill_chunk` tokens in all, within what the largest bucket leaves beside
+    the verification block's `n_block` tokens -> (Chunk, tokens taken per row [K])."""
+    r, s = st.prompt.shape
+    k, c = spec.prefill_rows, spec.prefill_chunk
+    order = jnp.argsort(jnp.where(filling, st.joined, jnp.iinfo(jnp.int32).max), stable=True)[:k].astype(jnp.int32)
+    live = filling[order]
+    want = jnp.where(live, jnp.minimum(st.plen[order] - 1 - st.pos[order], c), 0)
+    budget = jnp.clip(jnp.minimum(c, spec.buckets[-1] - n_block), 0, None)
+    take = jnp.clip(budget - (jnp.cumsum(want) - want), 0, want).astype(jnp.int32)
+    start = st.pos[order]
+    col = jnp.arange(c, dtype=jnp.int32)[None]
+    tokens = st.prompt[order[:, None], jnp.minimum(start[:, None] + col, s - 1)]
+    return Chunk(tokens, start, col < take[:, None], jnp.where(live, order, r)), take
 
 
 # ------------------------------------------------------------------ one round
@@ -126,8 +169,8 @@ def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, length
     then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
     reads its own packed rows (`pk.dest`); rows beyond its verified length are never read."""
     r, t = lengths.shape[0], spec.G + 1
-    b = logits.shape[0]
-    slot = jnp.minimum(pk.slot, r - 1)  # padding rows take a real slot's settings (never read)
+    b = logits.shape[0]  # the bucket's first rows: the block's tokens are packed first
+    slot = jnp.minimum(pk.slot[:b], r - 1)  # padding rows take a real slot's settings (never read)
     p = sampling_probs(logits, samp.temperature[slot], samp.top_k[slot], samp.top_p[slot], path=path)  # [B, V]
     p = p[jnp.clip(pk.dest, 0, b - 1)].reshape(r, t, -1)  # [R, G + 1, V]: each row's verified prefix
     if spec.G:
@@ -144,7 +187,9 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     """One speculative round for all R slots -> (DecodeState, RoundOut)."""
     r = st.anchor.shape[0]
     G, S = spec.G, spec.max_len
-    act = st.active
+    # slots still forwarding their prompt in chunks neither draft nor verify this round
+    filling = prefilling(st) if spec.prefill_chunk else jnp.zeros_like(st.active)
+    act = st.active & ~filling
     kd, kv = row_round_keys(st.keys, st.rounds)
     samp = ctl.sampling
 
@@ -173,8 +218,12 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         dcache, a_hist, q = st.dcache, st.a_hist, None
         since_draft, probe_gap = st.since_draft, st.probe_gap
 
-    # 3. bucket
+    # 3. bucket (prompt chunks of prefilling slots fill what the largest bucket leaves)
     n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
+    chunk = None
+    if spec.prefill_chunk:
+        chunk, take = _chunk(spec, st, filling, n_tok)
+        n_tok = n_tok + jnp.sum(take)
     buckets = jnp.asarray(spec.buckets, jnp.int32)
     b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)
 
@@ -187,7 +236,8 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     def branch(bk):
         def run(cache):
             vo = verify_forward(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
-                                feature_layers=spec.feature_layers, packed_logits=True)
+                                feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk,
+                                logit_rows=r * (G + 1))
             acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, kv, drafts, q, lengths)
             return vo._replace(logits=None, packing=None), acc, out, n_out
 
@@ -197,7 +247,10 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     # written inside the branches, the cache was copied whole). Sampling and rejection run inside
     # the branch, on the bucket's packed rows: the vocabulary-wide work scales with B, not R (G + 1)
     vo, acc, out, n_out = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
-    vo = vo._replace(cache=write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid), k_new=None, v_new=None)
+    cache = write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid)
+    if chunk is not None:
+        cache = write_block(cache, vo.chunk_k, vo.chunk_v, chunk.start, chunk.valid, rows=chunk.rows)
+    vo = vo._replace(cache=cache, k_new=None, v_new=None, chunk_k=None, chunk_v=None)
     n_verified = n_out  # accepted drafts + the correction / bonus token
     n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
     acc = jnp.minimum(acc, n_out)
@@ -221,15 +274,20 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     done = act & (stopped | by_length | by_context)
     reason = jnp.where(stopped, FINISH_STOP, jnp.where(by_length, FINISH_LENGTH, FINISH_CONTEXT))
     pos = jnp.where(act, new_pos, st.pos)
+    if chunk is not None:
+        pos = pos.at[chunk.rows].add(take, mode="drop")
     cache = vo.cache.with_lengths(pos)
     if G:
         dcache, last = spec.kind.update(spec, dp, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
                                         act & ~done)
+        if chunk is not None:  # the drafter reads the chunk as it reads a prefill
+            dcache, last = spec.kind.prefill(spec, dp, dcache, last, vo.chunk_features, vo.chunk_hidden,
+                                             chunk.tokens, chunk.start, take, chunk.rows)
     else:
         last = st.last
     new = st._replace(
         cache=cache, dcache=dcache, last=last, anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
-        active=act & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + acc_kept, n_gen=n_gen,
+        active=st.active & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + acc_kept, n_gen=n_gen,
         out=out_buf, a_hist=a_hist, step=st.step + 1, since_draft=since_draft, probe_gap=probe_gap,
         finish=jnp.where(done, reason, st.finish).astype(jnp.int32))
     return new, RoundOut(z[:, : spec.Gs], lengths, acc_kept, n_keep, act, b_idx, cut)

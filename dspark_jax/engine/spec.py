@@ -29,6 +29,8 @@ class Spec:
     theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
     probe_every: int = 8  # "known" rule: first probe interval (rounds) to refresh the survivals ...
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
+    prefill_chunk: int = 0  # prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)
+    prefill_rows: int = 0  # ... spread over at most this many slots
 
     @property
     def G(self) -> int:

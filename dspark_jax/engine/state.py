@@ -1,7 +1,9 @@
 """The decode state of R request slots (a pytree, every leaf a fixed-shape array) and the
 traced per-call controls.
 
-Convention per slot r: the committed sequence is x_0..x_p, `anchor[r] = x_p`,
+Convention per slot r: while its prompt is forwarded in chunks (`Engine(prefill_chunk=...)`),
+`pos[r] < plen[r] - 1` is how far it got (the cache holds positions < pos); then the
+committed sequence is x_0..x_p, `anchor[r] = x_p`,
 `pos[r] = p`; the target cache holds K/V of positions < p (`cache.lengths == pos`), the
 anchor is forwarded by the next round's verification. Drafter state per mode:
 DSpark/DFlash: context K/V of positions < p; Eagle3/MTP-1: their one-layer cache with
@@ -45,6 +47,9 @@ class DecodeState(NamedTuple):
     since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
     probe_gap: jax.Array  # scalar int32 rounds between probes; doubles while fresh survivals say "no"
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
+    plen: jax.Array  # [R] int32 prompt length of the slot's request
+    joined: jax.Array  # [R] int32 `step` at which it joined (chunked prefill serves the earliest first)
+    prompt: jax.Array  # [R, S] int32 its prompt, read by chunked prefill ([R, 1] when the engine has none)
 
 
 class Control(NamedTuple):

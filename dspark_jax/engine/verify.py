@@ -31,7 +31,7 @@ from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.target.layers import lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
-__all__ = ["Packing", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
+__all__ = ["Packing", "Chunk", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
 
 
 def target_arrays(model, dtype=None) -> dict:
@@ -50,13 +50,14 @@ class Packing(NamedTuple):
     n: jax.Array  # scalar: number of valid packed tokens
 
 
-def pack(tokens, start, valid, bucket: int, max_len: int) -> Packing:
+def pack(tokens, start, valid, bucket: int, max_len: int, offset=0) -> Packing:
     """tokens/valid [R, T], start [R] (position of column 0) -> a packing of the valid tokens
-    into `bucket` slots, row-major. Valid tokens beyond the bucket are dropped (callers size
-    the bucket so that never happens)."""
+    into `bucket` slots, row-major, from packed index `offset` on (a second lane packs after
+    the first). Valid tokens beyond the bucket are dropped (callers size the bucket so that
+    never happens). Entries of the bucket this lane does not fill have slot R."""
     r, t = tokens.shape
     fv = valid.reshape(-1)
-    idx = jnp.cumsum(fv.astype(jnp.int32)) - 1
+    idx = jnp.cumsum(fv.astype(jnp.int32)) - 1 + offset
     dest = jnp.where(fv, idx, bucket)
     slot = jnp.full((bucket,), r, jnp.int32).at[dest].set(jnp.repeat(jnp.arange(r, dtype=jnp.int32), t), mode="drop")
     col = jnp.zeros((bucket,), jnp.int32).at[dest].set(jnp.tile(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
@@ -64,6 +65,17 @@ def pack(tokens, start, valid, bucket: int, max_len: int) -> Packing:
     live = slot < r
     pos = jnp.where(live, start[jnp.minimum(slot, r - 1)] + col, max_len)
     return Packing(dest, slot, col, pos.astype(jnp.int32), tok, jnp.sum(fv.astype(jnp.int32)))
+
+
+class Chunk(NamedTuple):
+    """Prompt tokens packed into a round beside the verification block (chunked prefill): row k
+    forwards tokens[k, :n_k] of slot rows[k] (R: no slot) at positions start[k] + column; valid
+    [K, C] is each row's prefix of n_k. The slot's cache is read as for its verification."""
+
+    tokens: jax.Array  # [K, C] int32
+    start: jax.Array  # [K] int32
+    valid: jax.Array  # [K, C] bool
+    rows: jax.Array  # [K] int32 slot of each row (R = unused row)
 
 
 def unpack(packed, pk: Packing, r: int, t: int):
@@ -80,10 +92,15 @@ class VerifyOut(NamedTuple):
     k_new: jax.Array | None = None  # verify_forward: the block's K / V [L, R, T, Nkv, D] (cache dtype), not written
     v_new: jax.Array | None = None
     packing: Packing | None = None  # with `packed_logits`: which packed row holds each [R, T] token
+    chunk_hidden: jax.Array | None = None  # with a `chunk`: its rows' final hidden [K, C, H] ...
+    chunk_features: jax.Array | None = None  # ... feature-layer outputs [K, C, m, H] ...
+    chunk_k: jax.Array | None = None  # ... and K / V [L, K, C, Nkv, D], for `write_block(..., rows=)`
+    chunk_v: jax.Array | None = None
 
 
 def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
-                   feature_layers: tuple[int, ...] = (), packed_logits: bool = False) -> VerifyOut:
+                   feature_layers: tuple[int, ...] = (), packed_logits: bool = False, chunk: Chunk | None = None,
+                   logit_rows: int | None = None) -> VerifyOut:
     """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
 
     Dense work on `bucket` packed tokens; attention on the padded [R, T] view: a row's queries
@@ -91,23 +108,43 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
     or before their own column. Returns the block's K / V for `write_block`; `cache` is None.
     `packed_logits`: logits stay packed ([bucket, V], with the packing), so whatever works on
     the vocabulary afterwards (sampling, rejection) can scale with the bucket, not R * T.
+    `chunk`: prompt tokens of prefilling slots packed after the block's (the same dense work,
+    their own [K, C] attention view; attention skipped when the chunk is empty); their hidden,
+    features and K / V come back in the `chunk_*` fields. `logit_rows`: logits only for the
+    first packed rows (the block's tokens come first, so R * T covers them: a chunk's tokens
+    need no logits).
     """
     r, t = tokens.shape
     s = cache.max_len
     pk = pack(tokens, start, valid, bucket, s)
+    pc = None if chunk is None else pack(chunk.tokens, chunk.start, chunk.valid, bucket, s, offset=pk.n)
+    in_block = pk.slot < r
+    tok = pk.tok if pc is None else jnp.where(in_block, pk.tok, pc.tok)
+    pos = pk.pos if pc is None else jnp.where(in_block, pk.pos, pc.pos)
     dtype = tp["layers"]["q_proj"].dtype
     kv_dtype = cache.k.dtype
-    x = jnp.take(tp["embed"], pk.tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
-    cos, sin = rope_cos_sin(jnp.minimum(pk.pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
-    col = jnp.arange(t, dtype=jnp.int32)
-    causal = (col[None, :] <= col[:, None])[None] & valid[:, None, :]  # block keys [R, T, T]
-    gslot = jnp.minimum(pk.slot, r - 1)
+    x = jnp.take(tp["embed"], tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
+    cos, sin = rope_cos_sin(jnp.minimum(pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
     slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
     for i, l in enumerate(feature_layers):
         slot_of_layer[l] = i
     m = max(len(feature_layers), 1)
     feats0 = jnp.zeros((m, bucket, cfg.hidden_size), dtype)
-    blank = jnp.zeros((r, t, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
+
+    def view_attention(q, k, v, lp: Packing, n_rows, width, view_start, view_valid, rows, ck, cv, li):
+        """One view's attention: the packed q / k / v of its tokens scattered into [n_rows, width],
+        each row against its slot's committed keys and its own earlier tokens -> (out [Bk, Nq, D]
+        at the packed tokens, the view's K / V as the cache would hold them)."""
+        blank = jnp.zeros((n_rows, width, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
+        kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
+        vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
+        qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
+        col = jnp.arange(width, dtype=jnp.int32)
+        causal = (col[None, :] <= col[:, None])[None] & view_valid[:, None, :]
+        # committed keys (< start) read from the cache in place, the view's own keys beside them
+        o = cache.attend_committed(qv, ck, cv, li, view_start, [(kb.astype(dtype), vb.astype(dtype), causal)], dtype,
+                                   rows=rows)
+        return o[jnp.minimum(lp.slot, n_rows - 1), lp.col], kb, vb
 
     def body(carry, layer):
         # the cache rides in the carry, read only: closed over, XLA hoisted its dtype conversion
@@ -115,35 +152,49 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
         x, feats, (ck, cv) = carry
         p, fslot, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
-        # the block's keys as the cache would hold them (its dtype), in the padded [R, T] view
-        kb = blank.at[pk.slot, pk.col].set(k[0].astype(kv_dtype), mode="drop")
-        vb = blank.at[pk.slot, pk.col].set(v[0].astype(kv_dtype), mode="drop")
-        qv = jnp.zeros((r, t, *q.shape[2:]), q.dtype).at[pk.slot, pk.col].set(q[0], mode="drop")
-        # committed keys (< start) read from the cache in place, the block's own keys beside them
-        o = cache.attend_committed(qv, ck, cv, li, start, [(kb.astype(dtype), vb.astype(dtype), causal)], dtype)
-        x = finish_layer(p, x, o[gslot, pk.col][None], cfg)
+        o, kb, vb = view_attention(q, k, v, pk, r, t, start, valid, None, ck, cv, li)
+        ys = (kb, vb)
+        if chunk is not None:
+            kc, cw = chunk.tokens.shape
+
+            def chunk_attention(ck, cv):
+                return view_attention(q, k, v, pc, kc, cw, chunk.start, chunk.valid, chunk.rows, ck, cv, li)
+
+            def no_chunk(ck, cv):
+                shapes = jax.eval_shape(chunk_attention, ck, cv)
+                return tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
+
+            oc, kcb, vcb = jax.lax.cond(pc.n > 0, chunk_attention, no_chunk, ck, cv)
+            o = jnp.where(in_block[:, None, None], o, oc)
+            ys = (kb, vb, kcb, vcb)
+        x = finish_layer(p, x, o[None], cfg)
         if feature_layers:
             i = jnp.maximum(fslot, 0)
             feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
-        return (x, feats, (ck, cv)), (kb, vb)
+        return (x, feats, (ck, cv)), ys
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, feats, _), (k_new, v_new) = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
-                                                 (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
+    (x, feats, _), ys = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
+                                     (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
     h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
-    logits = lm_head_logits(h, tp["lm_head"])
+    logits = lm_head_logits(h if logit_rows is None else h[: min(int(logit_rows), bucket)], tp["lm_head"])
     features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
-    if packed_logits:
-        return VerifyOut(logits, unpack(h, pk, r, t), unpack(features, pk, r, t), None, k_new, v_new, pk)
-    return VerifyOut(unpack(logits, pk, r, t), unpack(h, pk, r, t), unpack(features, pk, r, t), None, k_new, v_new)
+    out = VerifyOut(logits if packed_logits else unpack(logits, pk, r, t), unpack(h, pk, r, t),
+                    unpack(features, pk, r, t), None, ys[0], ys[1], pk if packed_logits else None)
+    if chunk is not None:
+        kc, cw = chunk.tokens.shape
+        out = out._replace(chunk_hidden=unpack(h, pc, kc, cw), chunk_features=unpack(features, pc, kc, cw),
+                           chunk_k=ys[2], chunk_v=ys[3])
+    return out
 
 
-def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid) -> KVCache | PagedKVCache:
+def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid, rows=None) -> KVCache | PagedKVCache:
     """Write a verification's block K / V [L, R, T, Nkv, D] at positions start[r] + column of the
-    valid tokens (all layers at once, in place on a donated cache); lengths unchanged."""
+    valid tokens (all layers at once, in place on a donated cache); lengths unchanged. `rows`
+    [K]: the block's rows are those slots (a prefill chunk; rows >= R are dropped)."""
     r, t = valid.shape
     pos = jnp.where(valid, start[:, None] + jnp.arange(t, dtype=jnp.int32)[None], cache.max_len)  # invalid: dropped
-    rows = jnp.arange(r)[:, None]
+    rows = jnp.arange(r)[:, None] if rows is None else jnp.asarray(rows, jnp.int32)[:, None]
 
     def one_layer(li, kv):  # layer by layer in a loop carry: updated in place (one scatter over all
         return cache.write_layer_at(kv[0], kv[1], li, rows, pos, k_new[li], v_new[li])  # layers copied on a mesh)

@@ -61,14 +61,20 @@ class KVCache(NamedTuple):
                 v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop"))
 
     @staticmethod
-    def layer_view(k_all, v_all, layer, dtype):
-        """Layer `layer`'s keys and values [R, S, Nkv, D] in `dtype` (read only)."""
-        return k_all[layer].astype(dtype), v_all[layer].astype(dtype)
+    def layer_view(k_all, v_all, layer, dtype, rows=None):
+        """Layer `layer`'s keys and values [R, S, Nkv, D] in `dtype` (read only); with `rows` [K]
+        only those slots' ([K, S, Nkv, D]; rows >= R read the last slot: the caller masks them)."""
+        k, v = k_all[layer], v_all[layer]
+        if rows is not None:
+            rows = jnp.minimum(rows, k.shape[0] - 1)
+            k, v = k[rows], v[rows]
+        return k.astype(dtype), v.astype(dtype)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype):
+    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] (read in
-        place) and the key sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax."""
-        return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype), start, extra)
+        place) and the key sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax. With
+        `rows` [K], q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
+        return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
 
     @staticmethod
     def attend_layer(q, k_all, v_all, layer, mask, dtype, positions=None):

@@ -122,11 +122,16 @@ class PagedKVCache:
         return (k_all.at[layer, page, off].set(k.astype(k_all.dtype), mode="drop"),
                 v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop"))
 
-    def layer_view(self, k_all, v_all, layer, dtype):
+    def _table(self, rows):
+        """The page table of `rows` [K] (all slots when None; rows >= R read the last slot's)."""
+        return self.page_table if rows is None else self.page_table[jnp.minimum(rows, self.page_table.shape[0] - 1)]
+
+    def layer_view(self, k_all, v_all, layer, dtype, rows=None):
         """Layer `layer`'s keys and values as each row's [R, max_len, Nkv, D] view, in `dtype`
-        (positions without a page read page 0: the caller masks them)."""
-        return (gather_pages(k_all[layer], self.page_table, self.max_len).astype(dtype),
-                gather_pages(v_all[layer], self.page_table, self.max_len).astype(dtype))
+        (positions without a page read page 0: the caller masks them); `rows` [K]: those slots'."""
+        table = self._table(rows)
+        return (gather_pages(k_all[layer], table, self.max_len).astype(dtype),
+                gather_pages(v_all[layer], table, self.max_len).astype(dtype))
 
     def dense(self):
         """(k, v) as the dense cache's [L, R, max_len, Nkv, D] (each row's pages in order; positions
@@ -134,16 +139,17 @@ class PagedKVCache:
         view = jax.vmap(lambda pages: gather_pages(pages, self.page_table, self.max_len))
         return view(self.k), view(self.v)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype):
+    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
         key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax. "pallas": the kernel reads
         the pages in place (target/paged_kernel.py) and the extra keys join through their
-        log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it."""
+        log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it.
+        `rows` [K]: q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
         if self.impl != "pallas":
-            return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype), start, extra)
+            return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
         from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse
 
-        parts = [paged_attention_lse(q, k_all, v_all, self.page_table, start, start, layer=layer)]
+        parts = [paged_attention_lse(q, k_all, v_all, self._table(rows), start, start, layer=layer)]
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
         return merge_parts(parts).astype(dtype)
 

@@ -83,9 +83,11 @@ class DrafterKind(ABC):
         """(dcache, last) for an engine of `num_slots` x `max_len`."""
 
     @abstractmethod
-    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
-        """After the target prefilled x_0..x_{n-2}: the drafter's state for the joining rows.
-        feats [R, P, m, H] / hidden [R, P, H] of positions 0..P-1; tokens [R, P]; plen [R] = n."""
+    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, start, n, rows):
+        """After the target forwarded prompt tokens x_f..x_{f+n-1} of slot `rows[k]` (f = start[k];
+        the whole prompt but its last token x_0..x_{p-1} in one call or in chunks, in order): the
+        drafter's state for those positions. feats [K, C, m, H] / hidden [K, C, H] / tokens [K, C]
+        of positions start.. (valid: the first n[k]); rows >= R are unused rows."""
 
     @abstractmethod
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):

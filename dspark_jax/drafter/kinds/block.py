@@ -65,11 +65,10 @@ class BlockKind(DrafterKind):
     def init_decode(self, spec, drafter, num_slots: int, max_len: int, dtype):
         return drafter.init_cache(num_slots, max_len), jnp.zeros((num_slots, 1), dtype)
 
-    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
-        r, n = tokens.shape
-        col = jnp.arange(n, dtype=jnp.int32)[None]
-        valid = (col < plen[:, None] - 1) & join[:, None]
-        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, jnp.broadcast_to(col, (r, n)), valid), last
+    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, start, n, rows):
+        col = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        return backbone.update_context(dp, spec.draft.cfg, dcache, feats, start[:, None] + col, col < n[:, None],
+                                       rows=rows), last
 
     def draft_hidden(self, spec, dp, dcache, anchor, pos):
         d = spec.draft

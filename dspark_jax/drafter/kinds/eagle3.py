@@ -63,8 +63,8 @@ class Eagle3Kind(RecurrentKind):
     def carry_zeros(self, drafter, target_cfg, num_slots: int, dtype):
         return jnp.zeros((num_slots, drafter.m, target_cfg.hidden_size), dtype)
 
-    def commit(self, dp, dcache, carried, tokens, valid, cfg):
-        return e3.eagle3_update(dp, dcache, carried, tokens, valid, cfg=cfg)
+    def commit(self, dp, dcache, carried, tokens, valid, cfg, rows=None, at=None):
+        return e3.eagle3_update(dp, dcache, carried, tokens, valid, cfg=cfg, rows=rows, at=at)
 
     def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
         # row r's step keys are split from its key, as `eagle3_draft` splits one row's

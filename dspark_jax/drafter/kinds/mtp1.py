@@ -46,8 +46,8 @@ class MTP1Kind(RecurrentKind):
     def carry_zeros(self, drafter, target_cfg, num_slots: int, dtype):
         return jnp.zeros((num_slots, target_cfg.hidden_size), dtype)
 
-    def commit(self, dp, dcache, carried, tokens, valid, cfg):
-        return mtp.mtp_update(dp, dcache, carried, tokens, valid, cfg=cfg)
+    def commit(self, dp, dcache, carried, tokens, valid, cfg, rows=None, at=None):
+        return mtp.mtp_update(dp, dcache, carried, tokens, valid, cfg=cfg, rows=rows, at=at)
 
     def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
         logits, dcache = mtp.mtp_draft_logits(dp, dcache, last, anchor, pos, cfg=cfg)

@@ -48,8 +48,9 @@ class RecurrentKind(DrafterKind):
         """The per-slot carry before any request."""
 
     @abstractmethod
-    def commit(self, dp, dcache, carried, tokens, valid, cfg):
-        """Write committed positions (carry [R, T, ...], next tokens [R, T], valid prefix) into the cache."""
+    def commit(self, dp, dcache, carried, tokens, valid, cfg, rows=None, at=None):
+        """Write committed positions (carry [R, T, ...], next tokens [R, T], valid prefix) into the
+        cache at its `lengths`; `rows` [K] / `at` [K]: those slots, from those positions."""
 
     @abstractmethod
     def sample(self, keys, dp, dcache, last, anchor, pos, sampling, G, cfg, path):
@@ -60,16 +61,27 @@ class RecurrentKind(DrafterKind):
         return (create_cache(spec.tcfg, num_slots, max_len, dtype),
                 self.carry_zeros(drafter, spec.tcfg, num_slots, dtype))
 
-    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, plen, join):
-        r, n = tokens.shape
-        col = jnp.arange(n, dtype=jnp.int32)[None]
-        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((r, 1), jnp.int32)], axis=1)
-        valid = (col < plen[:, None] - 2) & join[:, None]
-        dcache = dcache.with_lengths(jnp.where(join, 0, dcache.lengths))
-        carried = self.carry(feats, hidden)
-        dcache = self.commit(dp, dcache, carried, nxt, valid, spec.tcfg)
-        new_last = carried[jnp.arange(r), jnp.clip(plen - 2, 0, n - 1)]
-        return dcache, _where_rows(join, new_last, last)
+    def prefill(self, spec, dp, dcache, last, feats, hidden, tokens, start, n, rows):
+        """Cache entry i holds (carry at i, x_{i+1}). A chunk x_f..x_{f+n-1} commits entries f-1 ..
+        f+n-2: the carry kept from the previous chunk with x_f, then its own carries with the
+        tokens after them (a first chunk, f = 0, starts at entry 0); it keeps the carry at
+        f+n-1. After the prompt's last chunk (f+n-1 = p-1): lengths p-1, `last` at p-1."""
+        k, c = tokens.shape
+        r = last.shape[0]
+        carried = self.carry(feats, hidden)  # [K, C, ...]
+        first = start == 0
+        live = n > 0
+        used = jnp.where(live, rows, r)  # rows >= R: nothing written
+        prev = last[jnp.minimum(rows, r - 1)][:, None].astype(carried.dtype)
+        later = jnp.concatenate([prev, carried[:, :-1]], axis=1)  # entries f-1 ..
+        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((k, 1), tokens.dtype)], axis=1)
+        inputs = jnp.where(first.reshape(k, *([1] * (carried.ndim - 1))), carried, later)
+        toks = jnp.where(first[:, None], nxt, tokens)
+        count = jnp.where(first, n - 1, n)
+        valid = (jnp.arange(c, dtype=jnp.int32)[None] < count[:, None]) & live[:, None]
+        dcache = self.commit(dp, dcache, inputs, toks, valid, spec.tcfg, rows=used, at=jnp.maximum(start - 1, 0))
+        keep = carried[jnp.arange(k), jnp.clip(n - 1, 0, c - 1)]
+        return dcache, last.at[used].set(keep.astype(last.dtype), mode="drop")
 
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
         toks, q, dcache = self.sample(keys, dp, dcache, last, anchor, pos, sampling, spec.G, spec.tcfg, path)
