@@ -45,19 +45,23 @@ def _whole_cache_copies(hlo: str, shapes) -> list[str]:
     return found
 
 
-def _engine(target, kind, kv_pages=None):
+def _engine(target, kind, kv_pages=None, prefill_chunk=None):
     drafter = None if kind == "none" else tiny_drafter(kind, target, gamma=3)
     # a long context makes one cache far larger than anything else a round touches
-    return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages)
+    return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages,
+                  prefill_chunk=prefill_chunk)
 
 
-@pytest.mark.parametrize("kind,paged", [(k, False) for k in KINDS] + [("none", True), ("dspark", True), ("eagle3", True)])
-def test_round_keeps_caches_in_place(target, kind, paged):
+@pytest.mark.parametrize("kind,paged,chunk", [(k, False, None) for k in KINDS]
+                         + [("none", True, None), ("dspark", True, None), ("eagle3", True, None)]
+                         + [("dspark", False, 8), ("eagle3", True, 8)])
+def test_round_keeps_caches_in_place(target, kind, paged, chunk):
     """No copy of the target cache nor of the drafter's cache, for every kind (Eagle3 / MTP-1's
     one-layer cache was copied around its scatter while their attention read it before writing).
     `paged`: both caches as page pools (256 pages of 16, as many positions as the dense caches):
-    no copy of a pool either."""
-    eng = _engine(target, kind, (256, 16) if paged else None)
+    no copy of a pool either. `chunk`: the round also forwards prompt chunks (its own attention
+    view under a `lax.cond`, written after the switch like the block, and the drafter's prefill)."""
+    eng = _engine(target, kind, (256, 16) if paged else None, chunk)
     st, c = _compiled_round(eng)
     caches = [st.cache] + ([st.dcache] if kind != "none" else [])
     shapes = {tuple(x.shape) for cache in caches for x in (cache.k, cache.v)}
@@ -74,7 +78,8 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
     from dspark_jax.engine import round as round_mod
     from dspark_jax.engine.verify import verify_packed
 
-    def written_inside(tp, cfg, cache, tokens, start, valid, *, bucket, feature_layers=(), packed_logits=False):
+    def written_inside(tp, cfg, cache, tokens, start, valid, *, bucket, feature_layers=(), packed_logits=False,
+                       **_):
         vo = verify_packed(tp, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
         vo = vo._replace(k_new=vo.cache.k, v_new=vo.cache.v)  # the written cache leaves the switch
         if packed_logits:  # the packed view the round now asks for
@@ -86,7 +91,7 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
                 dest=jnp.arange(r * t, dtype=jnp.int32)))
         return vo
 
-    def write_nothing(cache, k, v, start, valid):
+    def write_nothing(cache, k, v, start, valid, rows=None):
         return cache._replace(k=k, v=v)
 
     monkeypatch.setattr(round_mod, "verify_forward", written_inside)
