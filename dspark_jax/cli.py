@@ -57,6 +57,21 @@ def add_kv_pages_argument(ap) -> None:
                          "its prompt + max tokens). Default: dense caches of slots x max-len")
 
 
+def add_prefill_chunk_argument(ap, default: int | None) -> None:
+    """`--prefill-chunk N`: chunked prefill (`Engine(prefill_chunk=N)`); 0 = prompts prefilled whole."""
+    ap.add_argument("--prefill-chunk", type=int, default=default, metavar="N",
+                    help="a request joining while others decode has its prompt forwarded N tokens per round, packed "
+                         "with the others' verification, instead of a prefill that stalls them; 0 = prefill whole "
+                         f"prompts (default {default or 0})")
+
+
+def prefill_chunk(value) -> int | None:
+    """The CLI value as the Engine takes it (0 / None: whole prompts)."""
+    if value is not None and value < 0:
+        raise ValueError(f"--prefill-chunk {value}: give a number of tokens >= 1, or 0 to prefill prompts whole")
+    return int(value) if value else None
+
+
 def parse_kv_pages(text: str) -> tuple[int, int]:
     import argparse
 

@@ -11,6 +11,9 @@ Sections (all ratios measured in one run):
   interval over prompts.
 - head: a full round with the Markov head vs without (same backbone), gamma 7 and 15,
   batch 1 and 32, beside the analytic FLOP share at these shapes and at Qwen3-8B shapes.
+- join: a --join-tokens prompt joins while 3 requests decode: the running requests' longest wait
+  for a token (the stall) and the joiner's time to its first token, prefilled whole vs forwarded
+  in chunks of --prefill-chunk tokens inside the rounds (not in the default sections).
 Without --drafter a random drafter is used (speed / tau then only measure the machinery).
 """
 
@@ -44,6 +47,8 @@ def _args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the speed section "
                     "(0 = greedy; default 1)")
+    ap.add_argument("--join-tokens", type=int, default=512, help="join section: the joining prompt's length")
+    ap.add_argument("--prefill-chunk", type=int, default=64, help="join section: prompt tokens per round")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return ap.parse_args(argv)
 
@@ -213,6 +218,57 @@ def bench_head(target, prompts, args, out):
                   f"(+{100 * meas:.1f} %), analytic FLOP share {100 * ana:.1f} %, Qwen3-8B shapes {100 * q8:.2f} %")
 
 
+def _join_once(eng, shorts, long, max_new, sp):
+    """3 requests decode; `long` joins slot 3 -> (longest gap in s between rounds that gave the
+    running requests tokens, counted from before the join; joiner's seconds to its first token;
+    rounds until then)."""
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), eng.R)))
+    ctl = eng.control(sp)
+    st = eng.init_state()
+    st, ctl = eng.start(st, ctl, [0, 1, 2], shorts, kd[:3], [max_new] * 3, [sp] * 3, [[]] * 3)
+    for _ in range(2):
+        st, _ = eng.step(st, ctl)
+    jax.block_until_ready(st.n_gen)
+    t0 = last = time.perf_counter()
+    st, ctl = eng.start(st, ctl, [3], [long], kd[3:], [max_new], [sp], [[]])
+    gap, rounds, n_prev = 0.0, 0, np.asarray(st.n_gen)[:3]
+    while True:
+        st, _ = eng.step(st, ctl)
+        n_gen = np.asarray(st.n_gen)  # syncs
+        now = time.perf_counter()
+        rounds += 1
+        if (n_gen[:3] > n_prev).any():
+            gap, last = max(gap, now - last), now
+        n_prev = n_gen[:3]
+        if n_gen[3] > 0:
+            return gap, now - t0, rounds
+
+
+def bench_join(target, drafter, prompts, args, out):
+    from dspark_jax.engine import Engine
+    from dspark_jax.decoding.sampling import SamplingParams
+
+    long = [t for p in prompts for t in p][: args.join_tokens]
+    shorts = [p[:64] for p in prompts[:3]]
+    max_new, sp = 4 * args.max_new_tokens, SamplingParams(0.0, 0, 1.0)
+    S = len(long) + max_new + drafter.gamma + 2
+    res = {}
+    for name, chunk in (("whole", None), ("chunked", args.prefill_chunk)):
+        eng = Engine(target, drafter, num_slots=4, max_len=S, prefill_chunk=chunk)
+        _join_once(eng, shorts, long, max_new, sp)  # compiles
+        runs = np.asarray([_join_once(eng, shorts, long, max_new, sp) for _ in range(args.reps)])
+        res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])), "joiner_ttft_ms": 1e3 * float(np.median(runs[:, 1])),
+                     "rounds_to_first_token": int(np.median(runs[:, 2]))}
+        print(f"[join] {name}: {len(long)}-token prompt joins 3 decoding requests: their longest wait for a token "
+              f"{res[name]['stall_ms']:.0f} ms, the joiner's first token after {res[name]['joiner_ttft_ms']:.0f} ms "
+              f"({res[name]['rounds_to_first_token']} rounds)")
+    res["stall_ratio"] = res["chunked"]["stall_ms"] / res["whole"]["stall_ms"]
+    res["ttft_ratio"] = res["chunked"]["joiner_ttft_ms"] / res["whole"]["joiner_ttft_ms"]
+    print(f"[join] chunks of {args.prefill_chunk}: stall x{res['stall_ratio']:.2f}, joiner's first token "
+          f"x{res['ttft_ratio']:.2f} of whole prefill")
+    out["join"] = {"prompt_tokens": len(long), "prefill_chunk": args.prefill_chunk, **res}
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     from dspark_jax.io.drafter_dir import load as load_drafter
@@ -235,6 +291,8 @@ def main(argv=None) -> int:
         bench_tau(target, ds, prompts, args, out, tok.stop_ids)
     if "head" in sections:
         bench_head(target, prompts, args, out)
+    if "join" in sections:
+        bench_join(target, drafter, prompts, args, out)
     print(json.dumps(out, indent=1, default=float))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))

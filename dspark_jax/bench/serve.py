@@ -151,9 +151,11 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
-    from dspark_jax.cli import add_kv_pages_argument
+    from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
+    from dspark_jax.serve.__main__ import PREFILL_CHUNK
 
     add_kv_pages_argument(ap)
+    add_prefill_chunk_argument(ap, PREFILL_CHUNK)
     ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
     args = ap.parse_args(argv)
     import openai
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
         kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated,
                                                 skip_drafting=args.skip_drafting if policy in SCHEDULED_POLICIES else False)
         app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
-                            kv_pages=args.kv_pages, **kw)
+                            kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
         server, thread, port = serve_in_thread(app)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
         try:
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
     meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
             "configs": {name: {"drafter": d, "policy": pol} for name, d, pol in configs},
-            "kv_pages": args.kv_pages, "peak_pages": peak_pages or None}
+            "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "pareto.png")
     print(f"[bench serve] {out / 'results.json'}, {out / 'pareto.png'}")

@@ -8,14 +8,38 @@ draft equals the target argmax" and the correction is the target argmax.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import sample
 
-__all__ = ["verify", "residual_distribution"]
+__all__ = ["verify", "residual_distribution", "PackedProbs", "probs_at", "probs_row"]
+
+
+class PackedProbs(NamedTuple):
+    """Target distributions left where the verification computed them: request r's row j is
+    `packed[dest[r, j]]` (the bucket's packed rows), so verifying never builds `[R, G+1, V]`;
+    only the rows rejection reads are gathered (`probs_at`, `probs_row`)."""
+
+    packed: jax.Array  # [B, V]
+    dest: jax.Array  # [R, G+1] int32 packed row of each (request, slot)
+
+
+def probs_at(p, tokens) -> jax.Array:
+    """p_j(tokens_j) for j < G: `[R, G]`, from `[R, G+1, V]` probabilities or PackedProbs."""
+    g = tokens.shape[1]
+    if isinstance(p, PackedProbs):
+        return p.packed.astype(jnp.float32)[p.dest[:, :g], tokens]
+    return jnp.take_along_axis(jnp.asarray(p, jnp.float32)[:, :g], tokens[..., None], axis=-1)[..., 0]
+
+
+def probs_row(p, idx) -> jax.Array:
+    """Row idx[r] of request r's distributions: `[R, V]`."""
+    if isinstance(p, PackedProbs):
+        return p.packed.astype(jnp.float32)[p.dest[jnp.arange(idx.shape[0]), idx]]
+    return jnp.asarray(p, jnp.float32)[jnp.arange(idx.shape[0]), idx]
 
 
 def residual_distribution(p_row: jax.Array, q_row: jax.Array) -> jax.Array:
@@ -41,7 +65,8 @@ def verify(
       draft_tokens: int ``[R, G]``; only the first ``lengths[r]`` of row r are verified.
       q: ``[R, G, V]`` drafter distributions the drafts were sampled from.
       p: ``[R, G+1, V]`` target distributions (row j predicts the token at slot j; row G
-        is the bonus row after all G drafts).
+        is the bonus row after all G drafts), or the same as `PackedProbs` (the engine's round:
+        only the rows read are gathered, with the same arithmetic).
       lengths: int ``[R]`` in ``0..G``.
       eos_id: optional (static) EOS id. Output tokens after the first EOS are dropped and
         ``n_out`` counts up to and including it (no bonus/correction after an EOS draft).
@@ -58,12 +83,11 @@ def verify(
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     q = jnp.asarray(q, jnp.float32)
-    p = jnp.asarray(p, jnp.float32)
     lengths = jnp.asarray(lengths, jnp.int32)
     R, G = draft_tokens.shape
     k_u, k_s = jax.random.split(key)
 
-    pd = jnp.take_along_axis(p[:, :G], draft_tokens[..., None], axis=-1)[..., 0]
+    pd = probs_at(p, draft_tokens)
     qd = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, (R, G), jnp.float32)
     # accept w.p. min(1, pd/qd): u < pd/qd  <=>  u*qd < pd  (u in [0, 1)).
@@ -71,7 +95,7 @@ def verify(
     acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
     rows = jnp.arange(R)
-    p_a = p[rows, acc]  # [R, V]
+    p_a = probs_row(p, acc)  # [R, V]
     q_a = q[rows, jnp.minimum(acc, G - 1)]
     rejected = acc < lengths
     dist = jnp.where(rejected[:, None], residual_distribution(p_a, q_a), p_a)

@@ -22,7 +22,7 @@ from dspark_jax.cli import report_user_errors
 
 def parse_args(argv=None):
     from dspark_jax.cli import add_dtype_argument
-    from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument
+    from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument, add_prefill_chunk_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
@@ -61,6 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=8, help="request slots decoded together")
     ap.add_argument("--max-len", type=int, default=None, help="KV length per slot (default: longest prompt + max new + gamma + 2)")
     add_kv_pages_argument(ap)
+    add_prefill_chunk_argument(ap, None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loop", default="host", choices=("host", "while"))
     ap.add_argument("--traces", default=None, help="write per-round traces (.jsonl or .npz)")
@@ -114,7 +115,7 @@ def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "floa
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
                    policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
                    sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64, mesh=None,
-                   kv_pages=None):
+                   kv_pages=None, prefill_chunk=None):
     """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
 
     `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
@@ -128,7 +129,8 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     buckets = None if table is None else [int(b) for b in table.buckets]
     eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
                  buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
-                 probe_every=probe_every, probe_max=probe_max, mesh=mesh, kv_pages=kv_pages)
+                 probe_every=probe_every, probe_max=probe_max, mesh=mesh, kv_pages=kv_pages,
+                 prefill_chunk=prefill_chunk)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
     from dspark_jax.decoding.sampling import SamplingParams
 
     from dspark_jax.calibration.calibrate import CalibrationMissingError
+    from dspark_jax.cli import prefill_chunk
     from dspark_jax.parallel.sharding import parse_mesh
     from dspark_jax.scheduler.costs import CostTableError
 
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
             skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max,
-            mesh=mesh, kv_pages=args.kv_pages)
+            mesh=mesh, kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk))
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.rejection import PackedProbs
 from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Control, DecodeState, RoundOut
@@ -167,19 +168,21 @@ def _probe_schedule(spec: Spec, st: DecodeState, drafted, a, act, ctl: Control):
 def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, lengths):
     """Target probabilities on the packed rows (logits [B, V], each with its slot's settings),
     then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
-    reads its own packed rows (`pk.dest`); rows beyond its verified length are never read."""
+    reads its own packed rows (`pk.dest`, handed over as `PackedProbs`: rejection gathers the
+    probabilities of the drafts and the one row it samples from, never `[R, G + 1, V]`); rows
+    beyond its verified length are never read."""
     r, t = lengths.shape[0], spec.G + 1
     b = logits.shape[0]  # the bucket's first rows: the block's tokens are packed first
     slot = jnp.minimum(pk.slot[:b], r - 1)  # padding rows take a real slot's settings (never read)
     p = sampling_probs(logits, samp.temperature[slot], samp.top_k[slot], samp.top_p[slot], path=path)  # [B, V]
-    p = p[jnp.clip(pk.dest, 0, b - 1)].reshape(r, t, -1)  # [R, G + 1, V]: each row's verified prefix
+    dest = jnp.clip(pk.dest, 0, b - 1).reshape(r, t)  # [R, G + 1]: each row's verified prefix
     if spec.G:
-        def verify_row(key, d, q_r, p_r, l_r):  # per-row keys: a request's verification is its own
-            acc, out, n = spec.verify(key, d[None], q_r[None], p_r[None], l_r[None])
+        def verify_row(key, d, q_r, dest_r, l_r):  # per-row keys: a request's verification is its own
+            acc, out, n = spec.verify(key, d[None], q_r[None], PackedProbs(p, dest_r[None]), l_r[None])
             return acc[0], out[0], n[0]
 
-        return jax.vmap(verify_row)(kv, drafts, q, p, lengths)
-    out = jax.vmap(sample)(kv, p[:, 0])[:, None]
+        return jax.vmap(verify_row)(kv, drafts, q, dest, lengths)
+    out = jax.vmap(sample)(kv, p[dest[:, 0]])[:, None]
     return jnp.zeros((r,), jnp.int32), out, jnp.ones((r,), jnp.int32)
 
 

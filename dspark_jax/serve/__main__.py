@@ -16,11 +16,12 @@ from pathlib import Path
 from dspark_jax.cli import report_user_errors
 
 DEFAULT_DRAFTER = Path("runs/dspark/drafter")  # where `python -m dspark_jax.train` (no arguments) writes it
+PREFILL_CHUNK = 64  # prompt tokens a round forwards for a request that joins while others decode
 
 
 def parse_args(argv=None):
     from dspark_jax.cli import add_dtype_argument
-    from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument
+    from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument, add_prefill_chunk_argument
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -39,6 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
     ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + completion (default 1024)")
     add_kv_pages_argument(ap)
+    add_prefill_chunk_argument(ap, PREFILL_CHUNK)
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     ap.add_argument("--model-name", default=None, help="the model id clients pass (default: the target directory's name)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -48,8 +50,9 @@ def parse_args(argv=None):
 
 def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=False, slots=8,
           max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False,
-          kv_pages=None):
-    """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started."""
+          kv_pages=None, prefill_chunk=PREFILL_CHUNK):
+    """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started.
+    `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine
     from dspark_jax.engine.generate import load_models
@@ -76,7 +79,8 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
         sts = load_temperatures(drafter, SamplingParams(1.0, 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
     eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
-                 buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting, kv_pages=kv_pages)
+                 buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting, kv_pages=kv_pages,
+                 prefill_chunk=prefill_chunk or None)
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=max_queue, metrics=metrics, threshold=threshold, sts=sts).start()
     served = Served(loop, tok, lt.chat_template, model_name or Path(str(lt.path)).name, metrics)
@@ -113,6 +117,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import uvicorn
 
+    from dspark_jax.cli import prefill_chunk
     from dspark_jax.parallel.sharding import parse_mesh
 
     try:
@@ -120,12 +125,13 @@ def main(argv=None) -> int:
                             calibrated=args.calibrated, slots=args.slots, max_len=args.max_len,
                             max_queue=args.max_queue, model_name=args.model_name, dtype=args.dtype,
                             mesh=parse_mesh(args.mesh), skip_drafting=args.skip_drafting,
-                            kv_pages=args.kv_pages)
+                            kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     eng = served.loop.engine
     kv = "" if eng.pages is None else f", KV pool {eng.pages.num_pages} pages x {eng.pages.page_size} tokens"
+    kv += f", prefill chunks of {eng.prefill_chunk}" if eng.prefill_chunk else ""
     print(f"[serve] model '{served.model}' ({eng.mode}, {eng.R} slots x {eng.S} tokens{kv}, policy {eng.policy_name}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)

@@ -174,16 +174,17 @@ class EngineLoop:
         return st
 
     def _collect(self, st, ro, t0):
-        n_gen, active, finish, out, acc, lengths = jax.device_get(
-            (st.n_gen, st.active, st.finish, st.out, ro.accepted, ro.lengths))
+        n_gen, active, finish, out, acc, lengths, decoded = jax.device_get(
+            (st.n_gen, st.active, st.finish, st.out, ro.accepted, ro.lengths, ro.active))
         now = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.round(now - t0, acc, lengths, [r is not None for r in self._slots], self.engine.G)
+        if self.metrics is not None:  # slots still forwarding their prompt in chunks decoded nothing
+            self.metrics.round(now - t0, acc, lengths, [r is not None and bool(decoded[s])
+                                                        for s, r in enumerate(self._slots)], self.engine.G)
         ended = []
         for s, req in enumerate(self._slots):
             if req is None:
                 continue
-            req.rounds += 1
+            req.rounds += int(decoded[s])
             req.accepted += int(acc[s])
             new = out[s, len(req.tokens): n_gen[s]].tolist()
             reason = None if active[s] else FINISH_REASONS[int(finish[s])]

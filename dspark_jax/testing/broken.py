@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.drafter import heads
 from dspark_jax.drafter.kinds.block import BlockKind
+from dspark_jax.decoding import rejection
 from dspark_jax.scheduler import prefix
 
 __all__ = ["verify_no_residual", "UnfilteredQ", "schedule_retroactive_lossy", "schedule_retroactive_lossy_np"]
@@ -27,12 +28,12 @@ def verify_no_residual(key, d, q, p, l):
     """`rejection.verify`'s signature; resamples a rejected slot from p (biased towards q's support)."""
     g = d.shape[1]
     k_u, k_s = jax.random.split(key)
-    pd = jnp.take_along_axis(p[:, :g], d[..., None], axis=-1)[..., 0]
+    pd = rejection.probs_at(p, d)  # p: [R, G+1, V] or the round's PackedProbs
     qd = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, d.shape, jnp.float32)
     accept = (u * qd < pd) & (jnp.arange(g)[None] < l[:, None])
     acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    last = sample(k_s, p[jnp.arange(d.shape[0]), acc])
+    last = sample(k_s, rejection.probs_row(p, acc))
     pos = jnp.arange(g + 1)[None]
     ext = jnp.concatenate([d, jnp.zeros_like(d[:, :1])], axis=1)
     out = jnp.where(pos < acc[:, None], ext, jnp.where(pos == acc[:, None], last[:, None], -1))

@@ -201,3 +201,34 @@ def test_mechanics_and_eos():
     # residual: no mass -> p
     np.testing.assert_allclose(residual_distribution(jnp.asarray([0.5, 0.5]), jnp.asarray([0.5, 0.5])), [0.5, 0.5])
     np.testing.assert_allclose(residual_distribution(jnp.asarray([0.7, 0.3]), jnp.asarray([0.5, 0.5])), [0.2, 0.0], atol=1e-7)
+
+
+def test_packed_probabilities_give_the_same_verification():
+    """The engine hands `verify` its target rows packed (`PackedProbs`: request r's row j at
+    `packed[dest[r, j]]`, rows in any order, padding rows beside them): the result is the one
+    of the gathered `[R, G+1, V]` array, bit for bit, for every key and length, sampled and
+    greedy. A `dest` read off by one row (the bonus row of the previous slot) differs."""
+    from dspark_jax.decoding.rejection import PackedProbs
+
+    rng = np.random.default_rng(3)
+    R, G, V, B = 5, 4, 7, 40
+    for greedy in (False, True):
+        logits = rng.normal(size=(B, V)).astype(np.float32) * 2
+        packed = np.asarray(sampling_probs(jnp.asarray(logits), 0.0 if greedy else 1.0, 0, 1.0))
+        dest = rng.permutation(B)[: R * (G + 1)].reshape(R, G + 1).astype(np.int32)
+        q = np.asarray(sampling_probs(jnp.asarray(rng.normal(size=(R, G, V)).astype(np.float32)), 1.0, 0, 1.0))
+        lengths = jnp.asarray([0, 1, 2, 4, 3], jnp.int32)
+        p = jnp.asarray(packed[dest])
+        for i in range(20):
+            key = jax.random.key(i)
+            drafts = jnp.asarray(rng.integers(0, V, (R, G)), jnp.int32)
+            got = verify(key, drafts, jnp.asarray(q), PackedProbs(jnp.asarray(packed), jnp.asarray(dest)), lengths)
+            want = verify(key, drafts, jnp.asarray(q), p, lengths)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    shifted = np.roll(dest.reshape(-1), 1).reshape(R, G + 1)
+    outs = [np.asarray(verify(jax.random.key(i), drafts, jnp.asarray(q), PackedProbs(jnp.asarray(packed),
+                                                                                 jnp.asarray(shifted)), lengths)[1])
+            for i in range(20)]
+    ref = [np.asarray(verify(jax.random.key(i), drafts, jnp.asarray(q), p, lengths)[1]) for i in range(20)]
+    assert any((a != b).any() for a, b in zip(outs, ref))
