@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dspark_jax.cli import add_kv_pages_argument, report_user_errors
+from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk, report_user_errors
 
 GIB = 1024 ** 3
 
@@ -28,7 +28,8 @@ def _chip_bytes(x, sharding) -> int:
 
 
 def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma: int | None = None,
-         compile_round: bool = False, kv_pages: tuple[int, int] | None = None) -> dict:
+         compile_round: bool = False, kv_pages: tuple[int, int] | None = None,
+         prefill_chunk: int | None = None) -> dict:
     """Per-chip bytes: target / drafter weights, target / drafter KV, and (compile_round) XLA's
     arguments / outputs / temporaries of one round."""
     import jax
@@ -57,7 +58,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
 
     def build(ts, dp, dfz):  # the Engine's static parts, built on abstract models (nothing allocated)
         eng = Engine(nnx.merge(tg, ts), nnx.merge(dg, dp, dfz), num_slots=slots, max_len=context, gamma=gamma,
-                     kv_pages=kv_pages)
+                     kv_pages=kv_pages, prefill_chunk=prefill_chunk)
         box["eng"] = eng
         return 0
 
@@ -70,7 +71,8 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
            "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)),
-           "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages}
+           "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages,
+           "prefill_chunk": prefill_chunk}
     if compile_round:
         spec = eng.spec
 
@@ -130,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip, for the fit line (v5e 16, v6e 32, v5p 95)")
     ap.add_argument("--compile", action="store_true", help="also compile one round and report XLA's per-chip memory")
     add_kv_pages_argument(ap)
+    add_prefill_chunk_argument(ap, None)
     args = ap.parse_args(argv)
     try:
         mesh_shape = tuple(int(x) for x in args.mesh.split(","))
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
         cfg = from_cli([args.config])
         if cfg.target.model is None:
             raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-        res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages)
+        res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages,
+                   prefill_chunk(args.prefill_chunk))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
