@@ -354,14 +354,16 @@ class Engine:
         max_new tokens and a last round's G drafts), within max_len."""
         return self.pages.pages_for(min(int(prompt_len) + int(max_new) + self.G, self.S))
 
-    def admit_count(self, candidates, reserved: int) -> int:
+    def admit_count(self, candidates, reserved: int | None = None) -> int:
         """How many of `candidates` ((prompt_len, max_new), in arrival order) join now, with
-        `reserved` pages already promised to running requests: a leading run whose reservations
-        fit the pool, so a running request never finds the pool empty, and later ones wait (first
-        come, first served). A request that could not fit even an empty pool is an error."""
+        `reserved` pages already promised to running requests (default: the allocator's
+        reservations): a leading run whose reservations fit the pool, so a running request never
+        finds the pool empty, and later ones wait (first come, first served). A request that
+        could not fit even an empty pool is an error."""
         if self.pages is None:
             return len(candidates)
-        budget, n = self.pages.num_pages - int(reserved), 0
+        promised = self.pages.reserved.sum() if reserved is None else reserved
+        budget, n = self.pages.num_pages - int(promised), 0
         for plen, max_new in candidates:
             need = self.pages_to_reserve(plen, max_new)
             if need > self.pages.num_pages:
@@ -375,6 +377,24 @@ class Engine:
             budget -= need
             n += 1
         return n
+
+    def reserve(self, slot: int, prompt_len: int, max_new: int) -> bool:
+        """Admission by reservation: promise `slot`'s new request its whole reach when the pool can
+        hold it beside what running requests were promised -> True; else False (it waits, first
+        in line). Always True without paged KV; a request larger than the pool raises."""
+        if self.pages is None:
+            return True
+        if not self.admit_count([(prompt_len, max_new)]):
+            return False
+        self.pages.reserved[int(slot)] = self.pages_to_reserve(prompt_len, max_new)
+        return True
+
+    def release(self, st: DecodeState, slots) -> DecodeState:
+        """The requests of `slots` are over: their pages and their reservations go back to the pool."""
+        if self.pages is None or not len(slots):
+            return st
+        self.pages.reserved[np.asarray(slots, np.int64)] = 0
+        return self._set_pages(st, release=slots)
 
     def _set_pages(self, st: DecodeState, release=(), grow=None) -> DecodeState:
         """Free the pages of slots in `release`, grow slots to the token counts in `grow`
@@ -548,24 +568,18 @@ class Engine:
         st = self.init_state()
         queue = list(range(len(prompts)))
         slot_req = np.full((self.R,), -1, np.int64)
-        reserved = np.zeros((self.R,), np.int64)  # paged KV: pages promised to each slot's request
         t_start = np.zeros(len(prompts))
         results: list[RequestResult | None] = [None] * len(prompts)
         calls = 0
         t0 = time.perf_counter()
         while True:
             free = np.flatnonzero(slot_req < 0).tolist()
-            if queue and free:
-                n_take = self.admit_count([(len(prompts[i]), max_news[i]) for i in queue[: len(free)]],
-                                          reserved.sum())
-                take = queue[:n_take]
-                queue = queue[n_take:]
-                slots = free[:n_take]
-            else:
-                take = []
+            take, slots = [], []
+            while queue and len(slots) < len(free) and self.reserve(free[len(slots)], len(prompts[queue[0]]),
+                                                                    max_news[queue[0]]):
+                slots.append(free[len(slots)])
+                take.append(queue.pop(0))
             if take:
-                if self.pages is not None:
-                    reserved[slots] = [self.pages_to_reserve(len(prompts[i]), max_news[i]) for i in take]
                 st, ctl = self.start(st, ctl, slots, [prompts[i] for i in take], req_keys[take],
                                      [max_news[i] for i in take], [samplings[i] for i in take],
                                      [stops[i] for i in take])
@@ -593,9 +607,7 @@ class Engine:
                     results[i] = RequestResult(out[s, : n_gen[s]].tolist(), len(prompts[i]), int(rounds[s]),
                                                int(acc[s]), now - t_start[i], FINISH_REASONS[int(fin[s])])
                     slot_req[s] = -1
-                    reserved[s] = 0
-                if self.pages is not None:  # a finished request's pages go back to the pool at once
-                    st = self._set_pages(st, release=finished)
+                st = self.release(st, finished)  # paged KV: its pages go back to the pool at once
         return GenerateResult(results, time.perf_counter() - t0, calls, tr)
 
 

@@ -5,7 +5,8 @@ list of pages, kept in `table` [num_slots, max_pages_per_slot] int32 (NO_PAGE = 
 slot's pages): exactly the page table the device cache reads (target/paged_kv.py). A slot grows
 to cover a token count by taking pages from a free list and gives all of them back when its
 request ends, so the pages in use are proportional to the tokens the slots hold. Pages freed
-last are reused first.
+last are reused first. `reserved` records the pages promised to each slot's request at
+admission (its whole reach), which the engine admits against (`Engine.reserve`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class PageAllocator:
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
         self.peak = 0  # most pages in use at once since the last reset
         self.version = 0  # bumped by every change of `table`
+        self.reserved = np.zeros((self.num_slots,), np.int64)  # pages promised to each slot's request (admission)
 
     # ------------------------------------------------------------ queries
 

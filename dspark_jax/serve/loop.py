@@ -65,7 +65,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._slots: list[Request | None] = [None] * engine.R
-        self._reserved = np.zeros((engine.R,), np.int64)  # paged KV: pages promised to each slot's request
         self._next: Request | None = None  # taken from the queue, waiting for pages (it keeps its place)
         self._ctl = engine.control(SamplingParams(), threshold=threshold, sts=sts, table=table)
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -136,7 +135,7 @@ class EngineLoop:
         idx = jnp.asarray(slots, jnp.int32)
         for s in slots:
             self._slots[s] = None
-            self._reserved[s] = 0
+        st = self.engine.release(st, slots)  # paged KV: pages and reservation back to the pool
         return st._replace(active=st.active.at[idx].set(False))
 
     def _drop_cancelled(self, st):
@@ -149,20 +148,15 @@ class EngineLoop:
         eng = self.engine
         free = [s for s, r in enumerate(self._slots) if r is None]
         taken: list[tuple[int, Request]] = []
-        reserved = int(self._reserved.sum())
         while free and (self._next is not None or not self._waiting.empty()):
             req, self._next = (self._next, None) if self._next is not None else (self._waiting.get_nowait(), None)
             if req.cancelled:
                 req.on_finish("cancelled")
                 continue
-            if not eng.admit_count([(len(req.prompt), req.max_new)], reserved):
+            if not eng.reserve(free[0], len(req.prompt), req.max_new):
                 self._next = req  # paged KV: waits, first in line, until running requests give pages back
                 break
-            s = free.pop(0)
-            if eng.pages is not None:
-                self._reserved[s] = eng.pages_to_reserve(len(req.prompt), req.max_new)
-                reserved += int(self._reserved[s])
-            taken.append((s, req))
+            taken.append((free.pop(0), req))
         if not taken:
             return st
         reqs = [r for _, r in taken]
