@@ -14,6 +14,10 @@ block, and the block's K/V come back as `[L, R, T, Nkv, D]`. The round writes th
 `lax.switch` over buckets (`write_block`): a cache written inside the switch's branches was
 copied whole by XLA, several times per round (tests/engine/test_in_place.py).
 
+With a `Chunk` (chunked prefill, `Engine(prefill_chunk=...)`), prompt tokens of joining slots
+are packed after the block's tokens into the same bucket: the dense work is shared, and they
+attend in their own `[K, C]` view to their slot's committed keys.
+
 `pack` / `unpack` are the two index maps; `verify_packed` is the forward plus the write.
 """
 
