@@ -1,5 +1,6 @@
 """The engine on a mesh: 8 fake CPU devices (slots over data 4, KV heads over tensor 2) give the
-same greedy tokens as one device, for every drafter kind, dense or paged KV, with the decode
+same greedy tokens as one device, for every drafter kind, dense or paged KV (and paged with the
+two later requests' prompts forwarded in chunks of 4 inside the rounds), with the decode
 state laid out as `decode_shardings` says and kept that way across rounds."""
 
 import json
@@ -21,11 +22,14 @@ res = {}
 for kind in ("dspark", "eagle3", "mtp1", None):  # dflash shares dspark's code path
     d = None if kind is None else tiny_drafter(kind, target, gamma=3)
     out = {}
-    for name, mesh, pages in (("one", None, None), ("mesh", make_mesh(4, 1, 2), None),
-                              ("paged", make_mesh(4, 1, 2), (40, 4))):
-        eng = Engine(target, d, num_slots=4, max_len=48, mesh=mesh, kv_pages=pages)
+    for name, mesh, pages, chunk in (("one", None, None, None), ("mesh", make_mesh(4, 1, 2), None, None),
+                                     ("paged", make_mesh(4, 1, 2), (40, 4), None),
+                                     ("chunked", make_mesh(4, 1, 2), (40, 4), 4)):
+        eng = Engine(target, d, num_slots=4, max_len=48, mesh=mesh, kv_pages=pages, prefill_chunk=chunk)
         g = eng.generate(prompts, max_new_tokens=12, sampling=SamplingParams(0.0, 0, 1.0), seed=1)
         out[name] = [r.tokens for r in g.results]
+        if chunk is not None:
+            continue
         if pages is not None:
             st = eng.init_state()
             out["pool_spec"] = [str(st.cache.k.sharding.spec), str(st.cache.page_table.sharding.spec)]
@@ -39,6 +43,7 @@ for kind in ("dspark", "eagle3", "mtp1", None):  # dflash shares dspark's code p
             out["shards"] = list(st.cache.k.addressable_shards[0].data.shape)
             out["full"] = list(st.cache.k.shape)
     res[str(kind)] = {"equal": out["one"] == out["mesh"], "paged": out["one"] == out["paged"],
+                      "chunked": out["one"] == out["chunked"],
                       "pool_spec": out["pool_spec"], "n": sum(map(len, out["one"])), "spec": out["spec"],
                       "shards": out["shards"], "full": out["full"]}
 print(json.dumps(res))
@@ -48,7 +53,7 @@ print(json.dumps(res))
 def test_engine_on_a_mesh_matches_one_device():
     res = json.loads(run_multidevice(CODE).strip().splitlines()[-1])
     for kind, r in res.items():
-        assert r["equal"] and r["paged"] and r["n"] == 6 * 12, (kind, r)
+        assert r["equal"] and r["paged"] and r["chunked"] and r["n"] == 6 * 12, (kind, r)
         assert r["pool_spec"] == ["P(None, None, None, 'tensor', None)", "P('data', None)"], (kind, r["pool_spec"])
         assert r["spec"][:2] == ["P(None, 'data', None, 'tensor', None)", "P('data',)"], (kind, r["spec"])
         layers, slots, length, kv, d = r["full"]
