@@ -5,8 +5,9 @@
 
 Sections (all ratios measured in one run):
 - loop: host loop over the compiled round vs one compiled lax.while_loop (target-only and DSpark).
-- speed: tokens/s of the --drafter (any kind) vs target-only at batch 1 and 8 and --temperature, beside the bound
-  tau * T_ar / (T_draft + T_verify) from separately timed parts.
+- speed: tokens/s of the --drafter (any kind) vs target-only at batch 1 and 8 and --temperature (median and
+  range over --repeats runs, the two alternating), beside the bound tau * T_ar / (T_draft + T_verify) from
+  separately timed parts.
 - tau: accepted length (gamma = block size, T = 1) per given drafter with a 95 % bootstrap
   interval over prompts.
 - head: a full round with the Markov head vs without (same backbone), gamma 7 and 15,
@@ -147,19 +148,26 @@ def bench_speed(target, drafter, prompts, args, out):
         ds = Engine(target, drafter, num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),))
         for e in (ar, ds):
             e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while")
-        ra = ar.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
-        rd = ds.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
+        runs = []  # target-only and speculative alternating, so drifts of this noisy machine hit both
+        for _ in range(max(args.reps, 1)):
+            ra = ar.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
+            rd = ds.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
+            runs.append((ra.tokens_per_s, rd.tokens_per_s))
+        runs = np.asarray(runs)
+        ratios = runs[:, 1] / runs[:, 0]
         ctl = ds.control(sp)
         t_draft, t_verify = _parts(ds, _started(ds, ps, args.max_new_tokens), ctl)
         _, t_ar = _parts(ar, _started(ar, ps, args.max_new_tokens), ar.control(sp))
         bound = rd.tau * t_ar / (t_draft + t_verify)
-        rec = {"batch": R, "temperature": args.temperature, "drafter": name, "ar_tok_s": ra.tokens_per_s,
-               "spec_tok_s": rd.tokens_per_s,
-               "speedup": rd.tokens_per_s / ra.tokens_per_s, "tau": rd.tau, "T_ar_ms": 1e3 * t_ar,
+        rng = lambda a: [float(a.min()), float(a.max())]
+        rec = {"batch": R, "temperature": args.temperature, "drafter": name, "repeats": len(runs),
+               "ar_tok_s": float(np.median(runs[:, 0])), "ar_tok_s_range": rng(runs[:, 0]),
+               "spec_tok_s": float(np.median(runs[:, 1])), "spec_tok_s_range": rng(runs[:, 1]),
+               "speedup": float(np.median(ratios)), "speedup_range": rng(ratios), "tau": rd.tau, "T_ar_ms": 1e3 * t_ar,
                "T_draft_ms": 1e3 * t_draft, "T_verify_ms": 1e3 * t_verify, "bound": bound}
         out[f"speed_b{R}"] = rec
-        print(f"[speed] batch {R}, T {args.temperature:g}: AR {ra.tokens_per_s:.1f} tok/s, {name} {rd.tokens_per_s:.1f} tok/s "
-              f"(x{rec['speedup']:.2f}); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
+        print(f"[speed] batch {R}, T {args.temperature:g}: AR {rec['ar_tok_s']:.1f} tok/s, {name} {rec['spec_tok_s']:.1f} "
+              f"tok/s (x{rec['speedup']:.2f}, x{ratios.min():.2f}-{ratios.max():.2f} over {len(runs)} runs); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
               f"T_verify {1e3 * t_verify:.2f} ms -> bound x{bound:.2f}")
 
 

@@ -426,36 +426,11 @@ class Engine:
 
     # ------------------------------------------------------------ compiled calls
 
-    def prefill_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
-        """Start `prompts` (lists of ids) in `slots` with per-request key data rows (`jax.random.key_data`);
-        one compiled prefill per prompt-length bucket."""
-        n = max(len(p) for p in prompts)
-        P = next((b for b in self.prefill_buckets if b >= n), None)
-        if P is None:
-            raise EngineError(f"prompt of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}")
-        tok = np.zeros((self.R, P), np.int32)
-        plen = np.ones((self.R,), np.int32)
-        join = np.zeros((self.R,), bool)
-        mx = np.zeros((self.R,), np.int32)
-        old = jax.random.key_data(st.keys)  # only its shape: prefill keeps the keys of rows not joining
-        kd = np.zeros(old.shape, old.dtype)
-        slots = np.asarray(slots, np.int64)
-        for s, p in zip(slots, prompts):
-            tok[s, : len(p)] = p
-            plen[s] = len(p)
-        join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
-        if self.pages is not None:  # pages for the prompt and the first round; free slots give theirs back
-            idle = np.flatnonzero(~np.asarray(jax.device_get(st.active))).tolist()
-            st = self._set_pages(st, release=sorted(set(idle) | set(slots.tolist())),
-                                 grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
-        keys_arr = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
-        return self._prefill(self.tstate, self.dp, st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join),
-                             keys_arr, jnp.asarray(mx))
-
-    def admit_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
-        """Start `prompts` in `slots` without forwarding them (`prefill_chunk`): the rounds forward
-        them in chunks beside the running requests."""
-        tok = np.zeros((self.R, self.S), np.int32)
+    def _join_rows(self, st: DecodeState, width: int, slots, prompts, key_data, max_new):
+        """The device arguments of a join: prompts right padded [R, width], plen, join mask,
+        per-request keys (rows not joining keep theirs: only the shape of `st.keys` is read) and
+        max_new, each an [R] row set at `slots`."""
+        tok = np.zeros((self.R, width), np.int32)
         plen = np.ones((self.R,), np.int32)
         join = np.zeros((self.R,), bool)
         mx = np.zeros((self.R,), np.int32)
@@ -466,10 +441,31 @@ class Engine:
             tok[s, : len(p)] = p
             plen[s] = len(p)
         join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
+        keys = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
+        return jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join), keys, jnp.asarray(mx)
+
+    def prefill_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
+        """Start `prompts` (lists of ids) in `slots` with per-request key data rows (`jax.random.key_data`);
+        one compiled prefill per prompt-length bucket."""
+        n = max(len(p) for p in prompts)
+        P = next((b for b in self.prefill_buckets if b >= n), None)
+        if P is None:
+            raise EngineError(f"prompt of {n} tokens exceeds the largest prefill bucket {self.prefill_buckets[-1]}")
+        args = self._join_rows(st, P, slots, prompts, key_data, max_new)
+        if self.pages is not None:  # pages for the prompt and the first round; free slots give theirs back
+            idle = np.flatnonzero(~np.asarray(jax.device_get(st.active))).tolist()
+            st = self._set_pages(st, release=sorted(set(idle) | {int(s) for s in slots}),
+                                 grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
+        return self._prefill(self.tstate, self.dp, st, *args)
+
+    def admit_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
+        """Start `prompts` in `slots` without forwarding them (`prefill_chunk`): the rounds forward
+        them in chunks beside the running requests."""
+        args = self._join_rows(st, self.S, slots, prompts, key_data, max_new)
         if self.pages is not None:  # pages for the whole prompt and the first round, as a prefill's
-            st = self._set_pages(st, release=slots.tolist(), grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
-        keys_arr = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
-        return self._admit(st, jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join), keys_arr, jnp.asarray(mx))
+            st = self._set_pages(st, release=[int(s) for s in slots],
+                                 grow={int(s): len(p) + self.G for s, p in zip(slots, prompts)})
+        return self._admit(st, *args)
 
     def start(self, st: DecodeState, ctl: Control, slots, prompts, key_data, max_new, samplings, stop_ids):
         """Requests join `slots`: one prefill per prompt-length bucket (or, with `prefill_chunk`

@@ -153,14 +153,16 @@ def report_markdown(s: dict) -> str:
                 row += f" {per['dspark']['tau'] / per[base]['tau']:.3f} |"
             lines.append(row)
     lines += ["", "## Wall clock (tokens/s, `bench engine --sections speed`)", "",
-              "| drafter | T | batch | target-only | speculative | speedup | tau | T_ar ms | T_draft ms | T_verify ms | bound |",
+              "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | T_ar ms | T_draft ms | T_verify ms | bound |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kinds:
         for t, sp in (s["speed"].get(k) or {}).items():
             for key in sorted((sp or {})):
                 if key.startswith("speed_b"):
                     r = sp[key]
+                    span = r.get("speedup_range")  # min-max over repeated runs (older files: one run)
+                    span = f" [{span[0]:.2f}, {span[1]:.2f}]" if span else ""
                     lines.append(f"| {k} | {t} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-                                 f"x{r['speedup']:.2f} | {r['tau']:.2f} | {r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
+                                 f"x{r['speedup']:.2f}{span} | {r['tau']:.2f} | {r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
                                  f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} |")
     return "\n".join(lines) + "\n"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dspark_jax.engine import Engine, EngineError
-from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
+from tests.engine.test_bookkeeping import _dense, _rows_equal
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 G = 3
@@ -49,16 +49,6 @@ def test_same_tokens_as_whole_prefills(target, prompts, kind, paged):
     # the joins were chunked: more round calls (prompt tokens ride in rounds), one compiled round
     assert chunked.round_calls > whole.round_calls
     assert eng.compiled_rounds() == 1
-
-
-def _dense(cache):
-    return cache.dense() if isinstance(cache, PagedKVCache) else (cache.k, cache.v)
-
-
-def _rows_equal(a, b, lengths, what):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    for r, n in enumerate(np.asarray(lengths)):
-        np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=2e-4, rtol=2e-4, err_msg=f"{what} row {r}")
 
 
 @pytest.mark.parametrize("kind,paged", [("dspark", False), ("dflash", False), ("eagle3", False), ("mtp1", False),
