@@ -229,14 +229,17 @@ def bench_head(target, prompts, args, out):
 def _join_once(eng, shorts, long, max_new, sp):
     """3 requests decode; `long` joins slot 3 -> (longest gap in s between rounds that gave the
     running requests tokens, counted from before the join; joiner's seconds to its first token;
-    rounds until then)."""
+    rounds until then; median seconds of a round before the join, when no slot prefills)."""
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), eng.R)))
     ctl = eng.control(sp)
     st = eng.init_state()
     st, ctl = eng.start(st, ctl, [0, 1, 2], shorts, kd[:3], [max_new] * 3, [sp] * 3, [[]] * 3)
-    for _ in range(2):
+    plain = []
+    for _ in range(4):
+        t = time.perf_counter()
         st, _ = eng.step(st, ctl)
-    jax.block_until_ready(st.n_gen)
+        jax.block_until_ready(st.n_gen)
+        plain.append(time.perf_counter() - t)
     t0 = last = time.perf_counter()
     st, ctl = eng.start(st, ctl, [3], [long], kd[3:], [max_new], [sp], [[]])
     gap, rounds, n_prev = 0.0, 0, np.asarray(st.n_gen)[:3]
@@ -249,7 +252,7 @@ def _join_once(eng, shorts, long, max_new, sp):
             gap, last = max(gap, now - last), now
         n_prev = n_gen[:3]
         if n_gen[3] > 0:
-            return gap, now - t0, rounds
+            return gap, now - t0, rounds, float(np.median(plain[1:]))
 
 
 def bench_join(target, drafter, prompts, args, out):
@@ -266,14 +269,16 @@ def bench_join(target, drafter, prompts, args, out):
         _join_once(eng, shorts, long, max_new, sp)  # compiles
         runs = np.asarray([_join_once(eng, shorts, long, max_new, sp) for _ in range(args.reps)])
         res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])), "joiner_ttft_ms": 1e3 * float(np.median(runs[:, 1])),
-                     "rounds_to_first_token": int(np.median(runs[:, 2]))}
+                     "rounds_to_first_token": int(np.median(runs[:, 2])), "round_no_chunk_ms": 1e3 * float(np.median(runs[:, 3]))}
         print(f"[join] {name}: {len(long)}-token prompt joins 3 decoding requests: their longest wait for a token "
               f"{res[name]['stall_ms']:.0f} ms, the joiner's first token after {res[name]['joiner_ttft_ms']:.0f} ms "
               f"({res[name]['rounds_to_first_token']} rounds)")
     res["stall_ratio"] = res["chunked"]["stall_ms"] / res["whole"]["stall_ms"]
     res["ttft_ratio"] = res["chunked"]["joiner_ttft_ms"] / res["whole"]["joiner_ttft_ms"]
+    res["no_chunk_round_ratio"] = res["chunked"]["round_no_chunk_ms"] / res["whole"]["round_no_chunk_ms"]
     print(f"[join] chunks of {args.prefill_chunk}: stall x{res['stall_ratio']:.2f}, joiner's first token "
-          f"x{res['ttft_ratio']:.2f} of whole prefill")
+          f"x{res['ttft_ratio']:.2f} of whole prefill; a round with no prompt to forward x{res['no_chunk_round_ratio']:.2f} "
+          f"({res['chunked']['round_no_chunk_ms']:.0f} vs {res['whole']['round_no_chunk_ms']:.0f} ms)")
     out["join"] = {"prompt_tokens": len(long), "prefill_chunk": args.prefill_chunk, **res}
 
 

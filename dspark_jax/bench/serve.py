@@ -151,11 +151,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
-    from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
-    from dspark_jax.serve.__main__ import PREFILL_CHUNK
+    from dspark_jax.cli import SERVE_PREFILL_CHUNK, add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
 
     add_kv_pages_argument(ap)
-    add_prefill_chunk_argument(ap, PREFILL_CHUNK)
+    add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)
     ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
     args = ap.parse_args(argv)
     import openai

@@ -27,19 +27,25 @@ class PackedProbs(NamedTuple):
     dest: jax.Array  # [R, G+1] int32 packed row of each (request, slot)
 
 
+def _packed(p) -> PackedProbs:
+    """`[R, G+1, V]` probabilities as the packed view of themselves (row r * (G+1) + j), so both
+    inputs take the one gather path below."""
+    if isinstance(p, PackedProbs):
+        return p
+    r, t, v = p.shape
+    return PackedProbs(jnp.reshape(p, (r * t, v)), jnp.arange(r * t, dtype=jnp.int32).reshape(r, t))
+
+
 def probs_at(p, tokens) -> jax.Array:
     """p_j(tokens_j) for j < G: `[R, G]`, from `[R, G+1, V]` probabilities or PackedProbs."""
-    g = tokens.shape[1]
-    if isinstance(p, PackedProbs):
-        return p.packed.astype(jnp.float32)[p.dest[:, :g], tokens]
-    return jnp.take_along_axis(jnp.asarray(p, jnp.float32)[:, :g], tokens[..., None], axis=-1)[..., 0]
+    p = _packed(p)
+    return p.packed.astype(jnp.float32)[p.dest[:, : tokens.shape[1]], tokens]
 
 
 def probs_row(p, idx) -> jax.Array:
     """Row idx[r] of request r's distributions: `[R, V]`."""
-    if isinstance(p, PackedProbs):
-        return p.packed.astype(jnp.float32)[p.dest[jnp.arange(idx.shape[0]), idx]]
-    return jnp.asarray(p, jnp.float32)[jnp.arange(idx.shape[0]), idx]
+    p = _packed(p)
+    return p.packed.astype(jnp.float32)[p.dest[jnp.arange(idx.shape[0]), idx]]
 
 
 def residual_distribution(p_row: jax.Array, q_row: jax.Array) -> jax.Array:

@@ -315,11 +315,10 @@ def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig, ro
     return finish_layer(p, h, out, cfg), cache
 
 
-def commit_positions(cache: KVCache, t: int, rows=None, at=None):
+def commit_positions(cache: KVCache, t: int, at=None):
     """Where a commit of T entries per row writes: positions [R, T] from `at` [R] (default the
     rows' `lengths`)."""
-    if at is None:
-        at = cache.lengths if rows is None else cache.lengths[jnp.minimum(rows, cache.lengths.shape[0] - 1)]
+    at = cache.lengths if at is None else at
     return at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
@@ -337,11 +336,11 @@ def eagle3_update(params, cache: KVCache, feats, tokens, valid=None, *, cfg: Mod
     """Commit target features of new positions: feats [R, T, m, H] at positions lengths..,
     tokens [R, T] the token after each feature's position; valid [R, T] a prefix per row.
     Returns the cache with `lengths` advanced by the valid count. `rows` [K]: the inputs are
-    those slots' (rows >= R: unused); `at` [K]: their first position (default `lengths`)."""
+    those slots' (rows >= R: unused), written from `at` [K] (required with `rows`)."""
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = commit_positions(cache, t, rows, at)
+    positions = commit_positions(cache, t, at)
     _, cache = _layer_step(params, cache, _fuse(params, feats, cfg), tokens, positions, valid, cfg, rows)
     return committed(cache, positions, valid, rows)
 

@@ -142,7 +142,7 @@ def mtp_update(params, cache: KVCache, hidden, tokens, valid=None, *, cfg: Model
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = commit_positions(cache, t, rows, at)
+    positions = commit_positions(cache, t, at)
     _, cache = _layer_step(params, cache, hidden, tokens, positions, valid, cfg, rows)
     return committed(cache, positions, valid, rows)
 

@@ -233,7 +233,6 @@ class Engine:
             raise EngineError(f"{what} schedules verification from the drafter's confidence head, and this {mode} "
                               "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
                               "DSpark drafter trained with its confidence head")
-        self.prefill_chunk = chunk
         self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, skip_rule,
                          theta, int(probe_every), int(probe_max), chunk, min(int(prefill_rows), R) if chunk else 0)
         self.table = None if table is None else self._checked_table(table)
@@ -264,6 +263,11 @@ class Engine:
         self._draft = jax.jit(functools.partial(draft_part, spec)) if G else None
         self._admit = jax.jit(admit, donate_argnums=(0,), **prefill_kw)
         self.round_calls = 0
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)."""
+        return self.spec.prefill_chunk
 
     # ------------------------------------------------------------ state / controls
 

@@ -84,12 +84,12 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
 
 def admit(st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
     """Start requests in the slots where `join` is True without forwarding them: their prompts
-    (tokens [R, P], right padded) go into the state, and the rounds forward them in chunks
-    beside the other slots' verification (`prefill_chunk`), so a long prompt stalls nobody."""
+    (tokens [R, S] int32, right padded, the state's `prompt` shape) go into the state, and the
+    rounds forward them in chunks beside the other slots' verification (`prefill_chunk`), so a
+    long prompt stalls nobody."""
     r, n = tokens.shape
-    rows = jnp.zeros(st.prompt.shape, jnp.int32).at[:, :n].set(tokens[:, : st.prompt.shape[1]].astype(jnp.int32))
     anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
-    st = st._replace(prompt=jnp.where(join[:, None], rows, st.prompt),
+    st = st._replace(prompt=jnp.where(join[:, None], tokens, st.prompt),
                      cache=st.cache.with_lengths(jnp.where(join, 0, st.cache.lengths)))
     return _join(st, join, plen, anchor, jnp.zeros_like(plen), keys, max_new)
 

@@ -13,10 +13,9 @@ import argparse
 import sys
 import threading
 from pathlib import Path
-from dspark_jax.cli import report_user_errors
+from dspark_jax.cli import SERVE_PREFILL_CHUNK, report_user_errors
 
 DEFAULT_DRAFTER = Path("runs/dspark/drafter")  # where `python -m dspark_jax.train` (no arguments) writes it
-PREFILL_CHUNK = 64  # prompt tokens a round forwards for a request that joins while others decode
 
 
 def parse_args(argv=None):
@@ -40,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
     ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + completion (default 1024)")
     add_kv_pages_argument(ap)
-    add_prefill_chunk_argument(ap, PREFILL_CHUNK)
+    add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     ap.add_argument("--model-name", default=None, help="the model id clients pass (default: the target directory's name)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -50,7 +49,7 @@ def parse_args(argv=None):
 
 def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=False, slots=8,
           max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False,
-          kv_pages=None, prefill_chunk=PREFILL_CHUNK):
+          kv_pages=None, prefill_chunk=SERVE_PREFILL_CHUNK):
     """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started.
     `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
     from dspark_jax.decoding.sampling import SamplingParams
