@@ -138,7 +138,8 @@ def main(argv=None) -> int:
                          "dspark-sched=DIR@production); target-only always runs first")
     ap.add_argument("--policy", default="fixed", help="verification policy of configurations without @POLICY")
     ap.add_argument("--costs", default=None, help="cost table for scheduled policies")
-    ap.add_argument("--calibrated", action="store_true")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="scheduled configurations use the drafter's STS temperatures fitted at --temperature")
     ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
                     help="scheduled configurations skip the drafter where the cost table says it does not pay")
     ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")
@@ -169,8 +170,10 @@ def main(argv=None) -> int:
     peak_pages: dict = {}
     slots = args.slots or max(args.concurrency)
     for name, drafter, policy in configs:
-        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs, calibrated=args.calibrated,
-                                                skip_drafting=args.skip_drafting if policy in SCHEDULED_POLICIES else False)
+        scheduled = policy in SCHEDULED_POLICIES
+        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
+                                                calibrated=args.temperature if args.calibrated and scheduled else None,
+                                                skip_drafting=args.skip_drafting if scheduled else False)
         app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
                             kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
         server, thread, port = serve_in_thread(app)
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
                   ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
     meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
-            "configs": {name: {"drafter": d, "policy": pol} for name, d, pol in configs},
+            "configs": {name: {"drafter": d, "policy": pol, "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
+                        for name, d, pol in configs},
             "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "pareto.png")

@@ -32,7 +32,9 @@ def parse_args(argv=None):
     ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"))
     ap.add_argument("--threshold", type=float, default=0.0, help="--policy threshold: confidence threshold")
     ap.add_argument("--costs", default=None, help="cost table JSON (python -m dspark_jax.costs measure); its buckets become the engine's")
-    ap.add_argument("--calibrated", action="store_true", help="use the drafter's stored STS temperatures (T = 1 fit)")
+    ap.add_argument("--calibrated", nargs="?", type=float, const=1.0, default=None, metavar="T",
+                    help="use the drafter's stored STS temperatures fitted at sampling temperature T (default 1; "
+                         "the fit for the temperature most requests use: one set serves the whole batch)")
     ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
                     help="scheduled policies: skip the drafter in rounds where the cost table says speculation "
                          "does not pay (python -m dspark_jax.generate --help)")
@@ -51,6 +53,7 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
           max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False,
           kv_pages=None, prefill_chunk=SERVE_PREFILL_CHUNK):
     """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started.
+    `calibrated`: the STS fit at that sampling temperature (True = 1.0; None / False = none).
     `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine
@@ -72,10 +75,10 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
         from dspark_jax.scheduler.costs import load_cost_table
 
         table = load_cost_table(costs, expect_backend=jax.default_backend())
-    if calibrated:
+    if calibrated is not None and calibrated is not False:
         from dspark_jax.calibration.calibrate import load_temperatures
 
-        sts = load_temperatures(drafter, SamplingParams(1.0, 0, 1.0))
+        sts = load_temperatures(drafter, SamplingParams(1.0 if calibrated is True else float(calibrated), 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
     eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
                  buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting, kv_pages=kv_pages,

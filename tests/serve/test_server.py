@@ -274,3 +274,31 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(embedded_tiny_dir
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_calibrated_takes_the_fit_for_the_named_sampling_temperature(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
+    """`--calibrated T` serves with the STS temperatures fitted at sampling temperature T (bench
+    serve passes its own); a temperature with no fit is refused with the file's settings named."""
+    import shutil
+
+    import numpy as np
+
+    from dspark_jax.calibration.calibrate import CalibrationMissingError, save_temperatures
+    from dspark_jax.serve import build
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_dspark_drafter_dir, d)
+    from dspark_jax.io.drafter_dir import read_config
+
+    G = read_config(d)[0].gamma
+    fits = {0.0: np.linspace(0.5, 0.9, G), 1.0: np.linspace(1.5, 2.5, G)}
+    for t, temps in fits.items():
+        save_temperatures(d, (t, 0, 1.0), {"temperatures": temps.tolist()})
+    for calibrated, want in ((0.0, fits[0.0]), (True, fits[1.0]), (1.0, fits[1.0]), (None, np.ones(G))):
+        _, served = build(str(embedded_tiny_dir), str(d), slots=2, max_len=64, calibrated=calibrated)
+        try:
+            np.testing.assert_allclose(np.asarray(served.loop._ctl.sts), want, rtol=1e-6, err_msg=str(calibrated))
+        finally:
+            served.loop.stop()
+    with pytest.raises(CalibrationMissingError, match=r"T0.5_k0_p1 \(has: T0_k0_p1, T1_k0_p1\)"):
+        build(str(embedded_tiny_dir), str(d), slots=2, max_len=64, calibrated=0.5)
