@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.calibration.sts import calibration_report, fit_sts, make_grid, prefix_labels, survival
-from dspark_jax.calibration.traces import TraceSet, concat, load_traces, sampling_key, synthetic_traces
+from dspark_jax.calibration.traces import (TraceSet, concat, load_traces, recorded_sampling, sampling_key,
+                                           synthetic_traces)
 from dspark_jax.cli import report_user_errors
 
 __all__ = ["STS_FILE", "CalibrationMissingError", "make_grid", "split_by_request", "calibrate_traces",
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bins", type=int, default=20)
     ap.add_argument("--holdout", type=float, default=0.5, help="fraction of requests held out for the report")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sampling", default=None, metavar="T[,TOP_K,TOP_P]",
+                    help="the sampling setting of trace files that record none (the engine's raw Traces.save "
+                         "output); files written by `python -m dspark_jax.generate --traces F.npz` record theirs")
     args = ap.parse_args(argv)
     if not args.traces and not args.synthetic_traces:
         ap.error("give --traces FILE ... or --synthetic-traces")
@@ -205,8 +209,38 @@ def main(argv=None) -> int:
         return 2
 
 
+def parse_sampling(text: str) -> dict:
+    """'T' or 'T,TOP_K,TOP_P' -> the sampling dict traces record."""
+    parts = text.split(",")
+    try:
+        if len(parts) not in (1, 3):
+            raise ValueError
+        t = float(parts[0])
+        k, p = (int(parts[1]), float(parts[2])) if len(parts) == 3 else (0, 1.0)
+    except ValueError:
+        raise ValueError(f"--sampling {text!r}: give T or T,TOP_K,TOP_P, e.g. 0 or 1,0,1.0") from None
+    return {"temperature": t, "top_k": k, "top_p": p}
+
+
+def _load(path, sampling: dict | None) -> TraceSet:
+    """A trace file with its sampling setting: the one it records, else --sampling; never a guess
+    (an STS fit stored under the wrong temperature would be read by every later run at that one)."""
+    if not Path(path).exists():
+        return load_traces(path)  # its own error names the file
+    rec = recorded_sampling(path)
+    if rec is None and sampling is None:
+        raise ValueError(f"{path} does not record the sampling setting its rounds were drafted under: pass "
+                         "--sampling T[,TOP_K,TOP_P], or write the traces with `python -m dspark_jax.generate "
+                         "--traces F.npz`, which records it")
+    if rec is not None and sampling is not None and sampling_key(rec) != sampling_key(sampling):
+        raise ValueError(f"{path} records sampling {sampling_key(rec)} but --sampling says {sampling_key(sampling)}: "
+                         "drop --sampling (the file's own setting is used)")
+    return load_traces(path, meta=None if rec is not None else {"sampling": sampling})
+
+
 def _run(args) -> int:
-    sets = [load_traces(p) for p in args.traces] or [synthetic_traces(256, 64, 7, seed=args.seed)]
+    sampling = parse_sampling(args.sampling) if args.sampling else None
+    sets = [_load(p, sampling) for p in args.traces] or [synthetic_traces(256, 64, 7, seed=args.seed)]
     groups: dict[str, list[TraceSet]] = {}
     for s in sets:
         groups.setdefault(s.key, []).append(s)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Traces", "TraceSet", "TraceError", "sampling_key", "save_traces", "load_traces", "from_engine", "concat",
-           "synthetic_traces", "SYNTHETIC_PRESETS"]
+__all__ = ["Traces", "TraceSet", "TraceError", "sampling_key", "save_traces", "load_traces", "recorded_sampling",
+           "from_engine", "concat", "synthetic_traces", "SYNTHETIC_PRESETS"]
 
 FORMAT = "dspark_traces/1"
 _FIELDS = ("conf_logits", "accepted", "verify_len", "full", "request", "round")
@@ -196,6 +196,14 @@ def load_traces(path, meta: dict | None = None) -> TraceSet:
     if missing:
         raise TraceError(f"{path}: trace file lacks field(s) {missing}; write it with dspark_jax.calibration.traces.save_traces")
     return TraceSet(*(d[f] for f in _FIELDS), meta=m)
+
+
+def recorded_sampling(path) -> dict | None:
+    """The sampling setting a trace file records, or None (the engine's raw `Traces.save`
+    output records none)."""
+    with np.load(Path(path), allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+    return _sampling_dict(meta["sampling"]) if meta.get("sampling") else None
 
 
 def from_engine(traces, *, drafter_kind: str, sampling=None, target_fingerprint=None, drafter_fingerprint=None,

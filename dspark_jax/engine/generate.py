@@ -160,6 +160,16 @@ def scheduling_inputs(args, sampling):
     return table, sts
 
 
+def save_run_traces(path: Path, traces, mode: str, sampling) -> Path:
+    """`.npz`: a trace file that records the drafter kind and the sampling setting its rounds were
+    drafted under (calibration fits and stores STS per setting); `.jsonl`: one record per round."""
+    if path.suffix != ".npz":
+        return traces.save(path)
+    from dspark_jax.calibration.traces import from_engine, save_traces
+
+    return save_traces(path, from_engine(traces, drafter_kind=mode, sampling=sampling))
+
+
 @report_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -197,7 +207,7 @@ def main(argv=None) -> int:
         else:
             print(f"=== request {i} ===\n{text}\n--- {json.dumps(stats)}")
     if args.traces and res.traces is not None:
-        res.traces.save(Path(args.traces))
+        save_run_traces(Path(args.traces), res.traces, mode, sampling)
     print(json.dumps({"mode": mode, "requests": len(res.results), "tau": round(res.tau, 3),
                       "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
                       "round_calls": res.round_calls}), file=sys.stderr if args.json else sys.stdout)

@@ -103,3 +103,27 @@ def test_missing_traces_are_one_line_and_flags_match_other_commands(tmp_path, ca
     assert main(["--traces", str(tmp_path / "missing.npz"), "--drafter", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "missing.npz does not exist" in err and "Traceback" not in err
+
+
+def test_sampling_of_a_trace_file_is_read_never_guessed(tmp_path, capsys):
+    """A raw engine trace file records no sampling setting: calibrating it needs --sampling (an STS
+    fit stored under a guessed temperature would be read by every run at that one); with it the fit
+    lands under that key; a --sampling that contradicts a file's own setting is refused."""
+    tr = synthetic_traces(40, 30, 3, seed=5)
+    raw = tmp_path / "raw.npz"  # what `Traces.save(path.npz)` writes: arrays only, `length` not `verify_len`
+    np.savez(raw, conf_logits=tr.conf_logits, length=tr.verify_len, accepted=tr.accepted, full=tr.full,
+             request=tr.request, round=tr.round, cut=np.zeros(len(tr), bool))
+    d = tmp_path / "d"
+    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--grid-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not record the sampling setting" in err and "--sampling" in err
+    assert not (d / "sts.json").exists()
+    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--grid-size", "16", "--sampling", "0"]) == 0
+    data = json.loads((d / "sts.json").read_text())
+    assert set(data["settings"]) == {"T0_k0_p1"}
+    recorded = tmp_path / "rec.npz"
+    save_traces(recorded, synthetic_traces(40, 30, 3, seed=5, sampling={"temperature": 0.7, "top_k": 0, "top_p": 1.0}))
+    assert main(["--traces", str(recorded), "--drafter-dir", str(d), "--sampling", "0"]) == 2
+    assert "records sampling T0.7_k0_p1 but --sampling says T0_k0_p1" in capsys.readouterr().err
+    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--sampling", "0,x"]) == 2
+    assert "give T or T,TOP_K,TOP_P" in capsys.readouterr().err

@@ -45,6 +45,23 @@ def test_generate_cli_jsonl(dirs, capsys):
     assert (root / "tr.jsonl").read_text().count("\n") == sum(r["rounds"] for r in recs)
 
 
+def test_generate_npz_traces_record_kind_and_sampling(dirs, capsys):
+    """`--traces F.npz` records the drafter kind and the sampling setting (calibration stores its
+    STS fit under that setting; an unlabelled file was read as T = 1 before)."""
+    from dspark_jax.calibration.traces import load_traces
+
+    root, _, _ = dirs
+    rc = main(["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
+               str(root / "prompts.jsonl"), "--max-new-tokens", "8", "--batch", "2", "--json", "--temperature", "0",
+               "--traces", str(root / "tr.npz")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    recs = [json.loads(x) for x in out.out.splitlines()]
+    ts = load_traces(root / "tr.npz")
+    assert ts.key == "T0_k0_p1" and ts.meta["drafter_kind"] == "dspark" and ts.gamma == 3
+    assert len(ts) == sum(r["rounds"] for r in recs)
+
+
 def test_generate_cli_kv_pages(dirs, capsys):
     """`--kv-pages NUM,SIZE`: the dense run's completions (sampled, same seed) from a pool smaller
     than the dense caches; a pool too small for a request, or a malformed value, is one line."""
