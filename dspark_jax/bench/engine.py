@@ -15,6 +15,8 @@ Sections (all ratios measured in one run):
 - join: a --join-tokens prompt joins while 3 requests decode: the running requests' longest wait
   for a token (the stall) and the joiner's time to its first token, prefilled whole vs forwarded
   in chunks of --prefill-chunk tokens inside the rounds (not in the default sections).
+- skip: a round of the speculative engine that skips drafting (the skip rule) against a target-only
+  step, 4 slots decoding: the scheduled engine's price for not speculating (not in the defaults).
 Without --drafter a random drafter is used (speed / tau then only measure the machinery).
 """
 
@@ -282,6 +284,49 @@ def bench_join(target, drafter, prompts, args, out):
     out["join"] = {"prompt_tokens": len(long), "prefill_chunk": args.prefill_chunk, **res}
 
 
+def _round_times(eng, ctl, prompts, max_new, n):
+    """Seconds of each of `n` rounds of `eng` with every slot decoding (after one untimed round)."""
+    st = _started(eng, prompts, max_new)
+    st, _ = eng.step(st, ctl)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        st, ro = eng.step(st, ctl)
+        jax.block_until_ready(st.n_gen)
+        ts.append(time.perf_counter() - t)
+    return ts, ro
+
+
+def bench_skip(target, drafter, prompts, args, out):
+    """A round of the speculative engine that skips drafting (the skip rule, on a table where no
+    drafting ever pays) against a target-only step, both at 4 slots with every slot decoding:
+    what the scheduled engine pays over plain decoding when it decides not to speculate."""
+    from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.engine import Engine
+    from dspark_jax.scheduler.prefix import make_table
+
+    R, sp, n = 4, SamplingParams(0.0, 0, 1.0), max(args.reps, 1) * 8
+    ps = prompts[:R]
+    S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
+    max_new = max(args.max_new_tokens, 2 * n + 2)
+    buckets = (R, 2 * R, R * (drafter.gamma + 1))
+    never = make_table(buckets, t_verify=[0.1, 0.1, 0.1], t_draft=1e3)  # drafting never pays, even at best
+    ar = Engine(target, None, num_slots=R, max_len=S + 2 * n)
+    sk = Engine(target, drafter, num_slots=R, max_len=S + 2 * n, policy="production", table=never,
+                skip_drafting="best_case", buckets=buckets)
+    runs = {"target_only": [], "skipped": []}
+    for _ in range(3):  # alternating, so drifts of this machine hit both
+        runs["target_only"] += _round_times(ar, ar.control(sp), ps, max_new, n)[0]
+        ts, ro = _round_times(sk, sk.control(sp), ps, max_new, n)
+        assert int(np.asarray(ro.lengths).sum()) == 0, "the skip rule drafted on a table where nothing pays"
+        runs["skipped"] += ts
+    med = {k: 1e3 * float(np.median(v)) for k, v in runs.items()}
+    out["skip"] = {"slots": R, "rounds": len(runs["skipped"]), "target_only_ms": med["target_only"],
+                   "skipped_round_ms": med["skipped"], "ratio": med["skipped"] / med["target_only"]}
+    print(f"[skip] {R} slots decoding: a round that skips drafting {med['skipped']:.1f} ms, a target-only step "
+          f"{med['target_only']:.1f} ms (x{out['skip']['ratio']:.2f}; medians over {len(runs['skipped'])} rounds each)")
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     from dspark_jax.io.drafter_dir import load as load_drafter
@@ -306,6 +351,8 @@ def main(argv=None) -> int:
         bench_head(target, prompts, args, out)
     if "join" in sections:
         bench_join(target, drafter, prompts, args, out)
+    if "skip" in sections:
+        bench_skip(target, drafter, prompts, args, out)
     print(json.dumps(out, indent=1, default=float))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=float))

@@ -233,8 +233,11 @@ class Engine:
             raise EngineError(f"{what} schedules verification from the drafter's confidence head, and this {mode} "
                               "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
                               "DSpark drafter trained with its confidence head")
+        # rounds that verify no drafts are common only when a policy or the skip rule can choose none
+        narrow = G > 0 and (skip_rule is not None or not (isinstance(policy, str) and policy == "fixed"))
         self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, skip_rule,
-                         theta, int(probe_every), int(probe_max), chunk, min(int(prefill_rows), R) if chunk else 0)
+                         theta, int(probe_every), int(probe_max), chunk, min(int(prefill_rows), R) if chunk else 0,
+                         narrow)
         self.table = None if table is None else self._checked_table(table)
         # policies that never read a table still need one in the compiled round's signature
         self._unread_table = scheduler.make_table(buckets, t_verify=np.ones(len(buckets)), t_draft=0.0)

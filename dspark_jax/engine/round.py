@@ -165,6 +165,25 @@ def _probe_schedule(spec: Spec, st: DecodeState, drafted, a, act, ctl: Control):
             jnp.where(drafted, gap, st.probe_gap).astype(jnp.int32))
 
 
+def _width_index(widths, act, lengths):
+    """The attention view's width: the narrowest compiled one that holds every row's block."""
+    w_need = jnp.max(jnp.where(act, 1 + lengths, 1))
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(widths, jnp.int32), w_need, side="left"), len(widths) - 1)
+
+
+def _widen(vo, t: int):
+    """A verification of a narrower [R, w] view, shaped as the full [R, t] block (what the round
+    and the drafter read): columns >= w are invalid (zeros; packed index = not packed)."""
+    r, w = vo.hidden.shape[:2]
+    if w == t:
+        return vo
+    pad = lambda x, axis: jnp.pad(x, [(0, t - w) if a == axis else (0, 0) for a in range(x.ndim)])
+    b = vo.packing.slot.shape[0]
+    dest = jnp.pad(vo.packing.dest.reshape(r, w), ((0, 0), (0, t - w)), constant_values=b).reshape(-1)
+    return vo._replace(hidden=pad(vo.hidden, 1), features=pad(vo.features, 1), k_new=pad(vo.k_new, 2),
+                       v_new=pad(vo.v_new, 2), packing=vo.packing._replace(dest=dest))
+
+
 def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, lengths):
     """Target probabilities on the packed rows (logits [B, V], each with its slot's settings),
     then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
@@ -229,6 +248,8 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         n_tok = n_tok + jnp.sum(take)
     buckets = jnp.asarray(spec.buckets, jnp.int32)
     b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)
+    widths = spec.widths
+    w_idx = _width_index(widths, act, lengths)
 
     # 4. verify on the packed batch
     toks = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [R, G+1]
@@ -236,11 +257,12 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
 
     path = sampling_path(*samp, spec.tcfg.vocab_size)  # chosen over the batch's settings, as the draft's
 
-    def branch(bk):
+    def branch(bk, w):
         def run(cache):
-            vo = verify_forward(tp, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
+            vo = verify_forward(tp, spec.tcfg, cache, toks[:, :w], st.pos, valid[:, :w], bucket=bk,
                                 feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk,
-                                logit_rows=r * (G + 1))
+                                logit_rows=r * w)
+            vo = _widen(vo, G + 1)
             acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, kv, drafts, q, lengths)
             return vo._replace(logits=None, packing=None), acc, out, n_out
 
@@ -249,7 +271,8 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     # the branches only read the cache; the block's K / V are written after the switch (in place:
     # written inside the branches, the cache was copied whole). Sampling and rejection run inside
     # the branch, on the bucket's packed rows: the vocabulary-wide work scales with B, not R (G + 1)
-    vo, acc, out, n_out = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    branches = [branch(b, w) for w in widths for b in spec.buckets]
+    vo, acc, out, n_out = jax.lax.switch(w_idx * len(spec.buckets) + b_idx, branches, st.cache)
     cache = write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid)
     if chunk is not None:
         cache = write_block(cache, vo.chunk_k, vo.chunk_v, chunk.start, chunk.valid, rows=chunk.rows)

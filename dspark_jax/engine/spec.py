@@ -31,6 +31,7 @@ class Spec:
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
     prefill_chunk: int = 0  # prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)
     prefill_rows: int = 0  # ... spread over at most this many slots
+    narrow_verify: bool = False  # also compile a one-column attention view for rounds that verify no drafts
 
     @property
     def G(self) -> int:
@@ -41,6 +42,13 @@ class Spec:
     def Gs(self) -> int:
         """Width of confidence / survival arrays (>= 1 so target-only still has shapes)."""
         return max(self.G, 1)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Widths of the verification's attention view the round picks from (by its longest row):
+        a round that verifies no drafts (skipped, or scheduled to none) attends with one query per
+        row, not gamma + 1 (8 x the attention on the cache otherwise, ~40 % of a SmolLM2 step)."""
+        return (1, self.G + 1) if self.narrow_verify and self.G else (self.G + 1,)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -88,3 +88,28 @@ def test_threshold_policy_traces(target, prompts):
     np.testing.assert_array_equal(tr["length"], want)
     assert (tr["accepted"] <= tr["length"]).all()
     assert tr["full"].dtype == bool and len(tr["request"]) == sum(r.rounds for r in res.results)
+
+
+def test_rounds_that_verify_no_drafts_take_the_one_column_view(target, prompts, reference, monkeypatch):
+    """A policy that can verify no drafts compiles a second, one-column attention view (a skipped
+    round attended with gamma + 1 queries per row: 1.4 x a target-only step on SmolLM2). Greedy
+    output stays the target's whether every round, none or some take it; a round that took the
+    narrow view while a row verified drafts (the width chosen wrongly) is caught."""
+    from dspark_jax.engine import round as round_mod
+
+    d = tiny_drafter("dspark", target, gamma=3)
+    fixed = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,))
+    eng = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold")
+    assert fixed.spec.widths == (4,) and eng.spec.widths == (1, 4)
+    lengths = []
+    for threshold in (1.01, 0.0, 0.3):  # never draft / always gamma / mixed rounds
+        res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, threshold=threshold, traces=True)
+        assert [r.tokens for r in res.results] == reference, threshold
+        lengths.append(res.traces.arrays()["length"])
+    assert (lengths[0] == 0).all() and (lengths[1] == 3).all() and 0 < (lengths[2] > 0).mean() < 1
+    assert eng.compiled_rounds() == 1
+    # the mutation: always the narrow view -> drafts verified against rows that were never forwarded
+    monkeypatch.setattr(round_mod, "_width_index", lambda widths, act, lengths: jnp.int32(0))
+    broken = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold")
+    res = broken.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, threshold=0.0)
+    assert [r.tokens for r in res.results] != reference

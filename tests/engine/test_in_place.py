@@ -46,15 +46,17 @@ def _whole_cache_copies(hlo: str, shapes) -> list[str]:
 
 
 def _engine(target, kind, kv_pages=None, prefill_chunk=None):
-    drafter = None if kind == "none" else tiny_drafter(kind, target, gamma=3)
+    """kind "dspark-threshold": a policy that may verify no drafts (one- and full-width views)."""
+    base, _, policy = kind.partition("-")
+    drafter = None if base == "none" else tiny_drafter(base, target, gamma=3)
     # a long context makes one cache far larger than anything else a round touches
     return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, policy=policy or "fixed")
 
 
 @pytest.mark.parametrize("kind,paged,chunk", [(k, False, None) for k in KINDS]
                          + [("none", True, None), ("dspark", True, None), ("eagle3", True, None)]
-                         + [("dspark", False, 8), ("eagle3", True, 8)])
+                         + [("dspark", False, 8), ("eagle3", True, 8), ("dspark-threshold", False, None)])
 def test_round_keeps_caches_in_place(target, kind, paged, chunk):
     """No copy of the target cache nor of the drafter's cache, for every kind (Eagle3 / MTP-1's
     one-layer cache was copied around its scatter while their attention read it before writing).
@@ -63,6 +65,7 @@ def test_round_keeps_caches_in_place(target, kind, paged, chunk):
     view under a `lax.cond`, written after the switch like the block, and the drafter's prefill)."""
     eng = _engine(target, kind, (256, 16) if paged else None, chunk)
     st, c = _compiled_round(eng)
+    assert len(eng.spec.widths) == (2 if kind.endswith("threshold") else 1)
     caches = [st.cache] + ([st.dcache] if kind != "none" else [])
     shapes = {tuple(x.shape) for cache in caches for x in (cache.k, cache.v)}
     cache_bytes = st.cache.k.nbytes + st.cache.v.nbytes
