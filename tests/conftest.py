@@ -24,6 +24,18 @@ if _CACHE:
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. One pytest process runs the whole
+    suite; with every module's executables kept alive, XLA:CPU segfaulted (compiling, or reading
+    the persistent cache) at the same test two thirds of the way through, three runs in a row."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def run_multidevice(code: str, n: int = 8, timeout: int = 600) -> str:
     """Run `code` in a fresh interpreter with `n` fake CPU devices; return its stdout."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
