@@ -1,13 +1,15 @@
-"""`python -m dspark_jax.bench serve`: the server under load, one configuration after another,
-fixed-concurrency sweep; total throughput against per-user speed (the paper's Pareto view), time
+"""`python -m dspark_jax.bench serve`: the server under load, configurations in turn at each level
+of a fixed-concurrency sweep; total throughput against per-user speed (the paper's Pareto view), time
 to first token and inter-token latency.
 
     python -m dspark_jax.bench serve --target DIR --drafter dspark=DIR --drafter dflash=DIR \\
         --prompts ../shared/eval_datasets/mt-bench.jsonl --concurrency 1 2 4 8 16 32 --out bench_serve
 
 Every configuration runs in this process behind a real HTTP server on 127.0.0.1 (the same app as
-`python -m dspark_jax.serve`); clients are threads streaming chat completions through the
-`openai` client, bounded by --requests per level and --max-seconds per level.
+`python -m dspark_jax.serve`), all of them up at once: each concurrency level runs every
+configuration in turn, so a drift of a noisy machine hits them alike. Clients are threads
+streaming chat completions through the `openai` client, bounded by --requests per level and
+--max-seconds per level.
 """
 
 from __future__ import annotations
@@ -169,27 +171,32 @@ def main(argv=None) -> int:
     results: dict = {}
     peak_pages: dict = {}
     slots = args.slots or max(args.concurrency)
-    for name, drafter, policy in configs:
-        scheduled = policy in SCHEDULED_POLICIES
-        kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
-                                                calibrated=args.temperature if args.calibrated and scheduled else None,
-                                                skip_drafting=args.skip_drafting if scheduled else False)
-        app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
-                            kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
-        server, thread, port = serve_in_thread(app)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
-        try:
-            warm_up(client, served, prompts, args.temperature)
+    running, clients = [], {}  # every configuration's server is up at once: the levels alternate between them
+    try:
+        for name, drafter, policy in configs:
+            scheduled = policy in SCHEDULED_POLICIES
+            kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
+                                                    calibrated=args.temperature if args.calibrated and scheduled else None,
+                                                    skip_drafting=args.skip_drafting if scheduled else False)
+            app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
+                                kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
+            server, thread, port = serve_in_thread(app)
+            running.append((name, served, server, thread))
+            clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
+            warm_up(clients[name], served, prompts, args.temperature)
             results[name] = []
-            for c in args.concurrency:
-                lv = run_level(client, served.model, prompts, c, args.requests or max(2 * c, 8), args.max_seconds,
-                               args.max_tokens, args.temperature)
+        # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
+        for c in args.concurrency:
+            for name, served, _, _ in running:
+                lv = run_level(clients[name], served.model, prompts, c, args.requests or max(2 * c, 8),
+                               args.max_seconds, args.max_tokens, args.temperature)
                 results[name].append(lv)
                 print(f"[bench serve] {name:<12} c={c:<3} {lv['requests']:>4} req  {lv['throughput']:8.1f} tok/s total "
                       f"{lv['per_user']:7.1f} tok/s/user  TTFT p50 {lv['ttft_p50'] * 1e3:7.0f} ms p99 "
                       f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms p99 {lv['itl_p99'] * 1e3:6.1f} ms",
                       flush=True)
-        finally:
+    finally:
+        for name, served, server, thread in running:
             server.should_exit = True
             thread.join(60)
             served.loop.stop()
