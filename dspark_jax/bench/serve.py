@@ -178,7 +178,7 @@ def main(argv=None) -> int:
             kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
                                                     calibrated=args.temperature if args.calibrated and scheduled else None,
                                                     skip_drafting=args.skip_drafting if scheduled else False)
-            app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=4 * slots,
+            app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=max(4 * slots, max(args.concurrency)),
                                 kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
             server, thread, port = serve_in_thread(app)
             running.append((name, served, server, thread))
