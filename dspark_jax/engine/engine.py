@@ -234,7 +234,7 @@ class Engine:
                               "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
                               "DSpark drafter trained with its confidence head")
         # rounds that verify no drafts are common only when a policy or the skip rule can choose none
-        narrow = G > 0 and (skip_rule is not None or not (isinstance(policy, str) and policy == "fixed"))
+        narrow = skip_rule is not None or policy != "fixed"
         self.spec = Spec(self.kind, shape, tcfg, buckets, S, pol, verify, skip_rule,
                          theta, int(probe_every), int(probe_max), chunk, min(int(prefill_rows), R) if chunk else 0,
                          narrow)

@@ -49,11 +49,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=False, slots=8,
+def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=None, slots=8,
           max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False,
           kv_pages=None, prefill_chunk=SERVE_PREFILL_CHUNK):
     """(FastAPI app, Served): models loaded, engine compiled lazily, loop thread started.
-    `calibrated`: the STS fit at that sampling temperature (True = 1.0; None / False = none).
+    `calibrated`: the STS fit at that sampling temperature (None: no STS).
     `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine
@@ -75,10 +75,10 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
         from dspark_jax.scheduler.costs import load_cost_table
 
         table = load_cost_table(costs, expect_backend=jax.default_backend())
-    if calibrated is not None and calibrated is not False:
+    if calibrated is not None:
         from dspark_jax.calibration.calibrate import load_temperatures
 
-        sts = load_temperatures(drafter, SamplingParams(1.0 if calibrated is True else float(calibrated), 0, 1.0))
+        sts = load_temperatures(drafter, SamplingParams(float(calibrated), 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
     eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
                  buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting, kv_pages=kv_pages,
