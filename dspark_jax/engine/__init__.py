@@ -18,7 +18,7 @@ _EXPORTS = {"Traces": "dspark_jax.calibration.traces", "Engine": "dspark_jax.eng
             "EngineError": "dspark_jax.engine.engine", "GenerateResult": "dspark_jax.engine.engine",
             "RequestResult": "dspark_jax.engine.engine", "default_buckets": "dspark_jax.engine.engine",
             "measure_accepted_length": "dspark_jax.engine.engine", "OutOfPagesError": "dspark_jax.engine.page_alloc",
-            "PageAllocator": "dspark_jax.engine.page_alloc"}
+            "PageAllocator": "dspark_jax.engine.page_alloc", "with_chunk_room": "dspark_jax.engine.engine"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -38,7 +38,7 @@ from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import PAGE_AXES, PagedKVCache, pages_per_slot
 from dspark_jax.decoding.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets"]
+__all__ = ["Engine", "EngineError", "RequestResult", "GenerateResult", "default_buckets", "with_chunk_room"]
 
 MAX_STOP_IDS = 8
 # accepted `skip_drafting` values -> Spec.skip_drafting
@@ -123,6 +123,23 @@ def default_buckets(R: int, G: int, prefill_chunk: int = 0) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def with_chunk_room(buckets, R: int, G: int, prefill_chunk: int) -> tuple[int, ...]:
+    """`buckets` plus chunk-only buckets beyond the largest (doubling, then R * (G + 1) +
+    prefill_chunk), so that a whole prompt chunk fits beside a full verification block. A cost
+    table prices `buckets` only: the scheduler never chooses the chunk-only ones, and without
+    them a joining prompt would get only what the table's largest bucket leaves (28 tokens a
+    round instead of 64 on SmolLM2 with 4 slots)."""
+    buckets = tuple(sorted(set(int(b) for b in buckets)))
+    top = R * (G + 1) + int(prefill_chunk)
+    if not prefill_chunk or buckets[-1] >= top:
+        return buckets
+    out, b = set(buckets) | {top}, buckets[-1] * 2
+    while b < top:
+        out.add(b)
+        b *= 2
+    return tuple(sorted(out))
+
+
 def _prefill_buckets(max_len: int) -> tuple[int, ...]:
     out, b = [], 16
     while b < max_len:
@@ -200,10 +217,13 @@ class Engine:
         if chunk < 0 or (prefill_chunk is not None and chunk == 0) or prefill_rows < 1:
             raise EngineError(f"prefill_chunk must be >= 1 (or None: prefill prompts whole) and prefill_rows >= 1, "
                               f"got {prefill_chunk} and {prefill_rows}")
-        buckets = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G, chunk)))))
-        if buckets[-1] < R * (G + 1):
-            raise EngineError(f"largest verification bucket {buckets[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
+        priced = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G, chunk)))))
+        if priced[-1] < R * (G + 1):
+            raise EngineError(f"largest verification bucket {priced[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
                               "a round could not fit; add a bucket of that size")
+        # buckets a cost table prices (the scheduler's choices), and those compiled: the same,
+        # plus chunk-only ones beyond the largest when prompt chunks need the room
+        self.priced_buckets, buckets = priced, with_chunk_room(priced, R, G, chunk)
         self.mode, self.G, self.R, self.S = mode, G, R, S
         self.pages = self._page_allocator(kv_pages)
         try:
@@ -332,13 +352,14 @@ class Engine:
         return Control(s, jnp.int32(g), jnp.float32(threshold), sts, table, jnp.int32(dk), stops)
 
     def _checked_table(self, table):
-        """The table must price every compiled verification bucket and nothing beyond the largest
-        (a finer grid inside it is allowed: the scheduler then decides on it, as tests do)."""
+        """The table must price every verification bucket the scheduler may choose and nothing
+        beyond the largest (a finer grid inside it is allowed: the scheduler then decides on it,
+        as tests do); chunk-only buckets beyond it are never priced."""
         got = [int(b) for b in np.asarray(table.buckets)]
-        missing = sorted(set(self.buckets) - set(got))
-        if missing or got[-1] != self.buckets[-1]:
-            raise EngineError(f"the cost table's buckets {got} do not match this engine's compiled verification "
-                              f"buckets {list(self.buckets)}"
+        missing = sorted(set(self.priced_buckets) - set(got))
+        if missing or got[-1] != self.priced_buckets[-1]:
+            raise EngineError(f"the cost table's buckets {got} do not match this engine's verification "
+                              f"buckets {list(self.priced_buckets)}"
                               f"{f' (unpriced: {missing})' if missing else ''}: build the Engine with "
                               "buckets=table.buckets, or measure the table for these buckets")
         return table

@@ -80,7 +80,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             return round_step(spec, target_arrays(nnx.merge(tg, ts)), nnx.merge(dg, dp, dfz).arrays(), s, ctl)
 
         with jax.set_mesh(mesh):
-            ctl = eng.control(table=scheduler.make_table(eng.buckets, t_verify=[1.0] * len(eng.buckets)))
+            ctl = eng.control(table=scheduler.make_table(eng.priced_buckets, t_verify=[1.0] * len(eng.priced_buckets)))
             rep = NamedSharding(mesh, P())
             fn = jax.jit(one_round, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, jax.tree.map(lambda _: rep, ctl)),
                          out_shardings=(st_sh, None), donate_argnums=(3,))

@@ -103,7 +103,8 @@ def prefilling(st: DecodeState):
 def _chunk(spec: Spec, st: DecodeState, filling, n_block):
     """This round's prompt chunks: up to `prefill_rows` prefilling slots, the earliest joined
     first, take up to `prefill_chunk` tokens in all, within what the largest bucket leaves beside
-    the verification block's `n_block` tokens -> (Chunk, tokens taken per row [K])."""
+    the verification block's `n_block` tokens (the engine compiles room for a whole chunk,
+    `engine.with_chunk_room`) -> (Chunk, tokens taken per row [K])."""
     r, s = st.prompt.shape
     k, c = spec.prefill_rows, spec.prefill_chunk
     order = jnp.argsort(jnp.where(filling, st.joined, jnp.iinfo(jnp.int32).max), stable=True)[:k].astype(jnp.int32)

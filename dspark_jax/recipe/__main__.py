@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default=None, help="comma-separated (default: the recipe's, 0,1)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run (default all)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before or after the options
     recipe = RECIPES[args.name]
     stages = tuple(s for s in args.stages.split(",") if s)
     bad = [s for s in stages if s not in STAGES]

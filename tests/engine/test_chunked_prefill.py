@@ -2,7 +2,8 @@
 prompt forwarded C tokens per round, packed beside the others' verification, instead of a
 prefill call that stalls them. Checked: the same tokens as whole prefills for every kind (dense
 and paged), the caches after chunks equal a whole prefill of the committed sequence, nobody
-stalls, chunks fit what the largest bucket leaves, the earliest joined goes first."""
+stalls, a whole chunk fits beside a full round (chunk-only buckets beyond a table's), the
+earliest joined goes first."""
 
 from __future__ import annotations
 
@@ -93,31 +94,49 @@ def test_caches_after_chunks_equal_a_whole_prefill_and_nobody_stalls(target, pro
     _rows_equal(_dense(st.cache)[1], _dense(fresh.cache)[1], pos, "target V")
 
 
-def test_chunks_fit_the_largest_bucket_and_the_earliest_joined_goes_first(target, prompts):
-    """3 slots, buckets (3, 12): beside slot 0's full verification (gamma 3) the largest bucket
-    leaves 12 - 4 = 8 tokens, so a chunk of 10 takes 8; of two joined slots the one that joined
-    first takes the whole budget; in one join, the second row gets what the first leaves."""
+def test_chunk_only_bucket_gives_a_whole_chunk_and_the_earliest_joined_goes_first(target, prompts):
+    """3 slots, gamma 3, buckets (3, 12) as a cost table would give them: the engine compiles a
+    chunk-only bucket 12 + 10 = 22 beyond them, so beside slot 0's full verification (4 tokens) a
+    joining prompt forwards a whole chunk of 10 (capped by the table's 12, it got 8), and the
+    table need not price 22; of two joined slots the one that joined first takes the whole chunk;
+    in one join, the second row gets what the first leaves."""
+    from dspark_jax import scheduler
+
     eng = _engine(target, "dspark", num_slots=3, buckets=(3, 12), prefill_chunk=10, prefill_rows=2)
+    assert (eng.priced_buckets, eng.buckets) == ((3, 12), (3, 12, 22))
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
-    ctl = eng.control(GREEDY)
+    ctl = eng.control(GREEDY, table=scheduler.make_table((3, 12), t_verify=[1.0, 2.0]))
+    with pytest.raises(EngineError, match="unpriced|do not match"):
+        eng.control(GREEDY, table=scheduler.make_table((3, 12, 22), t_verify=[1.0, 2.0, 3.0]))
     st = eng.init_state()
     st, ctl = eng.start(st, ctl, [0], [prompts[1]], kd[:1], [60], [GREEDY], [[]])
     st, _ = eng.step(st, ctl)
     st, ctl = eng.start(st, ctl, [2], [prompts[8]], kd[2:], [10], [GREEDY], [[]])  # joins first, slot 2
-    st, _ = eng.step(st, ctl)
-    assert int(st.pos[2]) == 8  # 12 - (1 + 3)
+    st, out = eng.step(st, ctl)
+    assert int(st.pos[2]) == 10 and int(out.bucket) == 2  # the whole chunk, in the chunk-only bucket
     st, ctl = eng.start(st, ctl, [1], [prompts[2]], kd[1:2], [10], [GREEDY], [[]])  # joins later, slot 1
     st, _ = eng.step(st, ctl)
-    assert (int(st.pos[2]), int(st.pos[1])) == (16, 0)  # the earlier request takes the whole budget
-    # default buckets have room for a whole chunk; two joining together: the first row (lower
-    # slot) forwards its 4 tokens, the second takes the 2 left of the chunk's 6
+    assert (int(st.pos[2]), int(st.pos[1])) == (20, 0)  # the earlier request takes the whole chunk
+    # default buckets end at a full round plus a chunk; two joining together: the first row
+    # (lower slot) forwards its 4 tokens, the second takes the 2 left of the chunk's 6
     roomy = _engine(target, "dspark", num_slots=3, prefill_chunk=6, prefill_rows=2)
-    assert roomy.buckets[-1] == 3 * (G + 1) + 6
+    assert roomy.buckets == roomy.priced_buckets and roomy.buckets[-1] == 3 * (G + 1) + 6
     st = roomy.init_state()
     st, ctl = roomy.start(st, ctl, [0], [prompts[1]], kd[:1], [60], [GREEDY], [[]])
     st, ctl = roomy.start(st, ctl, [1, 2], [prompts[3], prompts[8]], kd[1:], [10, 10], [GREEDY] * 2, [[], []])
     st, _ = roomy.step(st, ctl)
     assert (int(st.pos[1]), int(st.pos[2])) == (4, 2)
+
+
+def test_with_chunk_room():
+    """Doubling beyond the largest given bucket, then a full round plus a chunk; nothing added
+    when the given buckets already have the room or chunks are off."""
+    from dspark_jax.engine import with_chunk_room
+
+    assert with_chunk_room((4, 8, 16, 32), 4, 7, 64) == (4, 8, 16, 32, 64, 96)
+    assert with_chunk_room((3, 12), 3, 3, 10) == (3, 12, 22)
+    assert with_chunk_room((4, 8, 16, 32, 96), 4, 7, 64) == (4, 8, 16, 32, 96)
+    assert with_chunk_room((4, 8, 16, 32), 4, 7, 0) == (4, 8, 16, 32)
 
 
 def test_bad_prefill_chunk_is_an_error(target):
