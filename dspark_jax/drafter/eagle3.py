@@ -337,6 +337,9 @@ def eagle3_update(params, cache: KVCache, feats, tokens, valid=None, *, cfg: Mod
     tokens [R, T] the token after each feature's position; valid [R, T] a prefix per row.
     Returns the cache with `lengths` advanced by the valid count. `rows` [K]: the inputs are
     those slots' (rows >= R: unused), written from `at` [K] (required with `rows`)."""
+    if rows is not None and at is None:
+        raise ValueError("eagle3_update(rows=...) writes a chunk of some slots and needs at= (their start "
+                         "positions): the cache's lengths belong to other rows")
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)

@@ -287,3 +287,11 @@ def test_bfloat16_smoke(params, data):
     lg32, _ = draft_logits(params, _prefill_rows(params, tokens, feats, anchors), last, fed, ap)
     q32 = np.asarray(sampling_probs(lg32[:, 0]))
     assert np.abs(np.asarray(q[:, 0]) - q32).sum(-1).max() < 0.2
+
+
+def test_update_of_some_rows_needs_their_positions(params, data):
+    """`rows=` without `at=` would write at the cache lengths of other slots: refused."""
+    tokens, feats = data
+    cache = _prefill_rows(params, tokens, feats, [3, 5, 2, 6])
+    with pytest.raises(ValueError, match="needs at="):
+        eagle3_update(params, cache, feats[:, 3:5], tokens[:, 4:6], cfg=CFG, rows=np.asarray([0], np.int32))

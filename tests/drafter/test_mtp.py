@@ -182,3 +182,11 @@ def test_bfloat16_smoke(params, data):
     c32 = _prefill(params, tokens, hidden, p - 1)
     lg, _ = draft_logits(params, c32, hidden[:, p - 1], tokens[:, p], np.asarray([p]))
     assert np.abs(np.asarray(q[0, 0]) - np.asarray(sampling_probs(lg[0]))).sum() < 0.2
+
+
+def test_update_of_some_rows_needs_their_positions(params, data):
+    """`rows=` without `at=` would write at the cache lengths of other slots: refused."""
+    tokens, hidden = data
+    c = _prefill(params, tokens, hidden, 3)
+    with pytest.raises(ValueError, match="needs at="):
+        mtp_update(params, c, hidden[:, 3:5], tokens[:, 4:6], cfg=CFG, rows=np.asarray([0], np.int32))
