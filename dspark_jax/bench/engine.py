@@ -7,7 +7,8 @@ Sections (all ratios measured in one run):
 - loop: host loop over the compiled round vs one compiled lax.while_loop (target-only and DSpark).
 - speed: tokens/s of the --drafter (any kind) vs target-only at batch 1 and 8 and --temperature (median and
   range over --repeats runs, the two alternating), beside the bound tau * T_ar / (T_draft + T_verify) from
-  separately timed parts.
+  separately timed parts; with `--costs R=TABLE` also scheduled DSpark at batch R (production policy,
+  skip rule, STS with --calibrated), alternating with the other two; `--dtype bfloat16` for bf16 weights.
 - tau: accepted length (gamma = block size, T = 1) per given drafter with a 95 % bootstrap
   interval over prompts.
 - head: a full round with the Markov head vs without (same backbone), gamma 7 and 15,
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.calibration.calibrate import load_temperatures
+from dspark_jax.cli import add_dtype_argument
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
 
@@ -52,8 +55,37 @@ def _args(argv):
                     "(0 = greedy; default 1)")
     ap.add_argument("--join-tokens", type=int, default=512, help="join section: the joining prompt's length")
     ap.add_argument("--prefill-chunk", type=int, default=64, help="join section: prompt tokens per round")
+    ap.add_argument("--batch-sizes", default="1,8", help="speed section: the batch sizes timed (default 1,8)")
+    ap.add_argument("--costs", action="append", default=[], metavar="R=TABLE",
+                    help="speed section: also time scheduled DSpark at batch R (the production policy, the skip "
+                         "rule, this cost table measured for R slots: `python -m dspark_jax.costs measure --slots R`); "
+                         "repeat per batch size")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="scheduled rows use the drafter's STS temperatures fitted at --temperature")
+    add_dtype_argument(ap)
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.calibrated and not args.drafter:
+        ap.error("--calibrated reads the STS fit stored with a trained drafter: give --drafter DIR")
+    try:
+        args.tables = _tables(args.costs)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def _tables(specs) -> dict:
+    """`R=TABLE` flags -> {R: cost table}, each checked as the engine will use it."""
+    from dspark_jax.scheduler.costs import load_cost_table
+
+    out = {}
+    for spec in specs:
+        r, sep, path = spec.partition("=")
+        if not sep or not r.isdigit() or int(r) < 1:
+            raise ValueError(f"--costs {spec!r}: give R=TABLE, the batch size the table was measured for (1 or 8 "
+                             "in the speed section), e.g. --costs 8=configs/costs/cpu_r8.json")
+        out[int(r)] = load_cost_table(path, expect_backend=jax.default_backend())
+    return out
 
 
 def _time(fn, reps):
@@ -143,18 +175,27 @@ def bench_speed(target, drafter, prompts, args, out):
 
     sp = SamplingParams(args.temperature, 0, 1.0)
     name = registry.kind_of(drafter).name
-    for R in (1, 8):
+    for R in (int(b) for b in args.batch_sizes.split(",")):
         ps = prompts[: max(R, 8)]
         S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
         ar = Engine(target, None, num_slots=R, max_len=S)
         ds = Engine(target, drafter, num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),))
-        for e in (ar, ds):
-            e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while")
-        runs = []  # target-only and speculative alternating, so drifts of this noisy machine hit both
+        engines = [(ar, {}), (ds, {})]
+        table = args.tables.get(R)
+        if table is not None:  # scheduled: the production policy + skip rule on the table measured for R slots
+            sts = load_temperatures(args.drafter, sp) if args.calibrated else None
+            sc = Engine(target, drafter, num_slots=R, max_len=S, buckets=[int(b) for b in table.buckets],
+                        policy="production", table=table, skip_drafting="known")
+            engines.append((sc, {"sts": sts}))
+        for e, kw in engines:
+            e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while", **kw)
+        runs, results = [], []  # the engines alternating, so drifts of this noisy machine hit all alike
         for _ in range(max(args.reps, 1)):
-            ra = ar.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
-            rd = ds.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while")
-            runs.append((ra.tokens_per_s, rd.tokens_per_s))
+            res = [e.generate(ps, max_new_tokens=args.max_new_tokens, sampling=sp, loop="while", **kw)
+                   for e, kw in engines]
+            runs.append([r.tokens_per_s for r in res])
+            results.append(res)
+        rd = results[-1][1]
         runs = np.asarray(runs)
         ratios = runs[:, 1] / runs[:, 0]
         ctl = ds.control(sp)
@@ -167,6 +208,14 @@ def bench_speed(target, drafter, prompts, args, out):
                "spec_tok_s": float(np.median(runs[:, 1])), "spec_tok_s_range": rng(runs[:, 1]),
                "speedup": float(np.median(ratios)), "speedup_range": rng(ratios), "tau": rd.tau, "T_ar_ms": 1e3 * t_ar,
                "T_draft_ms": 1e3 * t_draft, "T_verify_ms": 1e3 * t_verify, "bound": bound}
+        if table is not None:
+            sr = runs[:, 2] / runs[:, 0]
+            rec.update(scheduled_tok_s=float(np.median(runs[:, 2])), scheduled_tok_s_range=rng(runs[:, 2]),
+                       scheduled_speedup=float(np.median(sr)), scheduled_speedup_range=rng(sr),
+                       scheduled_tau=results[-1][2].tau, scheduled_calibrated=bool(args.calibrated))
+            print(f"[speed] batch {R}, T {args.temperature:g}: scheduled {name} {rec['scheduled_tok_s']:.1f} tok/s "
+                  f"(x{rec['scheduled_speedup']:.2f}, x{sr.min():.2f}-{sr.max():.2f}); tau {rec['scheduled_tau']:.2f}"
+                  f"{', STS' if args.calibrated else ''}")
         out[f"speed_b{R}"] = rec
         print(f"[speed] batch {R}, T {args.temperature:g}: AR {rec['ar_tok_s']:.1f} tok/s, {name} {rec['spec_tok_s']:.1f} "
               f"tok/s (x{rec['speedup']:.2f}, x{ratios.min():.2f}-{ratios.max():.2f} over {len(runs)} runs); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
@@ -334,11 +383,12 @@ def main(argv=None) -> int:
     from dspark_jax.io.drafter_dir import load as load_drafter
     from dspark_jax.engine.generate import load_models
 
-    target, drafter, _ = load_models(args.target, None, "ar")
+    target, drafter, _ = load_models(args.target, args.drafter, None, args.dtype)
     prompts, tok = _prompts(target, args)
     sections = set(args.sections.split(","))
-    drafter = load_drafter(args.drafter, target) if args.drafter else _random_drafter(target, 7, 256)
-    out = {"target": str(target.path), "drafter": args.drafter or "<random>", "cpu_devices": jax.device_count()}
+    drafter = drafter if drafter is not None else _random_drafter(target, 7, 256)
+    out = {"target": str(target.path), "drafter": args.drafter or "<random>", "cpu_devices": jax.device_count(),
+           "dtype": str(target.model.embed[...].dtype)}
     if "loop" in sections:
         bench_loop(target, drafter, prompts, args, out)
     if "speed" in sections:
