@@ -71,6 +71,9 @@ def _args(argv):
         args.tables = _tables(args.costs)
     except ValueError as e:
         ap.error(str(e))
+    unused = sorted(set(args.tables) - {int(b) for b in args.batch_sizes.split(",")})
+    if unused:
+        ap.error(f"--costs for batch size(s) {unused} that --batch-sizes {args.batch_sizes} does not time")
     return args
 
 
@@ -82,8 +85,8 @@ def _tables(specs) -> dict:
     for spec in specs:
         r, sep, path = spec.partition("=")
         if not sep or not r.isdigit() or int(r) < 1:
-            raise ValueError(f"--costs {spec!r}: give R=TABLE, the batch size the table was measured for (1 or 8 "
-                             "in the speed section), e.g. --costs 8=configs/costs/cpu_r8.json")
+            raise ValueError(f"--costs {spec!r}: give R=TABLE, the batch size (one of --batch-sizes) the table was "
+                             "measured for, e.g. --costs 8=configs/costs/cpu_r8.json")
         out[int(r)] = load_cost_table(path, expect_backend=jax.default_backend())
     return out
 
@@ -184,8 +187,8 @@ def bench_speed(target, drafter, prompts, args, out):
         table = args.tables.get(R)
         if table is not None:  # scheduled: the production policy + skip rule on the table measured for R slots
             sts = load_temperatures(args.drafter, sp) if args.calibrated else None
-            sc = Engine(target, drafter, num_slots=R, max_len=S, buckets=[int(b) for b in table.buckets],
-                        policy="production", table=table, skip_drafting="known")
+            sc = Engine(target, drafter, num_slots=R, max_len=S, policy="production", table=table,
+                        skip_drafting="known")
             engines.append((sc, {"sts": sts}))
         for e, kw in engines:
             e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while", **kw)

@@ -315,9 +315,12 @@ def _layer_step(params, cache, h, tokens, positions, valid, cfg: ModelConfig, ro
     return finish_layer(p, h, out, cfg), cache
 
 
-def commit_positions(cache: KVCache, t: int, at=None):
+def commit_positions(cache: KVCache, t: int, at=None, rows=None):
     """Where a commit of T entries per row writes: positions [R, T] from `at` [R] (default the
-    rows' `lengths`)."""
+    rows' `lengths`; required with `rows`, a chunk of some slots, whose lengths are not theirs)."""
+    if rows is not None and at is None:
+        raise ValueError("a commit of some slots (rows=...) needs at= (their start positions): the cache's "
+                         "lengths belong to other rows")
     at = cache.lengths if at is None else at
     return at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
@@ -337,13 +340,10 @@ def eagle3_update(params, cache: KVCache, feats, tokens, valid=None, *, cfg: Mod
     tokens [R, T] the token after each feature's position; valid [R, T] a prefix per row.
     Returns the cache with `lengths` advanced by the valid count. `rows` [K]: the inputs are
     those slots' (rows >= R: unused), written from `at` [K] (required with `rows`)."""
-    if rows is not None and at is None:
-        raise ValueError("eagle3_update(rows=...) writes a chunk of some slots and needs at= (their start "
-                         "positions): the cache's lengths belong to other rows")
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = commit_positions(cache, t, at)
+    positions = commit_positions(cache, t, at, rows)
     _, cache = _layer_step(params, cache, _fuse(params, feats, cfg), tokens, positions, valid, cfg, rows)
     return committed(cache, positions, valid, rows)
 

@@ -139,13 +139,10 @@ def mtp_update(params, cache: KVCache, hidden, tokens, valid=None, *, cfg: Model
     """Commit hidden [R, T, H] of new positions lengths.. with tokens [R, T] (the token after
     each position); valid [R, T] a prefix per row. Advances `lengths` by the valid count.
     `rows` / `at`: as `eagle3_update` (a prefill chunk of some slots)."""
-    if rows is not None and at is None:
-        raise ValueError("mtp_update(rows=...) writes a chunk of some slots and needs at= (their start "
-                         "positions): the cache's lengths belong to other rows")
     r, t = tokens.shape
     if valid is None:
         valid = jnp.ones((r, t), bool)
-    positions = commit_positions(cache, t, at)
+    positions = commit_positions(cache, t, at, rows)
     _, cache = _layer_step(params, cache, hidden, tokens, positions, valid, cfg, rows)
     return committed(cache, positions, valid, rows)
 

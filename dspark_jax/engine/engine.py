@@ -115,12 +115,16 @@ def kind_of_drafter(drafter):
 def default_buckets(R: int, G: int, prefill_chunk: int = 0) -> tuple[int, ...]:
     """Verification bucket sizes (tokens): R, 2R, 4R, ... and R * (G + 1) + prefill_chunk (every
     round fits, with a whole prompt chunk beside it)."""
-    top = R * (G + 1) + int(prefill_chunk)
-    out, b = {top}, R
+    return tuple(sorted(_doubling(R, R * (G + 1) + int(prefill_chunk))))
+
+
+def _doubling(b: int, top: int) -> set[int]:
+    """b, 2b, 4b, ... below top, and top."""
+    out = {top}
     while b < top:
         out.add(b)
         b *= 2
-    return tuple(sorted(out))
+    return out
 
 
 def with_chunk_room(buckets, R: int, G: int, prefill_chunk: int) -> tuple[int, ...]:
@@ -133,11 +137,7 @@ def with_chunk_room(buckets, R: int, G: int, prefill_chunk: int) -> tuple[int, .
     top = R * (G + 1) + int(prefill_chunk)
     if not prefill_chunk or buckets[-1] >= top:
         return buckets
-    out, b = set(buckets) | {top}, buckets[-1] * 2
-    while b < top:
-        out.add(b)
-        b *= 2
-    return tuple(sorted(out))
+    return tuple(sorted(set(buckets) | _doubling(buckets[-1], top)))
 
 
 def _prefill_buckets(max_len: int) -> tuple[int, ...]:
@@ -155,7 +155,7 @@ class Engine:
     "early_stop" = Algorithm 1, "static" = the static-shape variant, "production"; or a
     function, see engine/policy.py). A scheduler maximises `theta` ("sps": tau * SPS(B),
     the paper's; "latency": tau / (T_draft + T_verify(B))) over the cost table passed as
-    `table` (here or per call), pricing B tokens by `cost` ("interp" / "step"; None: the
+    `table` (here, which also makes its buckets the engine's, or per call), pricing B tokens by `cost` ("interp" / "step"; None: the
     policy's default). `skip_drafting` (a `lax.cond` around the drafter inside the same
     compiled round): "best_case" skips when even perfect drafts could not beat plain
     decoding on the table (`scheduler.speculation_pays`); "known" (or True) also skips when
@@ -217,7 +217,9 @@ class Engine:
         if chunk < 0 or (prefill_chunk is not None and chunk == 0) or prefill_rows < 1:
             raise EngineError(f"prefill_chunk must be >= 1 (or None: prefill prompts whole) and prefill_rows >= 1, "
                               f"got {prefill_chunk} and {prefill_rows}")
-        priced = tuple(sorted(set(int(b) for b in (buckets or default_buckets(R, G, chunk)))))
+        if not buckets:  # a cost table's buckets are the ones it prices; else room for every round (and a chunk)
+            buckets = np.asarray(table.buckets) if table is not None else default_buckets(R, G, chunk)
+        priced = tuple(sorted(set(int(b) for b in buckets)))
         if priced[-1] < R * (G + 1):
             raise EngineError(f"largest verification bucket {priced[-1]} < num_slots * (gamma + 1) = {R * (G + 1)}: "
                               "a round could not fit; add a bucket of that size")
@@ -260,7 +262,7 @@ class Engine:
                          narrow)
         self.table = None if table is None else self._checked_table(table)
         # policies that never read a table still need one in the compiled round's signature
-        self._unread_table = scheduler.make_table(buckets, t_verify=np.ones(len(buckets)), t_draft=0.0)
+        self._unread_table = scheduler.make_table(priced, t_verify=np.ones(len(priced)), t_draft=0.0)
         self.tp = target_arrays(tmodel)
         self.dp = drafter.arrays() if drafter is not None else {}
         self.tgraph, self.tstate = nnx.split(tmodel)
@@ -361,7 +363,7 @@ class Engine:
             raise EngineError(f"the cost table's buckets {got} do not match this engine's verification "
                               f"buckets {list(self.priced_buckets)}"
                               f"{f' (unpriced: {missing})' if missing else ''}: build the Engine with "
-                              "buckets=table.buckets, or measure the table for these buckets")
+                              "table= (its buckets become the engine's), or measure the table for these buckets")
         return table
 
     # ------------------------------------------------------------ paged KV (host side)

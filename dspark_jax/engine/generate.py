@@ -126,9 +126,8 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     ids = [render_prompt(tok, c, target.chat_template) for c in convs]
     G = gamma or getattr(drafter, "gamma", 0)
     S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
-    buckets = None if table is None else [int(b) for b in table.buckets]
     eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
-                 buckets=buckets, table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
+                 table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
                  probe_every=probe_every, probe_max=probe_max, mesh=mesh, kv_pages=kv_pages,
                  prefill_chunk=prefill_chunk)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,

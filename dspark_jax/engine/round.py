@@ -100,18 +100,17 @@ def prefilling(st: DecodeState):
     return st.active & (st.pos < st.plen - 1)
 
 
-def _chunk(spec: Spec, st: DecodeState, filling, n_block):
+def _chunk(spec: Spec, st: DecodeState, filling):
     """This round's prompt chunks: up to `prefill_rows` prefilling slots, the earliest joined
-    first, take up to `prefill_chunk` tokens in all, within what the largest bucket leaves beside
-    the verification block's `n_block` tokens (the engine compiles room for a whole chunk,
-    `engine.with_chunk_room`) -> (Chunk, tokens taken per row [K])."""
+    first, take up to `prefill_chunk` tokens in all (the compiled buckets always hold a whole
+    chunk beside a full verification block: `engine.with_chunk_room`) -> (Chunk, tokens taken
+    per row [K])."""
     r, s = st.prompt.shape
     k, c = spec.prefill_rows, spec.prefill_chunk
     order = jnp.argsort(jnp.where(filling, st.joined, jnp.iinfo(jnp.int32).max), stable=True)[:k].astype(jnp.int32)
     live = filling[order]
     want = jnp.where(live, jnp.minimum(st.plen[order] - 1 - st.pos[order], c), 0)
-    budget = jnp.clip(jnp.minimum(c, spec.buckets[-1] - n_block), 0, None)
-    take = jnp.clip(budget - (jnp.cumsum(want) - want), 0, want).astype(jnp.int32)
+    take = jnp.clip(c - (jnp.cumsum(want) - want), 0, want).astype(jnp.int32)
     start = st.pos[order]
     col = jnp.arange(c, dtype=jnp.int32)[None]
     tokens = st.prompt[order[:, None], jnp.minimum(start[:, None] + col, s - 1)]
@@ -245,7 +244,7 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
     chunk = None
     if spec.prefill_chunk:
-        chunk, take = _chunk(spec, st, filling, n_tok)
+        chunk, take = _chunk(spec, st, filling)
         n_tok = n_tok + jnp.sum(take)
     buckets = jnp.asarray(spec.buckets, jnp.int32)
     b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)

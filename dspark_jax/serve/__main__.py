@@ -81,7 +81,7 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
         sts = load_temperatures(drafter, SamplingParams(float(calibrated), 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
     eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
-                 buckets=None if table is None else [int(b) for b in table.buckets], skip_drafting=skip_drafting, kv_pages=kv_pages,
+                 skip_drafting=skip_drafting, kv_pages=kv_pages,
                  prefill_chunk=prefill_chunk or None)
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=max_queue, metrics=metrics, threshold=threshold, sts=sts).start()

@@ -105,7 +105,9 @@ def test_chunk_only_bucket_gives_a_whole_chunk_and_the_earliest_joined_goes_firs
     eng = _engine(target, "dspark", num_slots=3, buckets=(3, 12), prefill_chunk=10, prefill_rows=2)
     assert (eng.priced_buckets, eng.buckets) == ((3, 12), (3, 12, 22))
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
-    ctl = eng.control(GREEDY, table=scheduler.make_table((3, 12), t_verify=[1.0, 2.0]))
+    table = scheduler.make_table((3, 12), t_verify=[1.0, 2.0])
+    assert _engine(target, "dspark", num_slots=3, table=table, prefill_chunk=10).buckets == (3, 12, 22)  # from the table
+    ctl = eng.control(GREEDY, table=table)
     with pytest.raises(EngineError, match="unpriced|do not match"):
         eng.control(GREEDY, table=scheduler.make_table((3, 12, 22), t_verify=[1.0, 2.0, 3.0]))
     st = eng.init_state()
