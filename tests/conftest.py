@@ -7,6 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+# XLA:CPU compiles the suite's many small programs with LLVM's optimiser off: on 2 cores the
+# suite is compile-bound (tests/engine/test_greedy.py 98 s -> 58 s) and these tiny programs run
+# about as fast unoptimised; the numerics (no fast-math either way) are the same programs'.
+# DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's default level. Set before jax is imported; subprocesses
+# inherit it (fake_devices_env keeps it).
+if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT") and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax
 import pytest
 
@@ -36,9 +44,15 @@ def _release_compiled_programs():
     gc.collect()
 
 
+def fake_devices_env(n: int) -> dict:
+    """os.environ for a subprocess with `n` fake CPU devices (the other XLA flags kept)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]), JAX_PLATFORMS="cpu")
+
+
 def run_multidevice(code: str, n: int = 8, timeout: int = 600) -> str:
     """Run `code` in a fresh interpreter with `n` fake CPU devices; return its stdout."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(n)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if res.returncode:
         raise AssertionError(f"subprocess failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")

@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--speed-max-new-tokens", type=int, default=64)
+    ap.add_argument("--speed-repeats", type=int, default=3, help="alternating runs per speed row (default 3)")
+    ap.add_argument("--speed-batch-sizes", default="1,8", help="comma-separated batch sizes timed (default 1,8)")
     ap.add_argument("--temperatures", default=None, help="comma-separated (default: the recipe's, 0,1)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run (default all)")
     args = ap.parse_intermixed_args(argv)  # overrides before or after the options
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         ap.error(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    try:
+        batch_sizes = tuple(int(b) for b in args.speed_batch_sizes.split(","))
+    except ValueError:
+        ap.error(f"--speed-batch-sizes {args.speed_batch_sizes!r}: give comma-separated integers, e.g. 1,8")
     temps = None if args.temperatures is None else tuple(float(t) for t in args.temperatures.split(","))
     try:
         if args.target:
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
         run_recipe(recipe, Path(args.out), target, overrides=args.overrides, eval_dir=Path(args.eval_dir),
                    num_eval_prompts=args.num_eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
                    speed_prompts=args.speed_prompts, speed_max_new_tokens=args.speed_max_new_tokens,
+                   speed_repeats=args.speed_repeats, speed_batch_sizes=batch_sizes,
                    temperatures=temps, stages=stages)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

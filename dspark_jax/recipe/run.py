@@ -68,7 +68,7 @@ def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
 
 def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_dir: Path, num_eval_prompts: int = 80,
                eval_max_new_tokens: int = 128, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
-               temperatures=None, stages=STAGES, echo: bool = True) -> dict:
+               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None, stages=STAGES, echo: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     temps = tuple(recipe.eval_temperatures if temperatures is None else temperatures)
@@ -93,7 +93,8 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
             if "speed" in stages and not res.is_file():
                 cmd = _py("dspark_jax.bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
                           "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
-                          "--temperature", t, "--repeats", 3, "--json", res)
+                          "--temperature", t, "--repeats", speed_repeats,
+                          "--batch-sizes", ",".join(map(str, speed_batch_sizes)), "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
     summary = collect(recipe, out, target, temps)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))

@@ -33,7 +33,8 @@ def test_recipe_runs_every_stage_then_resumes_without_work(embedded_tiny_dir, ev
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))  # a cold regeneration cache
     out = tmp_path / "run"
     s = run_recipe(TINY, out, embedded_tiny_dir, overrides=SHRINK, eval_dir=eval_dir, num_eval_prompts=3,
-                   eval_max_new_tokens=12, speed_prompts=2, speed_max_new_tokens=8, echo=False)
+                   eval_max_new_tokens=12, speed_prompts=2, speed_max_new_tokens=8, speed_repeats=1,
+                   speed_batch_sizes=(1,), echo=False)
     assert set(s["train"]) == {"dspark", "dflash"} and all(t["heldout_tau"] >= 1.0 for t in s["train"].values())
     # one regeneration for both drafters: the second finds the first one's cache
     regen = {k: t["phases_s"].get("regeneration", 0.0) for k, t in s["train"].items()}
@@ -43,7 +44,7 @@ def test_recipe_runs_every_stage_then_resumes_without_work(embedded_tiny_dir, ev
     assert all(per[k]["tau"] >= 1.0 for per in res.values() for k in per)
     for k in ("dspark", "dflash"):
         sp = s["speed"][k]["0"]
-        assert sp["speed_b1"]["drafter"] == k and sp["speed_b1"]["temperature"] == 0.0
+        assert sp["speed_b1"]["drafter"] == k and sp["speed_b1"]["temperature"] == 0.0 and "speed_b8" not in sp
     report = (out / "report.md").read_text()
     assert "dspark / dflash" in report and "| math |" in report and "| dflash | 0 | 1 |" in report
     assert json.loads((out / "summary.json").read_text())["recipe"] == "tiny"

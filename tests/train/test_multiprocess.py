@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.testing.multiprocess import launch
+from tests.conftest import fake_devices_env
 from tests.train.test_run import _write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,7 +90,7 @@ def _heldout_blocks(held_dir):
 def test_two_processes_equal_one_process_with_eight_devices(data, two_process_run, tmp_path):
     out2, _ = two_process_run
     out1 = tmp_path / "one"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(8)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     # no end-of-run decoding (compared: losses, parameters, eval blocks), which saves an engine compile
     res = subprocess.run([sys.executable, *_args(data, out1, "train.measure_prompts=0")], cwd=REPO, env=env, capture_output=True, text=True,
