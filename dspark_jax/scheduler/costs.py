@@ -393,14 +393,24 @@ def _build_engine(args):
     from dspark_jax.engine import Engine
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    dcfg = None
     if args.model == "tiny":
         cfg = tiny_config()
     else:
         from dspark_jax.config import from_cli
 
-        cfg = from_cli([args.model]).target.model
-    target = tiny_target(cfg)
-    drafter = None if args.drafter == "none" else tiny_drafter(args.drafter, target, gamma=args.gamma)
+        full = from_cli([args.model])
+        cfg = full.target.model
+        if args.drafter in ("dspark", "dflash"):  # the preset's drafter (layers, features, Markov rank), not a toy
+            dcfg = dataclasses.replace(full.drafter, kind=args.drafter, gamma=args.gamma)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    target = tiny_target(cfg, param_dtype=dtype)
+    drafter = None if args.drafter == "none" else tiny_drafter(
+        args.drafter, target, gamma=args.gamma, dcfg=dcfg, dtype=None if dtype == jnp.float32 else dtype)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     e3 = args.drafter == EAGLE3.name  # testing.tiny's Eagle3 drafter fuses target layer 0
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
@@ -429,12 +439,13 @@ def _cmd_measure(args) -> int:
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,
         provenance=(f"measured by `python -m dspark_jax.costs measure` on {jax.default_backend()} ({dev.device_kind}), "
-                    f"model {args.model}, drafter {args.drafter}, random weights; t_verify(b) = compiled round "
+                    f"model {args.model}, drafter {args.drafter}, {args.dtype}, random weights; t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
         clipped=res["clipped"],
         engine={"num_slots": eng.R, "gamma": eng.G, "mode": eng.mode, "max_len": eng.S, "model": args.model,
-                "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size},
+                "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+                "dtype": args.dtype},
         measure={"repeats": args.repeats, "warmup": args.warmup, "stat": args.stat,
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}, **extra)
     log(f"wrote {path}")
@@ -505,7 +516,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
     m.add_argument("--target", "--model", dest="model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
-    m.add_argument("--drafter", default="dspark", choices=[*KIND_NAMES, "none"])
+    m.add_argument("--drafter", default="dspark", choices=[*KIND_NAMES, "none"],
+                   help="drafter kind; with a config --target, DSpark / DFlash take its drafter section's shape")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target weights and compute dtype (the drafter computes in it), as the engine would run")
     m.add_argument("--slots", "--num-slots", dest="num_slots", type=int, default=8)
     m.add_argument("--gamma", type=int, default=7)
     m.add_argument("--max-len", type=int, default=256)

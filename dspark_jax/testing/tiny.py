@@ -8,6 +8,7 @@ anti-correlated with the target).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterSection
@@ -35,9 +36,10 @@ def _scale(var, factor):
     var.set_value(var[...] * factor)
 
 
-def tiny_target(cfg: ModelConfig, seed: int = 0, logit_scale: float = 3.0, mesh=None) -> TargetModel:
+def tiny_target(cfg: ModelConfig, seed: int = 0, logit_scale: float = 3.0, mesh=None,
+                param_dtype=jnp.float32) -> TargetModel:
     """Random target whose logits have standard deviation about `logit_scale`."""
-    t = create_model(lambda: TargetModel(cfg, rngs=nnx.Rngs(seed)), mesh)
+    t = create_model(lambda: TargetModel(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype), mesh)
     _scale(t.embed, logit_scale / (0.02 * cfg.hidden_size ** 0.5))
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         _scale(getattr(t.layers, name), 10.0)
@@ -45,22 +47,28 @@ def tiny_target(cfg: ModelConfig, seed: int = 0, logit_scale: float = 3.0, mesh=
 
 
 def tiny_drafter(kind: str, target: TargetModel, *, gamma: int = 3, seed: int = 1, bad: bool = False,
-                 head_type: str = "vanilla", markov_scale: float = 10.0, mesh=None):
-    """A random drafter of `kind` attached to `target` (Eagle3 fuses layer 0 only)."""
+                 head_type: str = "vanilla", markov_scale: float = 10.0, mesh=None, dcfg: DrafterSection | None = None,
+                 dtype=None):
+    """A random drafter of `kind` attached to `target` (Eagle3 fuses layer 0 only).
+
+    `dcfg`: a DSpark / DFlash drafter of that shape instead of the one-layer, rank-8 default (a
+    preset's drafter section, so `costs measure` times the drafter a run would train); `dtype`:
+    the compute dtype (parameters stay float32, as a loaded drafter's do)."""
     cfg = target.cfg
     if kind in ("dspark", "dflash"):
-        dcfg = DrafterSection(kind=kind, num_layers=1, gamma=gamma, target_layer_ids=(0,), num_target_features=1,
-                              markov_rank=8, head_type=head_type, mask_token_id=cfg.vocab_size - 1)
-        d = create_model(lambda: Drafter(cfg, dcfg, rngs=nnx.Rngs(seed)), mesh)
+        if dcfg is None:
+            dcfg = DrafterSection(kind=kind, num_layers=1, gamma=gamma, target_layer_ids=(0,), num_target_features=1,
+                                  markov_rank=8, head_type=head_type, mask_token_id=cfg.vocab_size - 1)
+        d = create_model(lambda: Drafter(cfg, dcfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
         if d.markov_w1 is not None:
             _scale(d.markov_w1, markov_scale)
             _scale(d.markov_w2, markov_scale)
         if d.conf_kernel is not None:
             _scale(d.conf_kernel, 50.0)
     elif kind == "eagle3":
-        d = create_model(lambda: Eagle3Drafter(cfg, 1, rngs=nnx.Rngs(seed)), mesh)
+        d = create_model(lambda: Eagle3Drafter(cfg, 1, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
     elif kind == "mtp1":
-        d = create_model(lambda: MTPDrafter(cfg, rngs=nnx.Rngs(seed)), mesh)
+        d = create_model(lambda: MTPDrafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
     else:
         raise ValueError(f"unknown drafter kind {kind!r}")
     attach_target(d, target)

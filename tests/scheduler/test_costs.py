@@ -190,3 +190,24 @@ def test_plot_before_and_after(tmp_path):
     assert main(["plot", *paths, "--out", str(out), "--per-slot"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+
+
+def test_measure_builds_the_presets_drafter_in_its_dtype():
+    """With a config target, `costs measure` times the drafter that preset trains (its layers, feature
+    layers and Markov rank, not the rank-8 toy) in the requested dtype: a SmolLM2 table's t_draft
+    would otherwise price W2 at 8 x 49,152 instead of 256 x 49,152."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from dspark_jax.scheduler.costs import _build_engine
+
+    args = argparse.Namespace(model="micro", drafter="dspark", gamma=3, dtype="bfloat16", num_slots=1,
+                              max_len=32, buckets=None)
+    eng, cfg, _ = _build_engine(args)
+    d = eng.drafter
+    assert d.dcfg.markov_rank == 16 and d.dcfg.gamma == 3 and d.markov_w2[...].shape == (16, 512)
+    assert eng.target.embed[...].dtype == jnp.bfloat16 and d.dtype == jnp.bfloat16
+    args.dtype, args.model = "float32", "tiny"
+    eng, _, _ = _build_engine(args)
+    assert eng.drafter.dcfg.markov_rank == 8 and eng.target.embed[...].dtype == jnp.float32
