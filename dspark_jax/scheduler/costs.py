@@ -426,7 +426,12 @@ def _cmd_measure(args) -> int:
     dev = jax.devices()[0]
     log = lambda s: print(s, flush=True)
     log(f"backend {jax.default_backend()} ({dev.device_kind}); R={eng.R} G={eng.G} buckets {list(eng.buckets)}")
-    kw = dict(repeats=args.repeats, warmup=args.warmup, stat=args.stat)
+    from dspark_jax.decoding.sampling import SamplingParams
+
+    # Rounds price differently by temperature: greedy rows skip the sampled path (rejection over
+    # the vocabulary at every verified position), so a table is measured at the serving setting.
+    kw = dict(repeats=args.repeats, warmup=args.warmup, stat=args.stat,
+              sampling=SamplingParams(args.temperature, 0, 1.0))
     res = measure_engine(eng, log=log, **kw)
     extra = {}
     if args.draft_requests and eng.G:
@@ -439,14 +444,14 @@ def _cmd_measure(args) -> int:
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,
         provenance=(f"measured by `python -m dspark_jax.costs measure` on {jax.default_backend()} ({dev.device_kind}), "
-                    f"model {args.model}, drafter {args.drafter}, {args.dtype}, random weights; t_verify(b) = compiled round "
+                    f"model {args.model}, drafter {args.drafter}, {args.dtype}, temperature {args.temperature:g}, random weights; t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
         clipped=res["clipped"],
         engine={"num_slots": eng.R, "gamma": eng.G, "mode": eng.mode, "max_len": eng.S, "model": args.model,
                 "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
                 "dtype": args.dtype},
-        measure={"repeats": args.repeats, "warmup": args.warmup, "stat": args.stat,
+        measure={"repeats": args.repeats, "warmup": args.warmup, "stat": args.stat, "temperature": args.temperature,
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}, **extra)
     log(f"wrote {path}")
     return 0
@@ -523,6 +528,9 @@ def main(argv=None) -> int:
     m.add_argument("--slots", "--num-slots", dest="num_slots", type=int, default=8)
     m.add_argument("--gamma", type=int, default=7)
     m.add_argument("--max-len", type=int, default=256)
+    m.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the timed rounds (0 = greedy, cheaper: no rejection over the "
+                        "vocabulary; default 1); measure the table at the temperature it will serve")
     m.add_argument("--buckets", default=None, help="comma-separated bucket sizes (default: the engine's)")
     m.add_argument("--repeats", type=int, default=7)
     m.add_argument("--warmup", type=int, default=2)

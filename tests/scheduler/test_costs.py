@@ -172,11 +172,12 @@ def test_measure_cli_on_the_engine(tmp_path):
 
     out = tmp_path / "m.json"
     assert main(["measure", "--model", "tiny", "--drafter", "none", "--num-slots", "2", "--max-len", "16",
-                 "--buckets", "1,2", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+                 "--buckets", "1,2", "--repeats", "1", "--warmup", "1", "--temperature", "0", "--out", str(out)]) == 0
     d = load_cost_file(out, expect_backend=jax.default_backend(), expect_buckets=[1, 2])
     assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 0 and d["t_draft"] == 0
     assert d["measured_on"] == MEASURED_ON and [p["active_slots"] for p in d["plan"]] == [1, 2]
     assert d["device_kind"] == jax.devices()[0].device_kind
+    assert d["measure"]["temperature"] == 0 and "temperature 0," in d["provenance"]  # priced at the setting served
 
 
 def test_plot_before_and_after(tmp_path):
