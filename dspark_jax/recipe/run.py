@@ -8,8 +8,9 @@ the command's own output):
           regeneration it starts with is cached and shared by drafters with the same data section)
   eval    `python -m dspark_jax.eval` on the prompt sets, all drafters side by side, per temperature
           (done: OUT/eval_T<t>/results.json)
-  speed   `python -m dspark_jax.bench engine --sections speed` per drafter and temperature
-          (done: OUT/speed_<kind>_T<t>.json)
+  speed   `python -m dspark_jax.bench engine --sections speed` per drafter and temperature; for DSpark
+          first `python -m dspark_jax.costs measure` per batch size (OUT/costs/) and a scheduled row on
+          those tables (done: OUT/speed_<kind>_T<t>.json)
 Then OUT/report.md and OUT/summary.json are rewritten from whatever is done.
 """
 
@@ -24,6 +25,8 @@ from pathlib import Path
 from dspark_jax.recipe.recipes import Recipe
 
 STAGES = ("train", "eval", "speed")
+SCHEDULED_KIND = "dspark"  # the drafter whose speed stage also times the scheduled policy (its confidence head)
+COST_MAX_LEN = 256  # the cost tables' cache length: the speed stage's prompts + 64 new tokens fit
 
 
 class RecipeError(RuntimeError):
@@ -91,10 +94,20 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
         for t in temps:
             res = out / f"speed_{kind}_T{t:g}.json"
             if "speed" in stages and not res.is_file():
+                tables = []
+                if kind == SCHEDULED_KIND:  # a cost table per batch size, measured on these models at this T
+                    for r in speed_batch_sizes:
+                        table = out / "costs" / f"{kind}_r{r}_T{t:g}.json"
+                        if not table.is_file():
+                            cmd = _py("dspark_jax.costs", "measure", "--target", target, "--drafter", d, "--slots", r,
+                                      "--temperature", t, "--max-len", COST_MAX_LEN, "--repeats", 3, "--stat", "min",
+                                      "--out", table)
+                            run_stage(f"costs {kind} R={r} T={t:g}", cmd, logs / f"costs_{kind}_r{r}_T{t:g}.log", echo)
+                        tables += ["--costs", f"{r}={table}"]
                 cmd = _py("dspark_jax.bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
                           "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
                           "--temperature", t, "--repeats", speed_repeats,
-                          "--batch-sizes", ",".join(map(str, speed_batch_sizes)), "--json", res)
+                          "--batch-sizes", ",".join(map(str, speed_batch_sizes)), *tables, "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
     summary = collect(recipe, out, target, temps)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
@@ -154,8 +167,9 @@ def report_markdown(s: dict) -> str:
                 row += f" {per['dspark']['tau'] / per[base]['tau']:.3f} |"
             lines.append(row)
     lines += ["", "## Wall clock (tokens/s, `bench engine --sections speed`)", "",
-              "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | T_ar ms | T_draft ms | T_verify ms | bound |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | T_ar ms | T_draft ms | "
+              "T_verify ms | bound | scheduled speedup [range] |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kinds:
         for t, sp in (s["speed"].get(k) or {}).items():
             for key in sorted((sp or {})):
@@ -165,5 +179,12 @@ def report_markdown(s: dict) -> str:
                     span = f" [{span[0]:.2f}, {span[1]:.2f}]" if span else ""
                     lines.append(f"| {k} | {t} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
                                  f"x{r['speedup']:.2f}{span} | {r['tau']:.2f} | {r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
-                                 f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} |")
+                                 f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} | {_scheduled(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _scheduled(r: dict) -> str:
+    if "scheduled_speedup" not in r:
+        return "-"
+    lo, hi = r["scheduled_speedup_range"]
+    return f"x{r['scheduled_speedup']:.2f} [{lo:.2f}, {hi:.2f}] (tau {r['scheduled_tau']:.2f})"

@@ -388,33 +388,49 @@ def draft_time_for(d: dict, n_requests: int, kind: str = "dspark", scale_if_miss
 
 
 def _build_engine(args):
-    """A random-init engine of the requested size (timing does not depend on the weights' values)."""
-    from dspark_jax.drafter.kinds.eagle3 import EAGLE3
-    from dspark_jax.engine import Engine
-    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
-
+    """The engine to time: random models of a config's (or the tiny) shapes, whose timing does not
+    depend on the weights' values, or a checkpoint directory with a trained drafter directory, the
+    models that will serve."""
     import dataclasses
 
     import jax.numpy as jnp
 
-    dcfg = None
-    if args.model == "tiny":
-        cfg = tiny_config()
-    else:
-        from dspark_jax.config import from_cli
+    from dspark_jax.drafter.kinds.eagle3 import EAGLE3
+    from dspark_jax.engine import Engine
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
-        full = from_cli([args.model])
-        cfg = full.target.model
-        if args.drafter in ("dspark", "dflash"):  # the preset's drafter (layers, features, Markov rank), not a toy
-            dcfg = dataclasses.replace(full.drafter, kind=args.drafter, gamma=args.gamma)
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    target = tiny_target(cfg, param_dtype=dtype)
-    drafter = None if args.drafter == "none" else tiny_drafter(
-        args.drafter, target, gamma=args.gamma, dcfg=dcfg, dtype=None if dtype == jnp.float32 else dtype)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    drafter_dir = args.drafter if Path(args.drafter).is_dir() else None
     e3 = args.drafter == EAGLE3.name  # testing.tiny's Eagle3 drafter fuses target layer 0
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
               policy=verify_gamma_policy)
+    if (Path(args.model) / "config.json").is_file():
+        from dspark_jax.engine.generate import load_models
+
+        lt, drafter, _ = load_models(args.model, drafter_dir, None if drafter_dir else "ar", args.dtype)
+        target, cfg = lt.model, lt.model.cfg
+        if drafter_dir:
+            kw.update(gamma=None, layer_ids=None)  # the trained drafter's own
+        elif args.drafter != "none":
+            drafter = tiny_drafter(args.drafter, target, gamma=args.gamma)
+    elif drafter_dir:
+        raise ValueError(f"--drafter {args.drafter} is a trained drafter: give --target the checkpoint directory it "
+                         "was trained for (a config or 'tiny' times random models)")
+    else:
+        dcfg = None
+        if args.model == "tiny":
+            cfg = tiny_config()
+        else:
+            from dspark_jax.config import from_cli
+
+            full = from_cli([args.model])
+            cfg = full.target.model
+            if args.drafter in ("dspark", "dflash"):  # the preset's drafter (layers, features, Markov rank), not a toy
+                dcfg = dataclasses.replace(full.drafter, kind=args.drafter, gamma=args.gamma)
+        dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+        target = tiny_target(cfg, param_dtype=dtype)
+        drafter = None if args.drafter == "none" else tiny_drafter(
+            args.drafter, target, gamma=args.gamma, dcfg=dcfg, dtype=None if dtype == jnp.float32 else dtype)
     eng = Engine(target, drafter, num_slots=args.num_slots, buckets=buckets, **kw)
     return eng, cfg, lambda r: Engine(target, drafter, num_slots=r, **kw)
 
@@ -444,7 +460,8 @@ def _cmd_measure(args) -> int:
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,
         provenance=(f"measured by `python -m dspark_jax.costs measure` on {jax.default_backend()} ({dev.device_kind}), "
-                    f"model {args.model}, drafter {args.drafter}, {args.dtype}, temperature {args.temperature:g}, random weights; t_verify(b) = compiled round "
+                    f"model {args.model}, drafter {args.drafter}, {args.dtype}, temperature {args.temperature:g}, "
+                    f"{'the checkpoint' if (Path(args.model) / 'config.json').is_file() else 'random'} weights; t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
         clipped=res["clipped"],
@@ -520,9 +537,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.costs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
-    m.add_argument("--target", "--model", dest="model", default="tiny", help="'tiny' or a config name/path (e.g. micro, bench_cpu)")
-    m.add_argument("--drafter", default="dspark", choices=[*KIND_NAMES, "none"],
-                   help="drafter kind; with a config --target, DSpark / DFlash take its drafter section's shape")
+    m.add_argument("--target", "--model", dest="model", default="tiny",
+                   help="'tiny', a config name/path (e.g. micro, bench_cpu: random weights), or a checkpoint directory")
+    m.add_argument("--drafter", default="dspark", metavar="{" + ",".join([*KIND_NAMES, "none"]) + "} or DIR",
+                   help="drafter kind (random; with a config --target, DSpark / DFlash take its drafter section's "
+                        "shape) or a trained drafter directory (with its checkpoint --target)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target weights and compute dtype (the drafter computes in it), as the engine would run")
     m.add_argument("--slots", "--num-slots", dest="num_slots", type=int, default=8)
@@ -546,6 +565,8 @@ def main(argv=None) -> int:
     pl.add_argument("--out", required=True, help="PNG to write")
     pl.add_argument("--per-slot", action="store_true", help="x = B / R, y relative to B = R (tables of several R)")
     args = ap.parse_args(argv)
+    if args.cmd == "measure" and args.drafter not in (*KIND_NAMES, "none") and not Path(args.drafter).is_dir():
+        ap.error(f"--drafter {args.drafter!r}: give a kind ({', '.join(KIND_NAMES)}, none) or a trained drafter directory")
     return {"measure": _cmd_measure, "roofline": _cmd_roofline, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)
 
 

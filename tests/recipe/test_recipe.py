@@ -45,7 +45,13 @@ def test_recipe_runs_every_stage_then_resumes_without_work(embedded_tiny_dir, ev
     for k in ("dspark", "dflash"):
         sp = s["speed"][k]["0"]
         assert sp["speed_b1"]["drafter"] == k and sp["speed_b1"]["temperature"] == 0.0 and "speed_b8" not in sp
+    # DSpark's speed stage also times the scheduled policy on a cost table measured at that T for these models
+    assert "scheduled_speedup" in s["speed"]["dspark"]["0"]["speed_b1"]
+    assert "scheduled_speedup" not in s["speed"]["dflash"]["0"]["speed_b1"]
+    table = json.loads((out / "costs" / "dspark_r1_T0.json").read_text())
+    assert table["measure"]["temperature"] == 0 and table["engine"]["num_slots"] == 1 and table["engine"]["gamma"] == 4
     report = (out / "report.md").read_text()
+    assert "scheduled speedup" in report and "(tau " in report
     assert "dspark / dflash" in report and "| math |" in report and "| dflash | 0 | 1 |" in report
     assert json.loads((out / "summary.json").read_text())["recipe"] == "tiny"
 

@@ -212,3 +212,27 @@ def test_measure_builds_the_presets_drafter_in_its_dtype():
     args.dtype, args.model = "float32", "tiny"
     eng, _, _ = _build_engine(args)
     assert eng.drafter.dcfg.markov_rank == 8 and eng.target.embed[...].dtype == jnp.float32
+
+
+def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_dir, tiny_dspark_drafter_dir):
+    """`--target DIR --drafter DIR`: the table is timed on the models that will serve (the drafter's own
+    gamma and shape), recorded as such; a trained drafter with a config target is refused by name."""
+    import jax
+
+    from dspark_jax.scheduler.costs import main
+
+    out = tmp_path / "c.json"
+    assert main(["measure", "--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir),
+                 "--slots", "1", "--max-len", "48", "--repeats", "1", "--warmup", "1", "--temperature", "0",
+                 "--out", str(out)]) == 0
+    d = load_cost_file(out, expect_backend=jax.default_backend())
+    assert d["engine"]["gamma"] == 4 and d["buckets"] == [1, 2, 4, 5] and d["t_draft"] > 0
+    assert "the checkpoint weights" in d["provenance"]
+    with pytest.raises(SystemExit):
+        main(["measure", "--drafter", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "x.json")])
+    with pytest.raises(ValueError, match="trained drafter: give --target the checkpoint directory"):
+        from dspark_jax.scheduler.costs import _build_engine
+        import argparse
+
+        _build_engine(argparse.Namespace(model="micro", drafter=str(tiny_dspark_drafter_dir), gamma=4,
+                                         dtype="float32", num_slots=1, max_len=32, buckets=None))
