@@ -1,24 +1,33 @@
 """`python -m dspark_jax.engine.plan`: per-chip serving memory of the engine for a target preset,
-R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the compiled round.
+R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the compiled programs.
 
-    python -m dspark_jax.engine.plan configs/qwen3_8b_dspark.yaml --slots 128 --context 8192 --mesh 1,1,8 --hbm-gib 16
+    python -m dspark_jax.engine.plan configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
 
-Weights and caches are exact (their shapes and the rules table's shardings); with `--compile`
-the engine's round (draft, verification over the largest bucket, rejection, cache update) is
-lowered for those shardings on fake CPU devices and compiled, and XLA's `memory_analysis()` gives
-one chip's arguments, outputs and temporaries. Dense caches hold `[L, R, context, kv_heads,
-head_dim]` whatever the slots use; with `--kv-pages NUM,SIZE` target and drafter caches are pools
-of NUM pages of SIZE tokens (the engine's `kv_pages`), sized for the tokens the slots hold at
-once, e.g. 128 slots averaging 2048 tokens: `--kv-pages 16384,16`.
+Weights and caches are exact (their shapes and the rules table's shardings). With `--compile` the
+engine's programs are lowered for those shardings and compiled: the round (draft, verification
+over every bucket, rejection, cache update) and the prefill of the largest prompt bucket (and,
+with `--prefill-chunk`, the admission of prompts into the rounds), the set the server compiles.
+`--topology NAME` (a Cloud TPU slice: v5e-8, v6e-8, v5p-8, v7x-8, ...) compiles them with the TPU
+compiler for that slice on this machine, no TPU needed (parallel/topology.py); without it they
+compile for fake CPU devices. XLA's `memory_analysis()` gives one chip's arguments, outputs and
+temporaries. Dense caches hold `[L, R, context, kv_heads, head_dim]` whatever the slots use; with
+`--kv-pages NUM,SIZE` target and drafter caches are pools of NUM pages of SIZE tokens (the
+engine's `kv_pages`), sized for the tokens the slots hold at once, e.g. 128 slots averaging 2048
+tokens: `--kv-pages 16384,16`. A program whose peak does not fit the chip's HBM (`--hbm-gib`, or
+the slice's) makes the command exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+
 from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk, report_user_errors
 
 GIB = 1024 ** 3
+POLICIES = ("fixed", "scheduled")
+PROGRAMS = ("round", "prefill", "admit")
 
 
 def _chip_bytes(x, sharding) -> int:
@@ -27,11 +36,43 @@ def _chip_bytes(x, sharding) -> int:
     return int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
 
 
+def peak_bytes(mem: dict) -> int:
+    """What a chip holds at once: arguments + outputs not aliased to them + temporaries."""
+    return mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temporaries"]
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+            "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+
+
+def plan_mesh(mesh_shape: tuple[int, int, int], topology: str | None = None):
+    """The mesh the programs compile for: the slice's devices (TPU compiler), else this host's."""
+    import jax
+
+    from dspark_jax.parallel.sharding import make_mesh
+    from dspark_jax.parallel.topology import slice_mesh
+
+    d, f, t = mesh_shape
+    if topology:
+        return slice_mesh(topology, d, f, t)
+    n = d * f * t
+    if jax.device_count() < n:
+        raise RuntimeError(f"mesh {d}x{f}x{t} needs {n} devices, {jax.device_count()} exist: start with "
+                           f"jax_num_cpu_devices={n} (the command does)")
+    return make_mesh(d, f, t, devices=jax.devices()[:n])
+
+
 def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma: int | None = None,
          compile_round: bool = False, kv_pages: tuple[int, int] | None = None,
-         prefill_chunk: int | None = None) -> dict:
+         prefill_chunk: int | None = None, topology: str | None = None, policy: str = "fixed",
+         drafter: bool = True, programs=("round",)) -> dict:
     """Per-chip bytes: target / drafter weights, target / drafter KV, and (compile_round) XLA's
-    arguments / outputs / temporaries of one round."""
+    arguments / outputs / temporaries of each compiled program in `programs` ("round",
+    "prefill", "admit"; the round's also at the top level), with its compile time.
+    `policy` "scheduled": the production scheduler with the skip rule (a cost table of the
+    engine's buckets); `drafter=False`: the target-only engine."""
     import jax
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -39,30 +80,37 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     from dspark_jax.drafter.frozen import Frozen
     from dspark_jax.engine import Engine
     from dspark_jax.engine.engine import decode_shardings
-    from dspark_jax.engine.round import round_step
     from dspark_jax.engine.verify import target_arrays
-    from dspark_jax.parallel.sharding import make_mesh, state_shardings
+    from dspark_jax.parallel.sharding import state_shardings
     from dspark_jax.scheduler import prefix as scheduler
     from dspark_jax.train.plan import abstract_models
 
-    d, f, t = mesh_shape
-    n = d * f * t
-    if jax.device_count() < n:
-        raise RuntimeError(f"mesh {d}x{f}x{t} needs {n} devices, {jax.device_count()} exist: start with "
-                           f"jax_num_cpu_devices={n} (the command does)")
-    mesh = make_mesh(d, f, t, devices=jax.devices()[:n])
-    target, drafter = abstract_models(cfg)
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"programs {unknown} are not among {PROGRAMS}")
+    mesh = plan_mesh(mesh_shape, topology)
+    target, dmodel = abstract_models(cfg)
     tg, tstate = nnx.split(target)
-    dg, dparams, dfrozen = nnx.split(drafter, nnx.Param, Frozen)
+    dg, dparams, dfrozen = nnx.split(dmodel, nnx.Param, Frozen)
+    if not drafter:
+        dparams, dfrozen = {}, {}
     box = {}
 
-    def build(ts, dp, dfz):  # the Engine's static parts, built on abstract models (nothing allocated)
-        eng = Engine(nnx.merge(tg, ts), nnx.merge(dg, dp, dfz), num_slots=slots, max_len=context, gamma=gamma,
-                     kv_pages=kv_pages, prefill_chunk=prefill_chunk)
-        box["eng"] = eng
+    def build(ts, dp, dfz, table=None):  # the Engine's static parts, built on abstract models (nothing allocated)
+        kw = {} if table is None else dict(policy="production", skip_drafting="known", table=table)
+        d = nnx.merge(dg, dp, dfz) if drafter else None
+        box["eng"] = Engine(nnx.merge(tg, ts), d, num_slots=slots, max_len=context, gamma=gamma,
+                            kv_pages=kv_pages, prefill_chunk=prefill_chunk, **kw)
         return 0
 
-    jax.eval_shape(build, tstate, dparams, dfrozen)
+    with jax.set_mesh(mesh):  # kernels are chosen for the mesh's platform (parallel/platform.py)
+        jax.eval_shape(build, tstate, dparams, dfrozen)
+        if policy == "scheduled":  # a cost table of the engine's own buckets (its values do not change shapes)
+            b = box["eng"].priced_buckets
+            table = scheduler.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, as_numpy=True)
+            jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
     eng = box["eng"]
     st = jax.eval_shape(eng._fresh_state)
     st_sh = decode_shardings(st, mesh)
@@ -70,23 +118,61 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     leaves = lambda tree, sh: sum(_chip_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
-           "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)),
-           "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages,
-           "prefill_chunk": prefill_chunk}
-    if compile_round:
-        spec = eng.spec
+           "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)) if drafter else 0,
+           "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages, "prefill_chunk": prefill_chunk,
+           "paged_attention": eng.paged_attention if kv_pages else None, "policy": policy,
+           "mode": eng.mode, "topology": topology, "devices": int(mesh.devices.size),
+           "platform": mesh.devices.flat[0].platform, "programs": {}}
+    if not compile_round:
+        return out
+    rep = NamedSharding(mesh, P())
+    darrays = (lambda dp, dfz: nnx.merge(dg, dp, dfz).arrays()) if drafter else (lambda dp, dfz: {})
+    spec = eng.spec
+    from dspark_jax.engine.round import admit, round_step
 
-        def one_round(ts, dp, dfz, s, ctl):
-            return round_step(spec, target_arrays(nnx.merge(tg, ts)), nnx.merge(dg, dp, dfz).arrays(), s, ctl)
+    def one_round(ts, dp, dfz, s, ctl):
+        return round_step(spec, target_arrays(nnx.merge(tg, ts)), darrays(dp, dfz), s, ctl)
 
-        with jax.set_mesh(mesh):
-            ctl = eng.control(table=scheduler.make_table(eng.priced_buckets, t_verify=[1.0] * len(eng.priced_buckets)))
-            rep = NamedSharding(mesh, P())
-            fn = jax.jit(one_round, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, jax.tree.map(lambda _: rep, ctl)),
-                         out_shardings=(st_sh, None), donate_argnums=(3,))
-            m = fn.lower(tstate, dparams, dfrozen, st, ctl).compile().memory_analysis()
-        out.update(arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
-                   temporaries=int(m.temp_size_in_bytes), aliased=int(m.alias_size_in_bytes))
+    prefill_fn = eng._prefill.__wrapped__
+
+    def one_prefill(ts, dp, dfz, s, *join):
+        return prefill_fn(ts, darrays(dp, dfz), s, *join)
+
+    def join_args(width):
+        sds = jax.ShapeDtypeStruct
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), slots))
+        return (sds((slots, width), jax.numpy.int32, sharding=rep), sds((slots,), jax.numpy.int32, sharding=rep),
+                sds((slots,), bool, sharding=rep), sds(keys.shape, keys.dtype, sharding=rep),
+                sds((slots,), jax.numpy.int32, sharding=rep))
+
+    ctl = eng.control(table=eng.table)  # concrete arrays: made on the host, outside the slice's mesh
+    with jax.set_mesh(mesh):
+        ctl_a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), ctl)
+        st_a = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st, st_sh)
+        lowerings = {
+            "round": lambda: jax.jit(one_round, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, None),
+                                     out_shardings=(st_sh, None), donate_argnums=(3,)).lower(
+                tstate, dparams, dfrozen, st_a, ctl_a),
+            "prefill": lambda: jax.jit(one_prefill, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, *([None] * 5)),
+                                       out_shardings=st_sh, donate_argnums=(3,)).lower(
+                tstate, dparams, dfrozen, st_a, *join_args(eng.prefill_buckets[-1])),
+            "admit": lambda: jax.jit(admit, out_shardings=st_sh, donate_argnums=(0,)).lower(
+                st_a, *join_args(context)),
+        }
+        for name in programs:
+            if name == "admit" and not eng.prefill_chunk:
+                continue
+            t0 = time.perf_counter()
+            try:
+                compiled = lowerings[name]().compile()
+            except Exception as e:  # the compiler's own message, named by program
+                raise RuntimeError(f"the engine's {name} program does not compile for {out['platform']} "
+                                   f"({topology or 'host devices'}): {e}") from e
+            out["programs"][name] = {**_memory(compiled), "compile_s": round(time.perf_counter() - t0, 1)}
+            if name == "prefill":
+                out["programs"][name]["prefill_tokens"] = slots * eng.prefill_buckets[-1]
+    if "round" in out["programs"]:
+        out.update({k: out["programs"]["round"][k] for k in ("arguments", "outputs", "temporaries", "aliased")})
     return out
 
 
@@ -96,8 +182,10 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
     kind = "(dense)" if pages is None else "(paged)"
     # tokens the caches hold: every slot's context (dense, split over data) or the pool (whole on data)
     tokens, per_token_div = (slots * context, mesh_shape[0]) if pages is None else (pages[0] * pages[1], 1)
+    where = f" on {res['topology']} ({res['devices']} devices, TPU compiler)" if res.get("topology") else ""
     lines = [f"{name}: {slots} slots x {context} tokens, mesh data {mesh_shape[0]} x fsdp {mesh_shape[1]} x "
-             f"tensor {mesh_shape[2]}, gamma {res['G']}, per chip:",
+             f"tensor {mesh_shape[2]}{where}, {res.get('mode', '')} gamma {res['G']}"
+             f"{', ' + res['policy'] if res.get('policy', 'fixed') != 'fixed' else ''}, per chip:",
              f"  target weights      {g(res['target_weights'])}",
              f"  drafter weights     {g(res['drafter_weights'])}",
              f"  target KV {kind:9s} {g(res['target_kv'])}   ({res['target_kv'] / tokens * per_token_div:.0f} B "
@@ -105,19 +193,37 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
              f"  drafter KV {kind:8s} {g(res['drafter_kv'])}"]
     if pages is not None:
         lines.append(f"  KV pool: {pages[0]} pages of {pages[1]} tokens = {pages[0] * pages[1]} tokens in use at once "
-                     f"({pages[0] * pages[1] / slots:.0f} per slot on average; a slot holds at most {context})")
+                     f"({pages[0] * pages[1] / slots:.0f} per slot on average; a slot holds at most {context}); "
+                     f"attention: {res.get('paged_attention')}")
     total = res["target_weights"] + res["drafter_weights"] + res["target_kv"] + res["drafter_kv"]
     lines.append(f"  state total         {g(total)}")
-    if "temporaries" in res:
-        peak = res["arguments"] + res["outputs"] - res["aliased"] + res["temporaries"]
-        lines += [f"  compiled round: arguments {g(res['arguments']).strip()}, outputs {g(res['outputs']).strip()} "
-                  f"(aliased {g(res['aliased']).strip()}), temporaries {g(res['temporaries']).strip()}",
-                  f"  compiled peak       {g(peak)}"]
-        total = max(total, peak)
+    for prog, m in res.get("programs", {}).items():
+        what = "compiled round" if prog == "round" else f"compiled {prog}"
+        extra = f" ({m['prefill_tokens']} tokens)" if "prefill_tokens" in m else ""
+        lines += [f"  {what}{extra}: arguments {g(m['arguments']).strip()}, outputs {g(m['outputs']).strip()} "
+                  f"(aliased {g(m['aliased']).strip()}), temporaries {g(m['temporaries']).strip()}, "
+                  f"compiled in {m['compile_s']:.1f} s",
+                  f"  {what + ' peak':<19} {g(peak_bytes(m))}"]
+        total = max(total, peak_bytes(m))
     if hbm_gib:
         margin = hbm_gib * GIB - total
         lines.append(f"  HBM {hbm_gib:g} GiB: {'fits' if margin >= 0 else 'does NOT fit'}, margin {margin / GIB:.2f} GiB")
     return "\n".join(lines)
+
+
+def misfits(res: dict, hbm_gib: float) -> list[str]:
+    """One line per compiled program whose peak exceeds `hbm_gib`."""
+    return [f"the engine's {prog} program needs {peak_bytes(m) / GIB:.2f} GiB per chip, more than the {hbm_gib:g} GiB "
+            "of HBM: use fewer slots, a shorter context, a KV page pool (--kv-pages) or more tensor parallelism"
+            for prog, m in res.get("programs", {}).items() if peak_bytes(m) > hbm_gib * GIB]
+
+
+def device_hbm_gib(topology: str) -> float:
+    """HBM of one device of the slice (v4 and v7x topologies expose two devices per chip)."""
+    from dspark_jax.parallel.topology import parse_slice, slice_devices
+
+    slc = parse_slice(topology)
+    return slc.hbm_gib * slc.chips / len(slice_devices(slc))
 
 
 @report_user_errors
@@ -127,36 +233,57 @@ def main(argv=None) -> int:
     ap.add_argument("config", help="a preset naming target.model (and the drafter), e.g. configs/qwen3_8b_dspark.yaml")
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--context", type=int, default=8192, help="tokens per slot (prompt + completion)")
-    ap.add_argument("--mesh", default="1,1,8", metavar="DATA,FSDP,TENSOR")
+    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
+                    help="default 1,1,N: tensor parallel over the N devices of --topology (else 1,1,8)")
+    ap.add_argument("--topology", default=None, metavar="SLICE",
+                    help="compile with the TPU compiler for this Cloud TPU slice (v5e-8, v6e-8, v5p-8, v7x-8, ...); "
+                         "needs libtpu (pip install -e '.[aot]'), no TPU")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
-    ap.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip, for the fit line (v5e 16, v6e 32, v5p 95)")
-    ap.add_argument("--compile", action="store_true", help="also compile one round and report XLA's per-chip memory")
+    ap.add_argument("--policy", default="fixed", choices=POLICIES,
+                    help="fixed gamma, or the production scheduler with its skip rule (compiles the cond and the "
+                         "bucket switch it adds)")
+    ap.add_argument("--target-only", action="store_true", help="the engine without a drafter")
+    ap.add_argument("--hbm-gib", type=float, default=None,
+                    help="HBM per chip for the fit line (default: the slice's with --topology; v5e 16, v6e 32, v5p 95)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also compile the round and the prefill and report the compiler's per-chip memory")
+    ap.add_argument("--programs", default="round,prefill", help=f"with --compile: which of {','.join(PROGRAMS)}")
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, None)
     args = ap.parse_args(argv)
-    try:
-        mesh_shape = tuple(int(x) for x in args.mesh.split(","))
-        assert len(mesh_shape) == 3
-    except (ValueError, AssertionError):
-        print(f"error: --mesh {args.mesh!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8", file=sys.stderr)
-        return 2
     import jax
 
-    jax.config.update("jax_num_cpu_devices", mesh_shape[0] * mesh_shape[1] * mesh_shape[2])
-    jax.config.update("jax_platforms", "cpu")
+    from dspark_jax.parallel.topology import parse_slice, slice_devices
+
+    hbm = args.hbm_gib
+    if args.topology:
+        slc = parse_slice(args.topology)
+        n = len(slice_devices(slc))
+        hbm = hbm or device_hbm_gib(args.topology)
+    else:
+        n = 8
+    text = args.mesh or f"1,1,{n}"
+    try:
+        mesh_shape = tuple(int(x) for x in text.split(","))
+        assert len(mesh_shape) == 3
+    except (ValueError, AssertionError):
+        raise ValueError(f"--mesh {text!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8") from None
+    if not args.topology:
+        jax.config.update("jax_num_cpu_devices", mesh_shape[0] * mesh_shape[1] * mesh_shape[2])
+        jax.config.update("jax_platforms", "cpu")
     from dspark_jax.config import ConfigError, from_cli
 
-    try:
-        cfg = from_cli([args.config])
-        if cfg.target.model is None:
-            raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-        res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages,
-                   prefill_chunk(args.prefill_chunk))
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(args.config, args.slots, args.context, mesh_shape, res, args.hbm_gib))
-    return 0
+    cfg = from_cli([args.config])
+    if cfg.target.model is None:
+        raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
+    res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages,
+               prefill_chunk(args.prefill_chunk), topology=args.topology, policy=args.policy,
+               drafter=not args.target_only, programs=tuple(p for p in args.programs.split(",") if p))
+    print(format_plan(args.config, args.slots, args.context, mesh_shape, res, hbm))
+    bad = misfits(res, hbm) if hbm else []
+    for line in bad:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

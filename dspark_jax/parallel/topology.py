@@ -116,6 +116,9 @@ def slice_devices(slc: TpuSlice | str):
     slc = parse_slice(slc) if isinstance(slc, str) else slc
     require_libtpu()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # libtpu takes a machine-wide lock meant for processes that drive a TPU; compiling only, several
+    # processes (a test's subprocesses, two plan commands) may load it at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     return list(topologies.get_topology_desc(slc.topology, "tpu", chips_per_host_bounds=slc.chips_per_host).devices)

@@ -4,18 +4,22 @@ Training runs the frozen target over whole sequences; its dense path materialise
 scores [B, heads, T, T]. On TPU this module runs the same math in Pallas' splash attention
 (block-sparse causal mask, scores never leave VMEM). Padding keys are handled with segment ids
 (real tokens 1, padding 0), so every real query sees exactly the keys the dense path lets it
-see; padding rows differ and are never read. On CPU the kernel runs in Pallas interpret mode,
-which is how the tests compare it with the dense path.
+see; padding rows differ and are never read. Off TPU the kernel runs in Pallas interpret mode,
+which is how the tests compare it with the dense path. What counts as "on TPU" is the mesh the
+program is traced under (`parallel.platform`), so a CPU host compiling for a TPU slice ahead of
+time gets the real kernel.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.parallel.platform import on_tpu
 from dspark_jax.parallel.sharding import logical_to_pspec
 
 BLOCK = 128
@@ -28,32 +32,40 @@ def splash_fits(seq_len: int, head_dim: int) -> bool:
 
 
 def use_splash(impl: str, seq_len: int, head_dim: int) -> bool:
-    """`auto` picks the kernel on TPU where it fits; `splash` forces it (interpret mode off TPU,
-    for tests) and says why when the shapes do not fit."""
+    """`auto` picks the kernel where the program is compiled for TPU (the traced-under mesh's
+    devices) and it fits; `splash` forces it (interpret mode off TPU, for tests) and says why
+    when the shapes do not fit."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {ATTENTION_IMPLS}")
     if impl == "dense":
         return False
     if impl == "auto":
-        return jax.default_backend() == "tpu" and splash_fits(seq_len, head_dim)
+        return on_tpu() and splash_fits(seq_len, head_dim)
     if seq_len % BLOCK:
         raise ValueError(f"splash attention needs a sequence length that is a multiple of {BLOCK}, got {seq_len}; "
                          "pad the batch or use attention 'dense'")
     return True
 
 
-@functools.lru_cache(maxsize=16)
-def _kernel(group: int, seq_len: int, interpret: bool):
+def _build_kernel(group: int, seq_len: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(group)])
     blocks = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK)
-    # one kv head shared by `group` query heads: the MQA form of the kernel, mapped over kv heads.
-    # Its mask tables are constants: built outside whatever trace first asks, so the cache holds
-    # no tracers
-    with jax.ensure_compile_time_eval():
-        return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+    # one kv head shared by `group` query heads: the MQA form of the kernel, mapped over kv heads
+    return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel(group: int, seq_len: int, interpret: bool):
+    """The kernel's mask tables are concrete arrays (`jnp.array`). Built in the tracing thread
+    they would be tracers (cached: leaked) or, under a mesh of compile-only TPU devices (an
+    ahead-of-time compile), placed on devices that cannot hold data. The trace and the mesh are
+    thread-local, so a worker thread builds them on the host's default device, as plain
+    constants of whatever program uses them."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_build_kernel, group, seq_len, interpret).result()
 
 
 def _local(q, k, v, key_valid, interpret: bool):
@@ -82,9 +94,8 @@ def splash_causal_attention(q, k, v, key_valid):
     b, t, nq, d = q.shape
     nkv = k.shape[2]
     q5 = q.reshape(b, t, nkv, nq // nkv, d)
-    interpret = jax.default_backend() != "tpu"
-    local = functools.partial(_local, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(_local, interpret=not on_tpu())
     if mesh.empty:
         out = local(q5, k, v, key_valid)
     else:
