@@ -15,6 +15,11 @@ from pathlib import Path
 if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT") and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# The test extra installs libtpu (the TPU compiler, for deviceless compiles): with it present jax
+# would probe for a TPU at start-up in every process (seconds, and a page of warnings); the suite
+# runs on CPU and compiles for TPU slices explicitly (parallel/topology.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 import pytest
 

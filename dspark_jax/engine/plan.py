@@ -168,7 +168,8 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             except Exception as e:  # the compiler's own message, named by program
                 raise RuntimeError(f"the engine's {name} program does not compile for {out['platform']} "
                                    f"({topology or 'host devices'}): {e}") from e
-            out["programs"][name] = {**_memory(compiled), "compile_s": round(time.perf_counter() - t0, 1)}
+            out["programs"][name] = {**_memory(compiled), "compile_s": round(time.perf_counter() - t0, 1),
+                                     "kernels": compiled.as_text().count("tpu_custom_call")}
             if name == "prefill":
                 out["programs"][name]["prefill_tokens"] = slots * eng.prefill_buckets[-1]
     if "round" in out["programs"]:

@@ -1,0 +1,66 @@
+"""The engine's programs compiled by the TPU compiler for a 4-chip v6e slice, no TPU present
+(parallel/topology.py): target-only, fixed-gamma DSpark and scheduled DSpark, with paged KV read
+by the Pallas kernel, on a data 2 x tensor 2 mesh; and the plan command's answers to bad input."""
+
+import pytest
+
+from dspark_jax.config import from_cli
+from dspark_jax.engine import plan as engine_plan
+
+pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
+
+MESH = (2, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return from_cli(["micro"])
+
+
+@pytest.mark.parametrize("policy,drafter", [("fixed", False), ("fixed", True), ("scheduled", True)],
+                         ids=["target_only", "dspark_fixed", "dspark_scheduled"])
+def test_engine_programs_compile_for_tpu_with_paged_kernel(micro, policy, drafter):
+    res = engine_plan.plan(micro, 4, 64, MESH, compile_round=True, kv_pages=(16, 8), prefill_chunk=8,
+                           topology="v6e-4", policy=policy, drafter=drafter, programs=("round", "prefill", "admit"))
+    assert res["platform"] == "tpu" and res["devices"] == 4
+    assert res["paged_attention"] == "pallas"  # chosen for the slice, not for this CPU host
+    assert set(res["programs"]) == {"round", "prefill", "admit"}
+    for name in ("round", "prefill"):
+        m = res["programs"][name]
+        assert m["kernels"] >= 1, f"{name}: no Mosaic kernel in the TPU program"
+        assert m["arguments"] > 0 and m["temporaries"] > 0 and m["aliased"] > 0  # the state donated
+        assert engine_plan.peak_bytes(m) < 32 * 2**30
+    assert res["mode"] == ("dspark" if drafter else "ar")
+
+
+def _main(capsys, *argv):
+    code = engine_plan.main(["configs/micro.yaml", "--slots", "4", "--context", "64", *argv])
+    return code, capsys.readouterr()
+
+
+def test_plan_refuses_unknown_slice(capsys):
+    code, out = _main(capsys, "--topology", "v6e-3")
+    assert code == 2 and out.err.count("\n") == 1
+    assert "unknown TPU slice 'v6e-3'" in out.err and "v6e-8" in out.err
+
+
+def test_plan_refuses_mesh_of_wrong_size(capsys):
+    code, out = _main(capsys, "--topology", "v6e-4", "--mesh", "1,1,8")
+    assert code == 2 and "= 8 devices, but slice v6e-4 has 4" in out.err
+
+
+def test_plan_without_libtpu_names_the_extra(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    code, out = _main(capsys, "--topology", "v6e-4")
+    assert code == 2 and "needs libtpu" in out.err and ".[aot]" in out.err
+
+
+def test_plan_exits_nonzero_when_a_program_exceeds_hbm(capsys):
+    code, out = _main(capsys, "--topology", "v6e-4", "--mesh", "1,1,4", "--compile", "--programs", "round",
+                      "--hbm-gib", "0.001")
+    assert code == 1
+    assert "error: the engine's round program needs" in out.err and "0.001 GiB of HBM" in out.err
+    assert "on v6e-4 (4 devices, TPU compiler)" in out.out and "does NOT fit" in out.out
