@@ -229,7 +229,7 @@ class Engine:
         self.mode, self.G, self.R, self.S = mode, G, R, S
         self.pages = self._page_allocator(kv_pages)
         try:
-            self.paged_attention = resolve_impl(paged_attention)
+            self.paged_attention = resolve_impl(paged_attention, mesh)
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.gamma = G if gamma is None else int(gamma)
@@ -653,9 +653,10 @@ def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 6
 def decode_shardings(state: DecodeState, mesh):
     """Layout of a DecodeState on `mesh`: per-slot arrays split over `data` (slots), KV caches
     [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. A paged cache's pool
-    [L, pages, page_size, Nkv, D] has no slot axis: KV heads over `tensor`, whole on `data` (every
-    data shard holds the pool; page tables split with their slots). An axis that does not
-    divide its dimension is left whole (`logical_to_pspec`)."""
+    [L, pages, Nkv, page_size, D] has no slot axis (`PAGE_AXES`): KV heads over `tensor`, whole on
+    `data` (every data shard holds the pool; page tables split with their slots), as the paged
+    kernel's shard_map reads it. An axis that does not divide its dimension is left whole
+    (`logical_to_pspec`)."""
     from jax.sharding import NamedSharding
 
     from dspark_jax.parallel.sharding import logical_to_pspec

@@ -1,18 +1,44 @@
 """Paged attention as a Pallas kernel: each row's pages are read where they lie in the pool.
 
 The reference (`paged_kv.paged_attention`) gathers a row's pages into its `[max_len]` view
-before attending, so a round holds one layer's `[R, S]` copy at a time. Here the grid is
-(rows, KV heads, pages per slot); the page table, the rows' key counts and their first query
-positions are scalar-prefetched, and each grid step's BlockSpec fetches page
-`page_table[r, j]` of head h straight from the pool. The softmax runs online over a row's pages
-(running max, normaliser and output in VMEM scratch); pages past a row's keys are skipped.
+before attending, so a round holds one layer's `[R, S]` copy at a time. Here the page table,
+the rows' key counts and their first query positions are scalar-prefetched, and each grid step
+fetches pages `page_table[r, j]` straight from the pool: the pool is `[L, P, Nkv, page_size, D]`,
+so one head's page is a `(page_size, D)` block equal to the array's last two dimensions, which
+TPU tiling accepts at every page size and head dim (a block's last two dimensions must be
+multiples of (8, 128) or the whole dimension), and a page of all heads is one contiguous copy.
+
+Grid (rows, head blocks, query blocks, page blocks). A step reads `pages_per_step` pages of
+`heads` KV heads: the pool is passed once per page of the step, each copy with its own
+BlockSpec, so the pipeline fetches them all while the previous step computes (fewer, larger
+steps: per-step overhead would otherwise outweigh one small page). Page indices past the last
+page a query block sees repeat that page, which the pipeline does not fetch again; their keys
+are masked.
+The softmax runs online over the pages (running max, normaliser and output in VMEM scratch);
+steps that hold no visible key are skipped.
+
+Queries: `[R, T, Nq, D]` becomes heads-first `[R, Nkv, T * G, D]` (a KV head's G query heads
+contiguous, query t's at rows t * G ..). Row rho's query sits at `q_start + rho // G`; it sees
+key s iff `(s - q_start) * G <= rho` (the same test with a multiply in place of a vector integer
+division). Over `QUERY_BLOCK` rows the rows are blocked and padded with zero rows
+to a whole number of blocks (the block's second-to-last dimension must then be a multiple of 8;
+padded rows are computed and dropped), so VMEM use does not grow with a long prefill chunk.
+
+Head dims under 128: XLA:TPU's default layout for such a pool puts the page axis in the lanes,
+while the kernel reads row-major pages, so the compiled program relayouts the pool around the
+kernel (a copy in and out of each program that reads it); it compiles and computes the same, at
+that cost. Head dim 128 (the Qwen3 models) is read in place.
 
 It returns the normalised output and each query's log-sum-exp, so keys that are not in the
 pool (the verification's block of new tokens) join with `merge_parts`: one softmax over both,
 as `layers.attention_parts` computes it.
 
-On TPU it compiles (not run here: no TPU on these machines); elsewhere it runs in Pallas
-interpret mode, which is how tests/target/test_paged_kernel.py checks it against the reference.
+The platform the program is compiled for (`parallel.platform`: the mesh it is traced under)
+decides: on TPU the kernel compiles through Mosaic (tests/target/test_paged_kernel_tpu.py
+compiles it for TPU slices on a CPU machine); elsewhere it runs in Pallas interpret mode, which
+is how tests/target/test_paged_kernel.py checks it against the reference. On a mesh it runs per
+shard (`jax.shard_map`): rows over the batch axes, KV heads over `tensor` as the rules table
+says, the pool whole over the batch axes, so no shard gathers the pool.
 """
 
 from __future__ import annotations
@@ -23,57 +49,87 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.parallel.platform import on_tpu, platform
+from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.layers import MASK_VALUE
+from dspark_jax.target.paged_kv import PAGE_AXES
 
-__all__ = ["paged_attention_lse", "attention_lse", "merge_parts", "PAGED_ATTENTION_IMPLS", "resolve_impl"]
+__all__ = ["PAGED_ATTENTION_IMPLS", "attention_lse", "merge_parts", "paged_attention_lse", "resolve_impl"]
 
 PAGED_ATTENTION_IMPLS = ("auto", "reference", "pallas")
 NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key: weight exp(NO_KEYS - lse) = 0
+QUERY_BLOCK = 256  # query rows (T * G) per block: more are split into blocks of this many
+TOKENS_PER_STEP = 128  # keys a grid step reads (pages_per_step = this // page_size, at most MAX_PAGES_PER_STEP)
+MAX_PAGES_PER_STEP = 8
+MAX_ROWS_PER_STEP = 2048  # heads per step * query rows per block: bounds the step's VMEM
 
 
-def resolve_impl(impl: str) -> str:
-    """"auto": the kernel on TPU, the reference (a gather) elsewhere; "pallas" forces the kernel
-    (interpret mode off TPU, for tests)."""
+def resolve_impl(impl: str, mesh=None) -> str:
+    """"auto": the kernel when the program is compiled for TPU (`mesh`, else the mesh set by
+    `jax.set_mesh`, else the default device), the reference (a gather) elsewhere; "pallas"
+    forces the kernel (interpret mode off TPU, for tests)."""
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged attention {impl!r} is not one of {PAGED_ATTENTION_IMPLS}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "reference"
+        return "pallas" if platform(mesh) == "tpu" else "reference"
     return impl
 
 
-def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
-            page_size: int, group: int, scale: float):
+def _precision(dtype):
+    """bf16 operands: one MXU pass (a float32-precision request, e.g. jax_default_matmul_precision
+    "highest", is not lowered by Mosaic for them); float32: as jax's matmul precision setting says."""
+    return jax.lax.Precision.DEFAULT if jnp.dtype(dtype).itemsize < 4 else None
+
+
+def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_size: int, pages: int, group: int,
+            block_rows: int, heads: int, scale: float):
     from jax.experimental import pallas as pl
 
-    r, j = pl.program_id(0), pl.program_id(2)
-    kv_len = kv_len_ref[r]
+    k_refs, v_refs = refs[:pages], refs[pages: 2 * pages]
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages:]
+    r, qb, b = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kv_len, q_start = kv_len_ref[r], q_start_ref[r]
+    first_row = qb * block_rows
+    step_start = b * (pages * page_size)
 
-    @pl.when(j == 0)
+    @pl.when(b == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, NO_KEYS, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(j * page_size < kv_len)
-    def _page():
-        q = q_ref[...].astype(jnp.float32)  # [T * group, D], query t's heads at rows t * group ..
-        k = k_ref[...].astype(jnp.float32)  # [page_size, D]
-        v = v_ref[...].astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        key_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        q_pos = q_start_ref[r] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0) // group
-        visible = (key_pos < kv_len) & (key_pos <= q_pos)
-        s = jnp.where(visible, s, NO_KEYS)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
-                                                                preferred_element_type=jnp.float32)
-        m_sc[...] = m_new
+    # the step's first key exists and the block's last query may see it
+    @pl.when((step_start < kv_len) & ((step_start - q_start) * group <= first_row + block_rows - 1))
+    def _step():
+        shape = (block_rows, page_size)
+        rho = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        offset = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
 
-    @pl.when(j == pl.num_programs(2) - 1)
+        def head(h, carry):
+            q = q_ref[h]  # [block_rows, D]
+            m, l, acc = m_sc[h], l_sc[h], acc_sc[h]
+            for c in range(pages):  # keys past kv_len (a repeated last page, or none) are masked
+                k, v = k_refs[c][h], v_refs[c][h]  # [page_size, D]
+                dt = jnp.promote_types(q.dtype, k.dtype)
+                s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())), precision=_precision(dt),
+                                        preferred_element_type=jnp.float32) * scale
+                key_pos = step_start + c * page_size + offset
+                visible = (key_pos < kv_len) & ((key_pos - q_start) * group <= rho)
+                s = jnp.where(visible, s, NO_KEYS)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+                alpha = jnp.exp(m - m_new)
+                l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+                pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+                                         preferred_element_type=jnp.float32)
+                acc = alpha * acc + pv
+                m = m_new
+            m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
+            return carry
+
+        jax.lax.fori_loop(0, heads, head, 0)
+
+    @pl.when(b == pl.num_programs(3) - 1)
     def _finish():
         l = l_sc[...]
         seen = l > 0.0
@@ -81,47 +137,93 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, 
         lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), NO_KEYS)
 
 
-def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None,
-                        interpret: bool | None = None):
-    """q [R, T, Nq, D] against one layer's pages [P, page_size, Nkv, D] (or layer `layer` of the
-    whole pool [L, P, page_size, Nkv, D], read in place) through page_table [R, M] (entries < 0:
-    no page). Key s of row r is visible to query t iff s < kv_len[r] and
-    s <= q_start[r] + t. -> (out [R, T, Nq, D] float32, normalised over the visible keys;
-    lse [R, T, Nq] float32, NO_KEYS where a query sees none, its out then 0)."""
+def _tiling(rows: int, nkv: int, m: int, page_size: int) -> tuple[int, int, int, int]:
+    """(query rows per block, rows padded to whole blocks, KV heads per step, pages per step)."""
+    block_rows = min(rows, QUERY_BLOCK)
+    padded = -(-rows // block_rows) * block_rows
+    heads = max(h for h in range(1, nkv + 1) if nkv % h == 0 and (h == 1 or h * block_rows <= MAX_ROWS_PER_STEP))
+    pages = max(1, min(MAX_PAGES_PER_STEP, TOKENS_PER_STEP // page_size, m))
+    return block_rows, padded, heads, pages
+
+
+def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret: bool):
+    """The kernel on one shard: q [R, T, Nq, D], pool [L, P, Nkv, ps, D], layer [1]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     r, t, nq, d = q.shape
-    _, _, ps, nkv, _ = k_pages.shape
+    _, _, nkv, ps, _ = k_pages.shape
     g = nq // nkv
     m = page_table.shape[1]
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
-    # heads-first, a query's group of heads contiguous: [R, Nkv, T * g, D]
-    qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, t * g, d)
-    table = jnp.maximum(page_table, 0).astype(jnp.int32)  # no page: page 0, skipped (beyond kv_len)
-    qmap = lambda i, h, j, *_: (i, h, 0, 0)
-    page = lambda i, h, j, li, tab, *_: (li[0], tab[i, j], 0, h, 0)
+    rows = t * g
+    block_rows, padded, heads, pages = _tiling(rows, nkv, m, ps)
+    steps = -(-m // pages)
+    qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, rows, d)
+    if padded != rows:
+        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    # 1-D in SMEM (a 2-D table pads its last dimension to 128 there); no page: page 0, masked
+    table = jnp.maximum(page_table, 0).astype(jnp.int32).reshape(-1)
+    kv_len, q_start = kv_len.astype(jnp.int32), q_start.astype(jnp.int32)
+
+    def page_map(c):
+        def index(i, h, qb, b, li, tab, lens, starts):
+            # the last page the query block sees (page 0 when it sees none): later indices repeat it
+            last_key = jnp.minimum(lens[i] - 1, starts[i] + (qb * block_rows + block_rows - 1) // g)
+            last = jnp.maximum(last_key // ps, 0)
+            return li[0], tab[i * m + jnp.minimum(b * pages + c, last)], h, 0, 0
+        return pl.BlockSpec((None, None, heads, ps, d), index)
+
+    qmap = lambda i, h, qb, b, *_: (i, h, qb, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(r, nkv, m),
-        in_specs=[pl.BlockSpec((None, None, t * g, d), qmap),
-                  pl.BlockSpec((None, None, ps, None, d), page),
-                  pl.BlockSpec((None, None, ps, None, d), page)],
-        out_specs=[pl.BlockSpec((None, None, t * g, d), qmap), pl.BlockSpec((None, None, t * g, 1), qmap)],
-        scratch_shapes=[pltpu.VMEM((t * g, 1), jnp.float32), pltpu.VMEM((t * g, 1), jnp.float32),
-                        pltpu.VMEM((t * g, d), jnp.float32)])
-    kernel = functools.partial(_kernel, page_size=ps, group=g, scale=1.0 / math.sqrt(d))
+        num_scalar_prefetch=4, grid=(r, nkv // heads, padded // block_rows, steps),
+        in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + [page_map(c) for c in range(pages)] * 2,
+        out_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap), pl.BlockSpec((None, heads, block_rows, 1), qmap)],
+        scratch_shapes=[pltpu.VMEM((heads, block_rows, 1), jnp.float32), pltpu.VMEM((heads, block_rows, 1), jnp.float32),
+                        pltpu.VMEM((heads, block_rows, d), jnp.float32)])
+    kernel = functools.partial(_kernel, page_size=ps, pages=pages, group=g, block_rows=block_rows, heads=heads,
+                               scale=1.0 / math.sqrt(d))
+    keys = r * nkv * padded * steps * pages * ps  # an upper bound: kv_len is known at run time only
+    read = 2 * r * steps * pages * nkv * ps * d * k_pages.dtype.itemsize
+    cost = pl.CostEstimate(flops=4 * keys * d, transcendentals=keys,
+                           bytes_accessed=read + qh.size * qh.dtype.itemsize + r * nkv * padded * (d + 1) * 4)
     out, lse = pl.pallas_call(
-        kernel, grid_spec=grid_spec, interpret=interpret,
-        out_shape=[jax.ShapeDtypeStruct((r, nkv, t * g, d), jnp.float32),
-                   jax.ShapeDtypeStruct((r, nkv, t * g, 1), jnp.float32)],
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table, kv_len.astype(jnp.int32), q_start.astype(jnp.int32),
-      qh, k_pages, v_pages)
-    out = out.reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
-    lse = lse.reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
+        kernel, grid_spec=grid_spec, interpret=interpret, cost_estimate=cost,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), jnp.float32),
+                   jax.ShapeDtypeStruct((r, nkv, padded, 1), jnp.float32)],
+    )(layer, table, kv_len, q_start, qh, *([k_pages] * pages), *([v_pages] * pages))
+    out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
+    lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
+
+
+def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None,
+                        interpret: bool | None = None):
+    """q [R, T, Nq, D] against one layer's pages [P, Nkv, page_size, D] (or layer `layer` of the
+    whole pool [L, P, Nkv, page_size, D], read in place) through page_table [R, M] (entries < 0:
+    no page). Key s of row r is visible to query t iff s < kv_len[r] and
+    s <= q_start[r] + t. -> (out [R, T, Nq, D] float32, normalised over the visible keys;
+    lse [R, T, Nq] float32, NO_KEYS where a query sees none, its out then 0).
+    `interpret` defaults to "not compiled for TPU"; on a mesh (`jax.set_mesh`) the kernel runs
+    per shard."""
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    if interpret is None:
+        interpret = not on_tpu()
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    local = functools.partial(_local, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(layer, q, k_pages, v_pages, page_table, kv_len, q_start)
+    from jax.sharding import PartitionSpec as P
+
+    pool = logical_to_pspec(PAGE_AXES, k_pages.shape, mesh)
+    rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
+    heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
+    q_spec, row_spec = P(rows, None, heads, None), P(rows)
+    return jax.shard_map(local, in_specs=(P(), q_spec, pool, pool, P(rows, None), row_spec, row_spec),
+                         out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
+        layer, q, k_pages, v_pages, page_table, kv_len, q_start)
 
 
 def attention_lse(q, k, v, mask):

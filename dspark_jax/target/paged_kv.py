@@ -1,9 +1,11 @@
 """Paged KV cache: a pool of fixed-size pages shared by the slots, one page table per slot.
 
-K/V of every slot live in one pool `[num_layers, num_pages, page_size, Nkv, D]`; slot r's
-position t is page `page_table[r, t // page_size]`, offset `t % page_size`. `page_table`
-`[R, ceil(max_len / page_size)]` int32 is static-shape; NO_PAGE (-1) marks entries with no page
-(writes there are dropped). Which page a slot owns is decided on the host
+K/V of every slot live in one pool `[num_layers, num_pages, Nkv, page_size, D]`; slot r's
+position t is page `page_table[r, t // page_size]`, offset `t % page_size`. Heads before
+positions: one head's page is then a `(page_size, D)` tile, the whole of the array's last two
+dimensions, which is what a TPU kernel block may be at any page size (target/paged_kernel.py).
+`page_table` `[R, ceil(max_len / page_size)]` int32 is static-shape; NO_PAGE (-1) marks
+entries with no page (writes there are dropped). Which page a slot owns is decided on the host
 (`engine/page_alloc.py`), so memory is proportional to the tokens the slots hold, not to
 `R * max_len`.
 
@@ -11,8 +13,8 @@ Same interface as the dense `KVCache`: `write_layer_at` (the scan-carried in-pla
 `attend_layer` (attention of one layer against the cache), `with_lengths`, `_replace`,
 `max_len`. The target forward (prefill) and verification call only these, so they run on
 either cache. `paged_attention` is the reference: it gathers each row's pages into its
-`[max_len]` view and calls `target.layers.attention`, so the numbers equal the dense path's
-(a ragged paged-attention kernel would later read the pages in place).
+`[max_len]` view and calls `target.layers.attention`, so the numbers equal the dense path's;
+the "pallas" impl reads the pages in place instead (target/paged_kernel.py).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.kv_cache import attend_before
 from dspark_jax.target.layers import attention
 
-__all__ = ["PagedKVCache", "NO_PAGE", "paged_attention", "gather_pages", "pages_per_slot"]
+__all__ = ["NO_PAGE", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
 
 NO_PAGE = -1
 # the page pool has no slot axis: KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
-PAGE_AXES = (None, None, None, "kv_heads", None)
+PAGE_AXES = (None, None, "kv_heads", None, None)
 
 
 def pages_per_slot(max_len: int, page_size: int) -> int:
@@ -38,17 +40,18 @@ def pages_per_slot(max_len: int, page_size: int) -> int:
 
 
 def gather_pages(pages, page_table, length: int):
-    """One layer's pages [P, page_size, Nkv, D] -> each row's view [R, length, Nkv, D] through
+    """One layer's pages [P, Nkv, page_size, D] -> each row's view [R, length, Nkv, D] through
     `page_table` [R, M] (positions >= length cut off). Entries without a page read page 0: those
     positions hold no token of the row and must be masked by the caller (finite values, so a
     masked softmax weight of exactly 0 keeps them out of the result)."""
     r, m = page_table.shape
-    view = jnp.take(pages, jnp.maximum(page_table, 0), axis=0)  # [R, M, ps, Nkv, D]
-    return view.reshape(r, m * pages.shape[1], *pages.shape[2:])[:, :length]
+    _, nkv, ps, d = pages.shape
+    view = jnp.take(pages, jnp.maximum(page_table, 0), axis=0)  # [R, M, Nkv, ps, D]
+    return view.transpose(0, 1, 3, 2, 4).reshape(r, m * ps, nkv, d)[:, :length]
 
 
 def paged_attention(q, k_pages, v_pages, page_table, mask, dtype=None):
-    """Reference paged attention: q [R, T, Nq, D], one layer's pages [P, ps, Nkv, D],
+    """Reference paged attention: q [R, T, Nq, D], one layer's pages [P, Nkv, ps, D],
     page_table [R, M], mask [R, T, S] (True = may attend; S <= M * ps) -> [R, T, Nq, D].
     Gathers each row's pages into its [S] view (cast to `dtype`, default the pages') and calls
     `layers.attention`, so the result is the dense cache's, bit for bit, as long as every
@@ -62,7 +65,7 @@ def paged_attention(q, k_pages, v_pages, page_table, mask, dtype=None):
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
 class PagedKVCache:
-    k: jax.Array  # [num_layers, num_pages, page_size, Nkv, D]
+    k: jax.Array  # [num_layers, num_pages, Nkv, page_size, D]
     v: jax.Array  # same
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
     lengths: jax.Array  # [R] int32, committed tokens per slot
@@ -71,37 +74,37 @@ class PagedKVCache:
 
     @classmethod
     def create(cls, cfg, num_slots: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
-               num_layers: int | None = None, impl: str = "reference") -> "PagedKVCache":
-        shape = (num_layers or cfg.num_layers, int(num_pages), int(page_size), cfg.num_kv_heads, cfg.head_dim)
+               num_layers: int | None = None, impl: str = "reference") -> PagedKVCache:
+        shape = (num_layers or cfg.num_layers, int(num_pages), cfg.num_kv_heads, int(page_size), cfg.head_dim)
         zeros = lambda: constrain(jnp.zeros(shape, dtype), PAGE_AXES)
         table = jnp.full((num_slots, pages_per_slot(max_len, page_size)), NO_PAGE, jnp.int32)
         return cls(zeros(), zeros(), table, jnp.zeros((num_slots,), jnp.int32), int(max_len), impl)
 
     @classmethod
-    def like(cls, dense, num_pages: int, page_size: int, impl: str = "reference") -> "PagedKVCache":
+    def like(cls, dense, num_pages: int, page_size: int, impl: str = "reference") -> PagedKVCache:
         """The paged twin of a dense cache (or its `jax.eval_shape`) [L, R, S, Nkv, D]: same layers,
         heads, dtype, slots and max_len, `num_pages` pages of `page_size`. The engine pages the
         drafter's cache this way, with the target's page table (both hold the same positions)."""
         layers, r, s, nkv, d = dense.k.shape
-        cfg = type("CacheShape", (), dict(num_layers=layers, num_kv_heads=nkv, head_dim=d))
+        cfg = type("CacheShape", (), {"num_layers": layers, "num_kv_heads": nkv, "head_dim": d})
         return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype, impl=impl)
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_pages(self) -> int:
         return self.k.shape[1]
 
-    def _replace(self, **kw) -> "PagedKVCache":
+    def _replace(self, **kw) -> PagedKVCache:
         return dataclasses.replace(self, **kw)
 
-    def with_lengths(self, lengths) -> "PagedKVCache":
+    def with_lengths(self, lengths) -> PagedKVCache:
         """Commit (or roll back to) `lengths` tokens per slot: a pointer move, no copy."""
         return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-    def with_page_table(self, page_table) -> "PagedKVCache":
+    def with_page_table(self, page_table) -> PagedKVCache:
         table = jnp.asarray(page_table, jnp.int32)
         if table.shape != self.page_table.shape:
             raise ValueError(f"page table of shape {table.shape}, this cache's is {self.page_table.shape}")
@@ -109,18 +112,19 @@ class PagedKVCache:
 
     def write_layer_at(self, k_all, v_all, layer, rows, positions, k, v):
         """Write `k`, `v` [..., Nkv, D] of tokens at (`rows`, `positions`) (broadcast together) into
-        layer `layer` of the page pools `k_all`, `v_all` [L, P, ps, Nkv, D] (the scan carry, updated
+        layer `layer` of the page pools `k_all`, `v_all` [L, P, Nkv, ps, D] (the scan carry, updated
         in place): page `page_table[row, pos // ps]`, offset `pos % ps`. Dropped: padding rows
         (>= R), positions outside [0, max_len), and positions whose page the slot does not have."""
         r, m = self.page_table.shape
-        ps, p = k_all.shape[2], k_all.shape[1]
+        p, ps = k_all.shape[1], k_all.shape[3]
         rows, positions = jnp.broadcast_arrays(jnp.asarray(rows, jnp.int32), jnp.asarray(positions, jnp.int32))
         ok = (rows >= 0) & (rows < r) & (positions >= 0) & (positions < self.max_len)
         page = self.page_table[jnp.clip(rows, 0, r - 1), jnp.clip(positions // ps, 0, m - 1)]
         page = jnp.where(ok & (page >= 0), page, p)  # p: out of range, dropped
         off = positions % ps
-        return (k_all.at[layer, page, off].set(k.astype(k_all.dtype), mode="drop"),
-                v_all.at[layer, page, off].set(v.astype(v_all.dtype), mode="drop"))
+        # the indices are split by the heads' slice: their broadcast shape leads, as in k [..., Nkv, D]
+        return (k_all.at[layer, page, :, off].set(k.astype(k_all.dtype), mode="drop"),
+                v_all.at[layer, page, :, off].set(v.astype(v_all.dtype), mode="drop"))
 
     def _table(self, rows):
         """The page table of `rows` [K] (all slots when None; rows >= R read the last slot's)."""
@@ -147,7 +151,11 @@ class PagedKVCache:
         `rows` [K]: q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
         if self.impl != "pallas":
             return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
-        from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse
+        from dspark_jax.target.paged_kernel import (
+            attention_lse,
+            merge_parts,
+            paged_attention_lse,
+        )
 
         parts = [paged_attention_lse(q, k_all, v_all, self._table(rows), start, start, layer=layer)]
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]

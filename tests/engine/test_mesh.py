@@ -51,7 +51,7 @@ def test_engine_on_a_mesh_matches_one_device():
     res = json.loads(run_multidevice(CODE).strip().splitlines()[-1])
     for kind, r in res.items():
         assert r["equal"] and r["chunked"] and r["n"] == 6 * 12, (kind, r)
-        assert r["pool_spec"] == ["P(None, None, None, 'tensor', None)", "P('data', None)"], (kind, r["pool_spec"])
+        assert r["pool_spec"] == ["P(None, None, 'tensor', None, None)", "P('data', None)"], (kind, r["pool_spec"])
         assert r["spec"][:2] == ["P(None, 'data', None, 'tensor', None)", "P('data',)"], (kind, r["spec"])
         layers, slots, length, kv, d = r["full"]
         assert r["shards"] == [layers, slots // 4, length, kv // 2, d], (kind, r)

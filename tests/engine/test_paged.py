@@ -97,7 +97,7 @@ def test_paged_writes_dropped_outside_pages():
     pos = np.array([1, 6, 9, 3, 4, 0, 10])  # ok, ok, no page, ok, no page, padding row, >= max_len
     val = jnp.asarray(np.arange(1, 8, dtype=np.float32)[:, None, None] * np.ones((7, 1, 2), np.float32))
     k, _ = c.write_layer_at(c.k, c.v, 0, rows, pos, val, val)
-    k = np.asarray(k[0, :, :, 0, 0])
+    k = np.asarray(k[0, :, 0, :, 0])  # [pages, offset]
     want = np.zeros((6, 4), np.float32)
     want[5, 1], want[2, 2], want[0, 3] = 1, 2, 4
     np.testing.assert_array_equal(k, want)
@@ -240,7 +240,7 @@ def test_engine_paged_recurrent_drafters(target, prompts, kind):
     want = _run(Engine(target, d, **kw), prompts, SAMPLED)
     paged = Engine(target, d, kv_pages=(40, 2), **kw)
     st = paged.init_state()
-    assert isinstance(st.dcache, PagedKVCache) and st.dcache.k.shape[:3] == (1, 40, 2)
+    assert isinstance(st.dcache, PagedKVCache) and st.dcache.k.shape[:2] == (1, 40) and st.dcache.page_size == 2
     assert _run(paged, prompts, SAMPLED) == want
     assert paged.pages.pages_in_use == 0 and 0 < paged.pages.peak <= 40
 
@@ -318,7 +318,7 @@ def test_paged_layout_matches_ragged_kernel_contract():
     kv_len = pos + l + 1
     owned = [-(-int(n) // ps) for n in kv_len]
     table = _shuffled_table(rng, r, m, sum(owned) + 2, owned)
-    k_pages = jnp.asarray(rng.normal(size=(sum(owned) + 2, ps, nkv, d)), jnp.float32)
+    k_pages = jnp.asarray(rng.normal(size=(sum(owned) + 2, nkv, ps, d)), jnp.float32)
     v_pages = jnp.asarray(rng.normal(size=k_pages.shape), jnp.float32)
     t = int(l.max()) + 1
     q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
@@ -327,7 +327,7 @@ def test_paged_layout_matches_ragged_kernel_contract():
     ours = np.asarray(paged_attention(q, k_pages, v_pages, jnp.asarray(table), mask))
     valid = np.arange(t)[None] <= l[:, None]
     packed = jnp.asarray(np.asarray(q)[valid])  # [sum(1 + l_r), Nq, D], row-major like verify's packing
-    combined = jnp.stack([k_pages, v_pages], axis=3).reshape(k_pages.shape[0], ps, 2 * nkv, d)
+    combined = jnp.stack([k_pages, v_pages], axis=2).transpose(0, 3, 1, 2, 4).reshape(k_pages.shape[0], ps, 2 * nkv, d)
     cu = np.concatenate([[0], np.cumsum(l + 1)]).astype(np.int32)
     theirs = rpa.ref_ragged_paged_attention(packed, combined, jnp.asarray(kv_len, jnp.int32),
                                             jnp.asarray(np.maximum(table, 0)), jnp.asarray(cu),

@@ -1,7 +1,8 @@
 """The Pallas paged-attention kernel (target/paged_kernel.py) in interpret mode against the
 reference (gather the row's pages, dense attention): shuffled page tables, rows with fewer pages
 than positions and with no visible key, queries at several positions, a layer of the whole pool
-read in place, the merge with a block of new keys, and the engine's verification through it."""
+read in place, split query blocks and head blocks, the merge with a block of new keys, the kernel
+per shard on a mesh, and the engine's verification through it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import numpy as np
 import pytest
 
 from dspark_jax.target.layers import attention, attention_parts
-from dspark_jax.target.paged_kernel import attention_lse, merge_parts, paged_attention_lse, resolve_impl
+from dspark_jax.target.paged_kernel import (
+    attention_lse,
+    merge_parts,
+    paged_attention_lse,
+    resolve_impl,
+)
 from dspark_jax.target.paged_kv import NO_PAGE, gather_pages, pages_per_slot
 
 
@@ -25,7 +31,7 @@ def _case(rng, page_size, r=4, s=13, t=3, nkv=2, g=2, d=8, layers=1):
     for i, n in enumerate(owned):
         table[i, :n] = perm[k: k + n]
         k += n
-    pool = lambda: jnp.asarray(rng.normal(size=(layers, num_pages, page_size, nkv, d)), jnp.float32)
+    pool = lambda: jnp.asarray(rng.normal(size=(layers, num_pages, nkv, page_size, d)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
     q_start = np.array([s - t, 4, 0, 1])[:r]  # query t of row r sits at q_start[r] + t
     return q, pool(), pool(), table, kv_len, q_start
@@ -53,10 +59,30 @@ def test_kernel_equals_gathered_attention(page_size):
         np.testing.assert_allclose(np.asarray(out)[seen], want[seen], rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-5, atol=2e-5)
         assert (np.asarray(out)[~seen] == 0).all() and seen.sum() < seen.size  # row 2: nothing seen, output 0
-    # one layer's pages [P, ps, Nkv, D] without the layer axis: the same
+    # one layer's pages [P, Nkv, ps, D] without the layer axis: the same
     out0, _ = paged_attention_lse(q, kp[0], vp[0], jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start))
     out_l0, _ = paged_attention_lse(q, kp, vp, jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start), layer=0)
     np.testing.assert_array_equal(np.asarray(out0), np.asarray(out_l0))
+
+
+def test_query_blocks_and_head_blocks(monkeypatch):
+    """Long query blocks are split (and padded) and KV heads taken one per step when a step would
+    hold too many rows (a long prefill chunk): the same numbers, here with blocks of 8 rows."""
+    import dspark_jax.target.paged_kernel as pk
+
+    monkeypatch.setattr(pk, "QUERY_BLOCK", 8)  # 7 queries x 2 heads = 14 rows: 2 blocks, 2 padding rows
+    monkeypatch.setattr(pk, "MAX_ROWS_PER_STEP", 8)  # one KV head per step
+    assert pk._tiling(14, 2, 4, 4) == (8, 16, 1, 4)
+    rng = np.random.default_rng(11)
+    q, kp, vp, table, kv_len, q_start = _case(rng, 4, t=7)
+    mask = _reference_mask(kv_len, q_start, 13, 7)
+    out, lse = paged_attention_lse(q, kp, vp, jnp.asarray(table), jnp.asarray(kv_len), jnp.asarray(q_start), layer=0)
+    k, v = (gather_pages(x[0], jnp.asarray(table), 13) for x in (kp, vp))
+    want, want_lse = attention_lse(q, k, v, jnp.asarray(mask))
+    seen = mask.any(-1)
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(want)[seen], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-5, atol=2e-5)
+    assert (np.asarray(out)[~seen] == 0).all()
 
 
 def test_merge_with_a_block_equals_one_softmax():
@@ -64,7 +90,7 @@ def test_merge_with_a_block_equals_one_softmax():
     equal `attention_parts` over both (what the verification computes)."""
     rng = np.random.default_rng(7)
     q, kp, vp, table, kv_len, _ = _case(rng, 4)
-    r, t, nq, d = q.shape
+    r, t, _nq, d = q.shape
     start = kv_len  # the verification: every committed key visible to every query of the block
     kb = jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32)
     vb = jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32)
@@ -87,6 +113,46 @@ def test_a_kernel_that_ignores_the_page_table_is_caught():
     k, v = (gather_pages(x[0], jnp.asarray(table), 13) for x in (kp, vp))
     want = np.asarray(attention(q, k, v, jnp.asarray(_reference_mask(kv_len, q_start, 13, q.shape[1]))))
     assert not np.allclose(np.asarray(out)[0], want[0], atol=1e-3)
+
+
+MESH_CODE = r"""
+import json, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dspark_jax.parallel.sharding import make_mesh
+from dspark_jax.target.paged_kernel import paged_attention_lse
+from dspark_jax.target.paged_kv import NO_PAGE
+rng = np.random.default_rng(0)
+r, t, nkv, g, d, ps, pages = 4, 3, 2, 2, 8, 4, 16
+q = rng.normal(size=(r, t, nkv * g, d)).astype(np.float32)
+k, v = (rng.normal(size=(2, pages, nkv, ps, d)).astype(np.float32) for _ in range(2))
+table = rng.permutation(pages)[: r * 4].reshape(r, 4).astype(np.int32)
+table[1, 2:] = NO_PAGE
+kv_len, q_start = np.array([13, 6, 0, 9], np.int32), np.array([10, 4, 0, 2], np.int32)
+f = jax.jit(lambda *a: paged_attention_lse(*a, layer=1))
+want = f(q, k, v, table, kv_len, q_start)
+mesh = make_mesh(2, 1, 2)
+with jax.set_mesh(mesh):
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    args = (put(q, "data", None, "tensor"), put(k, None, None, "tensor"), put(v, None, None, "tensor"),
+            put(table, "data"), put(kv_len, "data"), put(q_start, "data"))
+    got = f(*args)
+    text = f.lower(*args).as_text()
+err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, want))
+print(json.dumps({"err": err, "per_shard": "manual_computation" in text,
+                  "out_spec": str(got[0].sharding.spec)}))
+"""
+
+
+def test_kernel_per_shard_on_a_mesh():
+    """On a mesh (4 fake CPU devices: rows over data 2, KV heads over tensor 2) the kernel runs per
+    shard through shard_map and gives the single-device numbers."""
+    import json
+
+    from tests.conftest import run_multidevice
+
+    res = json.loads(run_multidevice(MESH_CODE, n=4).strip().splitlines()[-1])
+    assert res["per_shard"] and res["err"] < 1e-6, res
+    assert res["out_spec"] == "P('data', None, 'tensor')", res  # out [R, T, Nq, D]: rows and heads split
 
 
 def test_resolve_impl():
@@ -138,7 +204,7 @@ def test_engine_verification_through_the_kernel():
         assert kind != "dspark" or d.dcfg.sliding_window is None  # (a window falls back to the gather)
         g = {None: 0, "mtp1": 1}.get(kind, 3)
         kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,),
-                  **(dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}))
+                  **({"gamma": 3, "layer_ids": [0]} if kind == "eagle3" else {}))
         want = [r.tokens for r in Engine(target, d, **kw).generate(prompts, max_new_tokens=10, sampling=greedy).results]
         eng = Engine(target, d, kv_pages=(24, 4), paged_attention="pallas", **kw)
         st = eng.init_state()

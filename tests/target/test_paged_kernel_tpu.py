@@ -1,0 +1,117 @@
+"""The paged-attention kernel (target/paged_kernel.py) lowered and compiled by the real TPU compiler
+(XLA:TPU and Mosaic) for TPU slices, no TPU present (parallel/topology.py): a tiny shape, Qwen3-8B
+in bf16 and SmolLM2 in f32 on v5e and v6e (Qwen3-8B on v7x too), and Qwen3-8B on a tensor-parallel
+v6e-4 mesh through the kernel's shard_map, without gathering the pool. A compiler error fails
+the test with the compiler's message; a block that breaks TPU tiling is refused, so these
+compiles do check what a TPU would."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.parallel.topology import slice_mesh
+from dspark_jax.target.paged_kernel import paged_attention_lse, resolve_impl
+from dspark_jax.target.paged_kv import PAGE_AXES, pages_per_slot
+
+pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu, not installed: pip install -e '.[aot]'")
+
+# (rows, queries per row, query heads, KV heads, head_dim, page size, context, dtype)
+TINY = (4, 3, 4, 2, 8, 5, 13, jnp.float32)
+QWEN3_8B = (8, 8, 32, 8, 128, 16, 2048, jnp.bfloat16)  # a verification block of 8 queries per row
+SMOLLM2 = (8, 8, 9, 3, 64, 16, 1024, jnp.float32)
+
+
+@functools.cache
+def _mesh(name: str, tensor: int = 1):
+    # other processes on the machine may compile for TPU too: deviceless, they share no chip
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return slice_mesh(name, -1, 1, tensor)
+
+
+def _compile(mesh, r, t, nq, nkv, d, ps, ctx, dtype, layers=2):
+    """Lower and compile one layer's kernel call (the layer index traced, as in the scan over
+    layers) for `mesh`'s devices; a compiler error is re-raised as the test's failure message."""
+    m = pages_per_slot(ctx, ps)
+    pool = (layers, r * m, nkv, ps, d)
+
+    def arg(shape, dt, names):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
+
+    args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
+            arg(pool, dtype, PAGE_AXES), arg(pool, dtype, PAGE_AXES), arg((r, m), jnp.int32, ("batch", None)),
+            arg((r,), jnp.int32, ("batch",)), arg((r,), jnp.int32, ("batch",)))
+    def f(layer, q, k, v, table, kv_len, q_start):
+        return paged_attention_lse(q, k, v, table, kv_len, q_start, layer=layer)
+
+    with jax.set_mesh(mesh):
+        try:
+            return jax.jit(f).lower(*args).compile()
+        except (ValueError, jax.errors.JaxRuntimeError) as e:  # the compiler's words first, not a traceback
+            pytest.fail(f"the TPU compiler refused the paged kernel at {(r, t, nq, nkv, d, ps, ctx)} "
+                        f"{jnp.dtype(dtype).name} on {mesh.devices.flat[0].device_kind}:\n{e}")
+
+
+def _kernels(compiled) -> list[str]:
+    """The Mosaic kernels' lines in the compiled TPU program."""
+    return [line for line in compiled.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+
+
+@pytest.mark.parametrize("shape", [TINY, QWEN3_8B, SMOLLM2], ids=["tiny", "qwen3_8b_bf16", "smollm2_f32"])
+@pytest.mark.parametrize("slice_name", ["v5e-1", "v6e-1"])
+def test_kernel_compiles_for_tpu(slice_name, shape):
+    mesh = _mesh(slice_name)
+    assert resolve_impl("auto", mesh) == "pallas"  # chosen for the slice, not for this CPU host
+    compiled = _compile(mesh, *shape)
+    assert len(_kernels(compiled)) == 1  # Mosaic, not interpret mode
+    cost = compiled.cost_analysis()
+    r, t, nq, nkv, d, _, ctx, dtype = shape
+    assert cost["flops"] >= 4 * r * t * nq * ctx * d and cost["transcendentals"] >= r * t * nq * ctx  # CostEstimate
+    kv_bytes = 2 * r * ctx * nkv * d * jnp.dtype(dtype).itemsize  # the rows' K and V of one layer, read once
+    assert cost["bytes accessed"] >= kv_bytes
+    if d % 128 == 0:  # the pool read once, in place (with head_dim < 128 XLA relayouts it first: module docstring)
+        assert cost["bytes accessed"] < 1.25 * kv_bytes
+
+
+def test_kernel_compiles_for_v7x():
+    compiled = _compile(_mesh("v7x-8"), *QWEN3_8B)
+    assert len(_kernels(compiled)) == 1
+
+
+def test_kernel_compiles_tensor_parallel_without_gathering_the_pool():
+    """v6e-4, tensor 4: each chip's kernel reads its 2 of the 8 KV heads (the output block of a
+    shard is [rows, 2, ..]) and the program moves nothing between chips."""
+    mesh = _mesh("v6e-4", 4)
+    compiled = _compile(mesh, *QWEN3_8B)
+    (kernel,) = _kernels(compiled)
+    r, t, nq, nkv, d = QWEN3_8B[:5]
+    assert f"f32[{r},{nkv // 4},{t * nq // nkv},{d}]" in kernel
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter", compiled.as_text())
+    m = compiled.memory_analysis()
+    pool = 2 * 2 * r * pages_per_slot(QWEN3_8B[6], QWEN3_8B[5]) * QWEN3_8B[5] * nkv * d * 2  # K, V of 2 layers, bf16
+    assert m.argument_size_in_bytes < pool / 4 + 2**20  # a quarter of the pool per chip
+
+
+def test_a_block_that_breaks_tpu_tiling_is_refused():
+    """A block whose second-to-last dimension is a squeezed head (a page [ps, Nkv, D] read one head
+    at a time) cannot be tiled on TPU: the deviceless compile refuses it as a TPU would."""
+    from jax.experimental import pallas as pl
+
+    mesh = _mesh("v6e-1")
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    spec = pl.BlockSpec((16, None, 128), lambda h: (0, h, 0))
+    f = pl.pallas_call(copy, grid=(8,), in_specs=[spec], out_specs=spec,
+                       out_shape=jax.ShapeDtypeStruct((16, 8, 128), jnp.float32))
+    x = jax.ShapeDtypeStruct((16, 8, 128), jnp.float32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with jax.set_mesh(mesh), pytest.raises(Exception, match="divisible by 8 and 128"):
+        jax.jit(f).lower(x).compile()
