@@ -57,6 +57,15 @@ class MeshSection:
     data: int = -1  # -1: all devices not used by fsdp x tensor
     fsdp: int = 1
     tensor: int = 1
+    # the Cloud TPU slice the preset is laid out for (e.g. "v6e-32"): `train.plan --compile`
+    # compiles for it with the TPU compiler; None = no particular slice
+    slice: str | None = None
+
+    def __post_init__(self):
+        if self.slice is not None:
+            from dspark_jax.parallel.topology import parse_slice
+
+            parse_slice(self.slice)  # an unknown name fails at load, listing the valid ones
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ time gets the real kernel.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import math
 
@@ -83,7 +84,12 @@ def _local(q, k, v, key_valid, interpret: bool):
         per_head = jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=SegmentIds(sr, sr)))
         return per_head(qr, kr, vr)
 
-    out = jax.vmap(one_row)(qh, kh, vh, seg)  # [B, Nkv, G, T, D]
+    # bf16 operands are multiplied exactly with f32 accumulation at the default precision; a
+    # process-wide "highest" (jax_default_matmul_precision) would ask Mosaic for an fp32
+    # contraction of bf16 operands, which it refuses
+    bf16 = q.dtype == jnp.bfloat16
+    with jax.default_matmul_precision("default") if bf16 else contextlib.nullcontext():
+        out = jax.vmap(one_row)(qh, kh, vh, seg)  # [B, Nkv, G, T, D]
     return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 

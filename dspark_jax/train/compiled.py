@@ -1,13 +1,19 @@
 """Per-chip memory of the real train and eval steps, from compiled programs (no arrays allocated).
 
-The step is lowered with the trainer's shardings on the preset's mesh of fake CPU devices
-(`jax_num_cpu_devices`) and compiled; XLA's `memory_analysis()` of the SPMD program is one
-chip's: arguments (state, frozen target, batch shard), outputs, temporaries. XLA:CPU and XLA:TPU
-schedule and fuse differently, so the TPU figure differs somewhat, but unlike the analytic
-estimate in `plan.py` this is what a compiler made of the actual step.
+The step is lowered with the trainer's shardings on the preset's mesh and compiled; XLA's
+`memory_analysis()` of the SPMD program is one device's: arguments (state, frozen target, batch
+shard), outputs, temporaries. On a mesh of a Cloud TPU slice's compile-only devices
+(`parallel.topology.slice_mesh`) the compiler is XLA:TPU itself, with the TPU kernels (splash
+attention) the program would run there, so the figures are the chip's. Without a slice the mesh
+is fake CPU devices (`jax_num_cpu_devices`): XLA:CPU schedules and fuses differently, so that
+figure only approximates a chip's, but unlike the analytic estimate in `plan.py` it is what a
+compiler made of the actual step.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,8 @@ from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.losses.dspark import LossCoefs
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
+
+log = logging.getLogger(__name__)
 
 
 def use_fake_devices(n: int) -> None:
@@ -45,16 +53,30 @@ def _memory(compiled) -> dict[str, int]:
             "generated_code": int(m.generated_code_size_in_bytes)}
 
 
-def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, int]]:
-    """{"train": bytes, "eval": bytes} per chip of the compiled steps at the config's shapes."""
+def compile_steps(cfg: Config, steps=("train", "eval"), mesh=None) -> dict[str, dict]:
+    """{"train": {...}, "eval": {...}}: per-chip bytes of the compiled steps at the config's shapes
+    (`_memory`'s keys), "compile_seconds" and "kernels" (Mosaic kernel calls: splash attention on
+    TPU). `mesh`: where to compile (e.g. a TPU slice's, `slice_mesh`); default the config's mesh
+    over this host's (fake) devices."""
+    out = {}
+    for step, (compiled, seconds) in compile_programs(cfg, steps, mesh).items():
+        out[step] = {**_memory(compiled), "compile_seconds": seconds,
+                     "kernels": compiled.as_text().count("tpu_custom_call")}
+    return out
+
+
+def compile_programs(cfg: Config, steps=("train", "eval"), mesh=None) -> dict:
+    """{"train": (compiled, seconds), "eval": ...}: the steps lowered with the trainer's shardings
+    on `mesh` (default: the config's mesh over this host's devices) and compiled."""
     from dspark_jax.train.plan import abstract_models
 
-    m = cfg.mesh
-    n = m.data * m.fsdp * m.tensor
-    if jax.device_count() < n:
-        raise RuntimeError(f"compiling for mesh {m.data}x{m.fsdp}x{m.tensor} needs {n} devices but {jax.device_count()} "
-                           f"exist: call use_fake_devices({n}) before JAX starts (the plan command does)")
-    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n])
+    if mesh is None:
+        m = cfg.mesh
+        n = m.data * m.fsdp * m.tensor
+        if jax.device_count() < n:
+            raise RuntimeError(f"compiling for mesh {m.data}x{m.fsdp}x{m.tensor} needs {n} devices but {jax.device_count()} "
+                               f"exist: call use_fake_devices({n}) before JAX starts (the plan command does)")
+        mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n])
     target, drafter = abstract_models(cfg)
     dg, params, frozen = nnx.split(drafter, nnx.Param, Frozen)
     tg, tstate = nnx.split(target)
@@ -80,12 +102,24 @@ def compile_steps(cfg: Config, steps=("train", "eval")) -> dict[str, dict[str, i
     b, s, a = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors
     g = registry.resolve(cfg.target.model, cfg.drafter).gamma
     bsh = NamedSharding(mesh, P(("data", "fsdp")))
-    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=bsh)
+
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=bsh)
+
     batch = {"tokens": sds((b, s), jnp.int32), "loss_mask": sds((b, s), bool), "seq_valid": sds((b, s), bool),
              "anchors": sds((b, a), jnp.int32), "keep": sds((b, a), bool), "block_valid": sds((b, a, g), bool)}
     micro_sh = NamedSharding(mesh, P(None, ("data", "fsdp")))
+    # traced under the mesh: kernels (splash attention) are chosen for its devices' platform
     with jax.set_mesh(mesh):
         return _compile(steps, loss_fn, tx, tc, state, frozen_a, tstate_a, params_a, batch, micro_sh)
+
+
+def _timed(name: str, jitted, *args):
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    log.info("compiled the %s step in %.1f s", name, seconds)
+    return compiled, seconds
 
 
 def _compile(steps, loss_fn, tx, tc, state, frozen_a, tstate_a, params_a, batch, micro_sh):
@@ -94,10 +128,10 @@ def _compile(steps, loss_fn, tx, tc, state, frozen_a, tstate_a, params_a, batch,
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         train = jax.jit(make_train_step(loss_fn, tx, tc.grad_accum, micro_sh), donate_argnums=(0,),
                         out_shardings=(state_sh, None, None))
-        out["train"] = _memory(train.lower(state, frozen_a, tstate_a, batch).compile())
+        out["train"] = _timed("train", train, state, frozen_a, tstate_a, batch)
     if "eval" in steps:
         ev = jax.jit(make_eval_step(loss_fn, tc.grad_accum, micro_sh))
-        out["eval"] = _memory(ev.lower(params_a, frozen_a, tstate_a, batch).compile())
+        out["eval"] = _timed("eval", ev, params_a, frozen_a, tstate_a, batch)
     return out
 
 

@@ -82,3 +82,27 @@ print(json.dumps({"err": float(np.abs(np.asarray(out)[real] - dense[real]).max()
     res = json.loads(out.strip().splitlines()[-1])
     assert res["err"] < 2e-5, res
     assert res["shard_map"], res
+
+
+def test_splash_is_chosen_and_compiled_for_a_tpu_mesh():
+    """Traced under a mesh of a TPU slice's compile-only devices (this host is a CPU), `auto`
+    picks the kernel and it compiles ahead of time as Mosaic, not in interpret mode: its mask
+    tables are built as host constants, never placed on the slice's devices."""
+    pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dspark_jax.parallel.topology import slice_mesh
+
+    mesh = slice_mesh("v6e-4", 2, 1, 2)
+    spec = NamedSharding(mesh, P("data", None, "tensor", None))
+    q = jax.ShapeDtypeStruct((4, 256, 8, 128), jnp.bfloat16, sharding=spec)
+    kv = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=spec)
+    valid = jax.ShapeDtypeStruct((4, 256), jnp.bool_, sharding=NamedSharding(mesh, P("data", None)))
+    assert jax.default_backend() == "cpu" and not use_splash("auto", 256, 128)
+    with jax.set_mesh(mesh):
+        assert use_splash("auto", 256, 128)
+        assert not use_splash("auto", 200, 128)  # does not tile: dense
+        compiled = jax.jit(splash_causal_attention).lower(q, kv, kv, valid).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "splash" in text
+    assert compiled.memory_analysis().argument_size_in_bytes > 0

@@ -81,3 +81,37 @@ def test_compiled_memory_of_gradient_accumulation_matches_the_micro_batch():
     assert out["peak"] >= two["train"]["arguments"]
     # 4 drafter layers recomputed in the backward: clearly fewer temporaries than storing all four
     assert out["remat"] < 0.8 * out["stored"], (out["remat"], out["stored"])
+
+
+SLICES = {"qwen3_4b_dspark": "v5p-32", "qwen3_8b_dspark": "v5p-64", "qwen3_14b_dspark": "v5p-128",
+          "qwen3_8b_eagle3": "v5p-64",  # inherited with the mesh
+          "qwen3_4b_dspark_v5e": "v5e-32", "qwen3_8b_dspark_v5e": "v5e-32",
+          "qwen3_4b_dspark_v6e": "v6e-32", "qwen3_8b_dspark_v6e": "v6e-32"}
+
+
+@pytest.mark.parametrize("preset", sorted(SLICES))
+def test_presets_name_the_slice_their_mesh_fills(preset):
+    """`plan --compile` compiles a preset for the slice it names: its mesh must use every device
+    (v5e / v6e / v5p: one device per chip)."""
+    from dspark_jax.parallel.topology import parse_slice
+
+    m = from_cli([preset]).mesh
+    assert m.slice == SLICES[preset]
+    assert parse_slice(m.slice).chips == m.data * m.fsdp * m.tensor
+
+
+def test_mesh_slice_is_checked_when_the_config_loads():
+    from dspark_jax.config import ConfigError
+
+    assert from_cli(["micro"]).mesh.slice is None
+    assert from_cli(["micro", "mesh.slice=v6e-8"]).mesh.slice == "v6e-8"
+    with pytest.raises(ConfigError, match="unknown TPU slice 'v6e-7'.*v6e-8"):
+        from_cli(["micro", "mesh.slice=v6e-7"])
+
+
+def test_plan_help_names_the_topology_flag(capsys):
+    from dspark_jax.train.plan import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--topology SLICE" in out and "mesh.slice" in out and "--hbm-gib" in out
