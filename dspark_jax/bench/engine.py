@@ -79,6 +79,7 @@ def _args(argv):
 
 def _tables(specs) -> dict:
     """`R=TABLE` flags -> {R: cost table}, each checked as the engine will use it."""
+    from dspark_jax.parallel.platform import platform
     from dspark_jax.scheduler.costs import load_cost_table
 
     out = {}
@@ -87,7 +88,7 @@ def _tables(specs) -> dict:
         if not sep or not r.isdigit() or int(r) < 1:
             raise ValueError(f"--costs {spec!r}: give R=TABLE, the batch size (one of --batch-sizes) the table was "
                              "measured for, e.g. --costs 8=configs/costs/cpu_r8.json")
-        out[int(r)] = load_cost_table(path, expect_backend=jax.default_backend())
+        out[int(r)] = load_cost_table(path, expect_backend=platform())
     return out
 
 

@@ -142,6 +142,7 @@ def scheduling_inputs(args, sampling):
     import jax
 
     from dspark_jax.calibration.calibrate import load_temperatures
+    from dspark_jax.parallel.platform import platform
     from dspark_jax.scheduler.costs import load_cost_table
 
     scheduled = args.policy in ("early_stop", "static", "production")
@@ -150,7 +151,7 @@ def scheduling_inputs(args, sampling):
                          "`python -m dspark_jax.costs measure`, or pass a table shaped like your accelerator's)")
     if args.skip_drafting and not args.costs:
         raise ValueError("--skip-drafting needs --costs TABLE.json: the table decides when drafting pays")
-    table = load_cost_table(args.costs, expect_backend=jax.default_backend()) if args.costs else None
+    table = load_cost_table(args.costs, expect_backend=platform()) if args.costs else None
     sts = None
     if args.calibrated:
         if not args.drafter:
