@@ -139,7 +139,6 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
 def scheduling_inputs(args, sampling):
     """(cost table or None, STS temperatures or None) from --costs / --calibrated, checked before
     any model is loaded: a table from another backend and missing temperatures fail here."""
-    import jax
 
     from dspark_jax.calibration.calibrate import load_temperatures
     from dspark_jax.parallel.platform import platform
