@@ -47,6 +47,15 @@ def _memory(compiled) -> dict:
             "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
 
 
+def _out_of_memory(err) -> str | None:
+    """XLA:TPU refuses to compile a program that cannot fit the chip's HBM: its message, else None."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+        return None
+    line = next((ln for ln in text.splitlines() if "HBM" in ln), text)
+    return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+
+
 def plan_mesh(mesh_shape: tuple[int, int, int], topology: str | None = None):
     """The mesh the programs compile for: the slice's devices (TPU compiler), else this host's."""
     import jax
@@ -166,8 +175,12 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             try:
                 compiled = lowerings[name]().compile()
             except Exception as e:  # the compiler's own message, named by program
-                raise RuntimeError(f"the engine's {name} program does not compile for {out['platform']} "
-                                   f"({topology or 'host devices'}): {e}") from e
+                oom = _out_of_memory(e)
+                if oom is None:
+                    raise RuntimeError(f"the engine's {name} program does not compile for {out['platform']} "
+                                       f"({topology or 'host devices'}): {e}") from e
+                out["programs"][name] = {"out_of_memory": oom, "compile_s": round(time.perf_counter() - t0, 1)}
+                continue
             out["programs"][name] = {**_memory(compiled), "compile_s": round(time.perf_counter() - t0, 1),
                                      "kernels": compiled.as_text().count("tpu_custom_call")}
             if name == "prefill":
@@ -200,6 +213,10 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
     lines.append(f"  state total         {g(total)}")
     for prog, m in res.get("programs", {}).items():
         what = "compiled round" if prog == "round" else f"compiled {prog}"
+        if "out_of_memory" in m:
+            lines.append(f"  {what}: does NOT fit, the TPU compiler refused it: {m['out_of_memory']}")
+            total = float("inf")
+            continue
         extra = f" ({m['prefill_tokens']} tokens)" if "prefill_tokens" in m else ""
         lines += [f"  {what}{extra}: arguments {g(m['arguments']).strip()}, outputs {g(m['outputs']).strip()} "
                   f"(aliased {g(m['aliased']).strip()}), temporaries {g(m['temporaries']).strip()}, "
@@ -208,15 +225,23 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
         total = max(total, peak_bytes(m))
     if hbm_gib:
         margin = hbm_gib * GIB - total
-        lines.append(f"  HBM {hbm_gib:g} GiB: {'fits' if margin >= 0 else 'does NOT fit'}, margin {margin / GIB:.2f} GiB")
+        lines.append(f"  HBM {hbm_gib:g} GiB: {'fits' if margin >= 0 else 'does NOT fit'}"
+                     + (f", margin {margin / GIB:.2f} GiB" if margin != float("-inf") else ""))
     return "\n".join(lines)
 
 
-def misfits(res: dict, hbm_gib: float) -> list[str]:
-    """One line per compiled program whose peak exceeds `hbm_gib`."""
-    return [f"the engine's {prog} program needs {peak_bytes(m) / GIB:.2f} GiB per chip, more than the {hbm_gib:g} GiB "
-            "of HBM: use fewer slots, a shorter context, a KV page pool (--kv-pages) or more tensor parallelism"
-            for prog, m in res.get("programs", {}).items() if peak_bytes(m) > hbm_gib * GIB]
+def misfits(res: dict, hbm_gib: float | None) -> list[str]:
+    """One line per compiled program that does not fit: refused by the TPU compiler, or with a
+    peak above `hbm_gib`."""
+    fix = "use fewer slots, a shorter context, a KV page pool (--kv-pages), --prefill-chunk or more tensor parallelism"
+    out = []
+    for prog, m in res.get("programs", {}).items():
+        if "out_of_memory" in m:
+            out.append(f"the engine's {prog} program does not fit: {m['out_of_memory']}; {fix}")
+        elif hbm_gib and peak_bytes(m) > hbm_gib * GIB:
+            out.append(f"the engine's {prog} program needs {peak_bytes(m) / GIB:.2f} GiB per chip, more than the "
+                       f"{hbm_gib:g} GiB of HBM: {fix}")
+    return out
 
 
 def device_hbm_gib(topology: str) -> float:
@@ -281,7 +306,7 @@ def main(argv=None) -> int:
                prefill_chunk(args.prefill_chunk), topology=args.topology, policy=args.policy,
                drafter=not args.target_only, programs=tuple(p for p in args.programs.split(",") if p))
     print(format_plan(args.config, args.slots, args.context, mesh_shape, res, hbm))
-    bad = misfits(res, hbm) if hbm else []
+    bad = misfits(res, hbm)
     for line in bad:
         print(f"error: {line}", file=sys.stderr)
     return 1 if bad else 0

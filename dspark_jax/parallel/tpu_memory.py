@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -79,10 +80,13 @@ def _serve_worker(preset: str, slc_name: str, paged: bool, configs: Path) -> dic
     res = plan(cfg, SERVE_SLOTS, SERVE_CONTEXT, (1, 1, n), compile_round=True, topology=slc_name,
                kv_pages=(SERVE_PAGES, SERVE_PAGE) if paged else None, programs=("round", "prefill"))
     state = res["target_weights"] + res["drafter_weights"] + res["target_kv"] + res["drafter_kv"]
+    progs = res["programs"]
+    # a program the TPU compiler refused for lack of HBM keeps the compiler's reason instead of a peak
+    fig = lambda p: progs[p].get("out_of_memory") or peak_bytes(progs[p])
     return {"slice": slc_name, "devices": n, "hbm_gib": device_hbm_gib(slc_name), "state": state,
-            "round": peak_bytes(res["programs"]["round"]), "prefill": peak_bytes(res["programs"]["prefill"]),
-            "compile_s": sum(p["compile_s"] for p in res["programs"].values()), "kernels":
-            res["programs"]["round"]["kernels"], "paged_attention": res["paged_attention"]}
+            "round": fig("round"), "prefill": fig("prefill"),
+            "compile_s": sum(p["compile_s"] for p in progs.values()), "kernels": progs["round"].get("kernels"),
+            "paged_attention": res["paged_attention"]}
 
 
 def run_entry(entry: dict, configs: Path, cache: Path, timeout: int) -> dict | None:
@@ -104,6 +108,10 @@ def run_entry(entry: dict, configs: Path, cache: Path, timeout: int) -> dict | N
 
 
 def _gib(b) -> str:
+    """Bytes as GiB; text (the compiler's refusal) as 'does not fit' with the figure it gave."""
+    if isinstance(b, str):
+        m = re.search(r"\(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", b)
+        return f"does not fit ({m.group(1)} > {m.group(2)})" if m else "does not fit"
     return f"{b / GIB:.2f} GiB"
 
 
@@ -139,7 +147,8 @@ def render(configs: Path, cache: Path) -> str:
             lines.append(f"| {e['preset']} | {e['slice']} | {kv} | not compiled yet | | | | | |")
             continue
         lines.append(f"| {e['preset']} | {e['slice']} | {kv} | {_gib(r['state'])} | {_gib(r['round'])} | "
-                     f"{_gib(r['prefill'])} | {r['hbm_gib']:g} GiB | {r['kernels']} | {r['compile_s']:.0f} s |")
+                     f"{_gib(r['prefill'])} | {r['hbm_gib']:g} GiB | {r['kernels'] if r['kernels'] is not None else '-'} | "
+                     f"{r['compile_s']:.0f} s |")
     return "\n".join(lines)
 
 

@@ -41,3 +41,18 @@ def test_engine_plan_cache_bytes_and_compiled_round():
     assert 0 < paged["drafter_kv"] < two["drafter_kv"]
     assert paged["arguments"] < two["arguments"] and paged["aliased"] > 0
     assert "target KV (paged)" in res["paged_text"] and "8 pages of 8 tokens = 64 tokens" in res["paged_text"]
+
+
+def test_a_program_the_tpu_compiler_refuses_for_hbm_is_reported_not_raised():
+    from dspark_jax.engine import plan as engine_plan
+
+    err = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                       "temporaries (21.22G) exceeds available HBM (15.75G).")
+    reason = engine_plan._out_of_memory(err)
+    assert reason.startswith("Ran out of memory on HBM") and "(21.22G)" in reason
+    assert engine_plan._out_of_memory(RuntimeError("INVALID_ARGUMENT: bad block shape")) is None
+    res = {"programs": {"round": {"arguments": 1, "outputs": 1, "aliased": 1, "temporaries": 1},
+                        "prefill": {"out_of_memory": reason, "compile_s": 1.0}}}
+    bad = engine_plan.misfits(res, None)
+    assert len(bad) == 1 and bad[0].startswith("the engine's prefill program does not fit: Ran out of memory")
+    assert "--prefill-chunk" in bad[0]
