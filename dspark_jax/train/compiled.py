@@ -116,7 +116,16 @@ def compile_programs(cfg: Config, steps=("train", "eval"), mesh=None) -> dict:
 
 def _timed(name: str, jitted, *args):
     t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    try:
+        compiled = jitted.lower(*args).compile()
+    except Exception as e:  # XLA:TPU refuses a program that cannot fit the chip's HBM
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+            raise
+        reason = next((ln for ln in text.splitlines() if "HBM" in ln), text).split("RESOURCE_EXHAUSTED:", 1)[-1]
+        raise ValueError(f"the {name} step does not fit on the chip, the TPU compiler refused it: {reason.strip()}; "
+                         "raise train.grad_accum, set train.remat=drafter_layers or shard wider "
+                         "(mesh.fsdp / mesh.tensor)") from None
     seconds = time.perf_counter() - t0
     log.info("compiled the %s step in %.1f s", name, seconds)
     return compiled, seconds
