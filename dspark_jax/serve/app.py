@@ -1,23 +1,52 @@
 """The OpenAI-compatible HTTP surface: /v1/completions, /v1/chat/completions (streaming as
-server-sent events), /v1/models, /health, /metrics. Requests are validated here (400 with an
-OpenAI-style error naming the field), turned into `loop.Request`s and answered from the loop's
-callbacks; the engine never sees HTTP."""
+server-sent events), /v1/models, /health, /metrics. A request is authorised, read within the
+size bound, parsed and tokenized on a worker thread (serve/convert.py), and only then turned
+into a `loop.Request`; the engine never sees HTTP. Every refusal is an OpenAI-style error body
+and is counted in /metrics by endpoint and status; a client that goes away, streamed or not,
+has its request cancelled at once (counted as 499)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.serve.loop import EngineLoop, QueueFull, Request
+from dspark_jax.serve.body import read_body
+from dspark_jax.serve.convert import prepare
+from dspark_jax.serve.errors import ApiError, BadRequest, error  # noqa: F401  (BadRequest: re-exported)
+from dspark_jax.serve.loop import EngineLoop, InvalidRequest, QueueFull, Request
 
-MAX_STOP_STRINGS = 4
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Limits:
+    """Bounds on one request, checked before any work that grows with it."""
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_chars: int = 65536  # checked before tokenizing
+    max_json_depth: int = 32
+
+
+@dataclass
+class Access:
+    """Who may call: an API key for every /v1 route, browser origins allowed by CORS (none: no CORS
+    headers at all), and whether the generated API docs are served."""
+
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    docs: bool = False
 
 
 @dataclass
@@ -27,113 +56,8 @@ class Served:
     chat_template: str | None
     model: str
     metrics: object = None
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status, headers=headers)
-
-
-# ---------------------------------------------------------------------- validation
-
-def _number(body, name, default, lo=None, hi=None, integer=False):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise BadRequest(f"'{name}' must be {rng}, got {v}", name)
-    return v
-
-
-def _stops(body) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    v = [v] if isinstance(v, str) else v
-    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v) or len(v) > MAX_STOP_STRINGS:
-        raise BadRequest(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
-    return v
-
-
-def parse_request(served: Served, body, chat: bool) -> tuple[list[int], dict]:
-    """-> (prompt ids, settings); raises BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if body.get("model") != served.model:
-        raise BadRequest(f"model {json.dumps(body.get('model'))} is not served here; this server serves "
-                         f"'{served.model}' (GET /v1/models)", "model")
-    tok = served.tokenizer
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
-        from dspark_jax.data.chat import render_prompt
-
-        kwargs = body.get("chat_template_kwargs") or {}  # as vLLM / SGLang, e.g. {"enable_thinking": false}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
-                or {"messages", "add_generation_prompt", "tokenizer", "template"} & set(kwargs):
-            raise BadRequest("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
-        ids = render_prompt(tok, [{"role": m["role"], "content": m["content"]} for m in msgs], served.chat_template,
-                            **kwargs)
-        field_name = "messages"
-    else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str) and p:
-            ids = tok.encode(p)
-        elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            if min(p) < 0 or max(p) >= tok.vocab_size:
-                raise BadRequest(f"'prompt' token ids must be in 0..{tok.vocab_size - 1}", "prompt")
-            ids = list(p)
-        else:
-            raise BadRequest("'prompt' must be a non-empty string (or a list of token ids)", "prompt")
-        field_name = "prompt"
-    eng = served.loop.engine
-    room = eng.S - eng.G - 2
-    min_len = 1 if eng.kind is None else eng.kind.min_prompt_len
-    if len(ids) > room - 1:
-        raise BadRequest(f"the {field_name} has {len(ids)} tokens; this server's context holds {room} "
-                         f"(prompt + at least one new token): shorten it", field_name)
-    if len(ids) < min_len:
-        raise BadRequest(f"the {field_name} has {len(ids)} tokens; the drafter needs at least {min_len}", field_name)
-    _number(body, "n", 1, 1, 1, integer=True)  # one choice per request
-    max_tokens = _number(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                         16 if not chat else min(512, room - len(ids)), 1, integer=True)
-    if len(ids) + max_tokens > room:
-        raise BadRequest(f"max_tokens {max_tokens} + the {len(ids)} prompt tokens exceed this server's context of "
-                         f"{room} tokens: ask for at most {room - len(ids)}", "max_tokens")
-    if eng.pages is not None and eng.pages_to_reserve(len(ids), max_tokens) > eng.pages.num_pages:
-        fit = eng.pages.num_pages * eng.pages.page_size - len(ids) - eng.G
-        raise BadRequest(f"max_tokens {max_tokens} + the {len(ids)} prompt tokens need more KV cache than this server's "
-                         f"whole page pool ({eng.pages.num_pages} pages of {eng.pages.page_size} tokens): ask for at "
-                         f"most {max(fit, 0)}", "max_tokens")
-    settings = {
-        "max_new": int(max_tokens),
-        "sampling": SamplingParams(float(_number(body, "temperature", 1.0, 0.0)),
-                                   max(0, int(_number(body, "top_k", 0, -1, integer=True))),  # -1 = off, as vLLM
-                                   float(_number(body, "top_p", 1.0, 0.0, 1.0))),
-        "stop": _stops(body),
-        "seed": _number(body, "seed", None, integer=True),
-        "stream": bool(body.get("stream", False)),
-        "include_usage": bool((body.get("stream_options") or {}).get("include_usage", False)),
-    }
-    if settings["sampling"].top_p <= 0:
-        raise BadRequest("'top_p' must be > 0", "top_p")
-    return ids, settings
+    limits: Limits = field(default_factory=Limits)
+    about: dict = field(default_factory=dict)  # drafter, why that one, policy, cost table: for the startup line
 
 
 # ---------------------------------------------------------------------- text
@@ -173,26 +97,106 @@ class TextStream:
         return out
 
 
+# ---------------------------------------------------------------------- client presence
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (the body is already read: the next message is the end)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return
+
+
+class EventStream(Response):
+    """Server-sent events from `chunks` (an async iterator of ready lines), watching the client:
+    when it goes away the stream stops at once and `on_gone` runs (the request is cancelled)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks, on_gone):
+        super().__init__(status_code=200)
+        self.chunks, self.on_gone = chunks, on_gone
+
+    async def __call__(self, scope, receive, send):
+        gone = asyncio.ensure_future(_disconnected(receive))
+        it = self.chunks.__aiter__()
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache")]})
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    self.on_gone()
+                    return
+                try:
+                    chunk = nxt.result()
+                except StopAsyncIteration:
+                    break
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # servers of ASGI spec 2.4 raise on a send to a client that left
+            self.on_gone()
+        finally:
+            gone.cancel()
+
+
 # ---------------------------------------------------------------------- app
 
-def make_app(served: Served) -> FastAPI:
+def make_app(served: Served, access: Access | None = None, owns_loop: bool = True) -> FastAPI:
+    """The ASGI app over `served`. `owns_loop`: stop the engine loop when the app shuts down."""
+    access = access or Access()
+    # parsing and tokenizing, off the event loop; two at a time bound their CPU. Not shut down with
+    # the app: more than one server may serve it, and its idle threads cost nothing
+    pool = ThreadPoolExecutor(2, thread_name_prefix="dspark-parse")
+
     @asynccontextmanager
     async def lifespan(app):
         yield
-        served.loop.stop()
+        if owns_loop:
+            served.loop.stop()
 
-    app = FastAPI(title="dspark_jax", lifespan=lifespan)
+    app = FastAPI(title="dspark_jax", lifespan=lifespan, docs_url="/docs" if access.docs else None,
+                  redoc_url="/redoc" if access.docs else None, openapi_url="/openapi.json" if access.docs else None)
+    if access.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     metrics = served.metrics
+    key = access.api_key.encode() if access.api_key else None
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):  # unknown routes and methods: the same error body as everything else
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc):
+        log.exception("unhandled error on %s", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}")
 
     def count(endpoint, status):
         if metrics is not None:
             metrics.requests.labels(endpoint, str(status)).inc()
 
+    def authorize(http: HTTPRequest) -> None:
+        if key is None:
+            return
+        scheme, _, token = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise ApiError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
+                           headers={"WWW-Authenticate": "Bearer"})
+
     @app.get("/health")
     async def health():
-        if served.loop.error is not None:
-            return JSONResponse({"status": "error", "error": repr(served.loop.error)}, status_code=500)
-        return {"status": "ok", "slots_in_use": served.loop.slots_in_use, "queue_depth": served.loop.queue_depth}
+        loop = served.loop
+        if loop.error is not None:
+            return JSONResponse({"status": "error", "error": repr(loop.error)}, status_code=500)
+        if not loop.ready.is_set():
+            return JSONResponse({"status": "starting", "detail": "compiling the engine's programs"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        return {"status": "ok", "slots_in_use": loop.slots_in_use, "queue_depth": loop.queue_depth}
 
     @app.get("/metrics")
     async def get_metrics():
@@ -200,88 +204,128 @@ def make_app(served: Served) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(http: HTTPRequest):
+        try:
+            authorize(http)
+        except ApiError as e:
+            return e.response()
         return {"object": "list", "data": [{"id": served.model, "object": "model", "created": 0, "owned_by": "dspark_jax"}]}
+
+    async def admit(http: HTTPRequest, chat: bool):
+        """-> (Request, its event queue, its TextStream, Prepared), or raises ApiError."""
+        authorize(http)
+        raw = await read_body(http, served.limits.max_body_bytes)
+        aio = asyncio.get_running_loop()
+        prep = await aio.run_in_executor(pool, prepare, served, raw, chat)
+        del raw
+        if served.loop.error is not None:
+            raise ApiError(f"the engine stopped: {served.loop.error!r}", status=503)
+        events: asyncio.Queue = asyncio.Queue()
+
+        def post(item):
+            try:
+                aio.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop closed (shutdown): nobody is waiting
+                pass
+
+        text = TextStream(served.tokenizer, prep.stop)
+        req = Request(prep.ids, prep.max_new, prep.sampling, tuple(served.tokenizer.stop_ids), seed=0,
+                      stop_text=text.find_stop if prep.stop else None,
+                      on_tokens=lambda new: post(("tokens", new)), on_finish=lambda reason: post(("finish", reason)))
+        req.seed = prep.seed if prep.seed is not None else req.id
+        try:
+            served.loop.submit(req)
+        except QueueFull as e:
+            raise ApiError(f"the server is busy: {e}; retry", status=429, headers={"Retry-After": "1"}) from None
+        except InvalidRequest as e:
+            raise ApiError(str(e), param=e.param) from None
+        except RuntimeError as e:
+            raise ApiError(str(e), status=503) from None
+        if metrics is not None:
+            metrics.tokens_in.inc(len(prep.ids))
+        return req, events, text, prep
 
     async def generate(http: HTTPRequest, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            count(endpoint, 400)
-            return error(400, f"the request body is not valid JSON ({e})")
-        try:
-            ids, st = parse_request(served, body, chat)
-        except BadRequest as e:
-            count(endpoint, 400)
-            return error(400, str(e), param=e.param)
-        if served.loop.error is not None:
-            count(endpoint, 503)
-            return error(503, f"the engine stopped: {served.loop.error!r}", "server_error")
-        aio = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        text = TextStream(served.tokenizer, st["stop"])
-        req = Request(ids, st["max_new"], st["sampling"], tuple(served.tokenizer.stop_ids),
-                      seed=st["seed"] if st["seed"] is not None else 0,
-                      stop_text=text.find_stop if st["stop"] else None,
-                      on_tokens=lambda new: aio.call_soon_threadsafe(events.put_nowait, ("tokens", new)),
-                      on_finish=lambda reason: aio.call_soon_threadsafe(events.put_nowait, ("finish", reason)))
-        if st["seed"] is None:
-            req.seed = req.id
-        try:
-            served.loop.submit(req)
-        except QueueFull as e:
-            count(endpoint, 429)
-            return error(429, f"the server is busy: {e}; retry", "rate_limit_error", headers={"Retry-After": "1"})
-        if metrics is not None:
-            metrics.tokens_in.inc(len(ids))
+            req, events, text, prep = await admit(http, chat)
+        except ApiError as e:
+            count(endpoint, e.status)
+            return e.response()
+        except ClientDisconnect:
+            count(endpoint, 499)
+            return Response(status_code=499)
+        except Exception as e:
+            log.exception("preparing a request failed")
+            count(endpoint, 500)
+            return error(500, f"internal error while reading the request: {type(e).__name__}")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        n_prompt = len(prep.ids)
 
         def usage():
-            return {"prompt_tokens": len(ids), "completion_tokens": len(req.tokens),
-                    "total_tokens": len(ids) + len(req.tokens)}
+            return {"prompt_tokens": n_prompt, "completion_tokens": len(req.tokens),
+                    "total_tokens": n_prompt + len(req.tokens)}
 
         def finish_reason(reason):
             return "length" if reason in ("length", "context") else reason
 
         def choice(delta_text, reason, stream):
             if chat:
-                key = "delta" if stream else "message"
-                return {"index": 0, key: {"role": "assistant", "content": delta_text}, "finish_reason": reason,
+                key_ = "delta" if stream else "message"
+                return {"index": 0, key_: {"role": "assistant", "content": delta_text}, "finish_reason": reason,
                         **({} if stream else {"logprobs": None})}
             return {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": reason}
 
-        if not st["stream"]:
-            try:
+        def failed(reason) -> tuple[int, str] | None:
+            if reason == "cancelled":
+                return 503, "the request was cancelled: the server is shutting down"
+            if reason == "error":
+                return 500, f"the request failed in the engine: {req.error}"
+            return None
+
+        if not prep.stream:
+            async def finished():
                 while True:
-                    try:
-                        kind, val = await asyncio.wait_for(events.get(), 0.5)
-                    except asyncio.TimeoutError:
-                        if await http.is_disconnected():
-                            served.loop.cancel(req)
-                            count(endpoint, 499)
-                            return Response(status_code=499)
-                        continue
+                    kind, val = await events.get()
                     if kind == "finish":
-                        break
+                        return val
+
+            fin = asyncio.ensure_future(finished())
+            gone = asyncio.ensure_future(_disconnected(http.receive))
+            try:
+                await asyncio.wait({fin, gone}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
                 served.loop.cancel(req)
                 raise
-            if val == "cancelled":
-                count(endpoint, 503)
-                return error(503, "the request was cancelled: the server is shutting down", "server_error")
+            finally:
+                for t in (fin, gone):
+                    if not t.done():
+                        t.cancel()
+            if not fin.done():
+                served.loop.cancel(req)
+                count(endpoint, 499)
+                return Response(status_code=499)
+            reason = fin.result()
+            if (bad := failed(reason)) is not None:
+                count(endpoint, bad[0])
+                return error(bad[0], bad[1])
+            try:
+                body = {"id": rid, "object": obj, "created": created, "model": served.model,
+                        "choices": [choice(text.delta(req.tokens, final=True), finish_reason(reason), False)],
+                        "usage": usage()}
+            except Exception as e:
+                log.exception("request %s: building the answer failed", req.id)
+                count(endpoint, 500)
+                return error(500, f"the answer could not be built: {type(e).__name__}")
             if metrics is not None:
                 metrics.tokens_out.inc(len(req.tokens))
             count(endpoint, 200)
-            return {"id": rid, "object": obj, "created": created, "model": served.model,
-                    "choices": [choice(text.delta(req.tokens, final=True), finish_reason(val), False)],
-                    "usage": usage()}
+            return body
 
         async def sse():
             chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served.model}
-            done = False
             try:
                 while True:
                     kind, val = await events.get()
@@ -290,25 +334,31 @@ def make_app(served: Served) -> FastAPI:
                         if d:
                             yield f"data: {json.dumps({**chunk, 'choices': [choice(d, None, True)]})}\n\n"
                         continue
-                    done = True
-                    if val == "cancelled":
-                        yield f"data: {json.dumps({'error': {'message': 'cancelled: the server is shutting down', 'type': 'server_error'}})}\n\n"
+                    if (bad := failed(val)) is not None:
+                        count(endpoint, bad[0])
+                        yield f"data: {json.dumps({'error': {'message': bad[1], 'type': 'server_error'}})}\n\n"
                         break
                     d = text.delta(req.tokens, final=True)
                     last = {**chunk, "choices": [choice(d, finish_reason(val), True)], "usage": usage()}
                     yield f"data: {json.dumps(last)}\n\n"
-                    if st["include_usage"]:
+                    if prep.include_usage:
                         yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage()})}\n\n"
                     if metrics is not None:
                         metrics.tokens_out.inc(len(req.tokens))
+                    count(endpoint, 200)
                     break
-                yield "data: [DONE]\n\n"
-            finally:
-                if not done:  # the client went away mid-stream: free the slot
-                    served.loop.cancel(req)
+            except Exception as e:  # decoding this request's text: it alone ends
+                log.exception("request %s: streaming failed", req.id)
+                served.loop.cancel(req)
+                count(endpoint, 500)
+                yield f"data: {json.dumps({'error': {'message': f'internal error: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
+            yield "data: [DONE]\n\n"
 
-        count(endpoint, 200)
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        def on_gone():
+            served.loop.cancel(req)
+            count(endpoint, 499)
+
+        return EventStream(sse(), on_gone)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 
 class ServerMetrics:
@@ -11,6 +16,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dspark_requests", "HTTP generation requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+        self.loop_errors = Counter("dspark_request_errors", "requests ended by an error in the engine loop",
+                                   registry=r)
         self.tokens_in = Counter("dspark_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.tokens_out = Counter("dspark_generated_tokens", "tokens returned to clients", registry=r)
         self.queue_depth = Gauge("dspark_queue_depth", "requests waiting for a slot", registry=r)

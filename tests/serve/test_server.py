@@ -241,12 +241,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(embedded_tiny_dir
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
         end = time.monotonic() + 180
-        while time.monotonic() < end:
+        while time.monotonic() < end:  # polled slowly: the server logs each poll to a pipe read only at the end
             try:
-                if _http(f"http://127.0.0.1:{port}/health")[0] == 200:
+                if _http(f"http://127.0.0.1:{port}/health")[0] == 200:  # 503 "starting" while it compiles
                     break
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         got = {}

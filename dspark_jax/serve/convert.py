@@ -1,0 +1,108 @@
+"""A request body -> what the engine loop takes: prompt ids, token budget, sampling settings in the
+engine's ranges. Runs on a worker thread (parsing and tokenizing a large body must not stall
+the event loop); the prompt's size is bounded in characters before it is tokenized."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.serve.body import parse_json
+from dspark_jax.serve.errors import BadRequest
+from dspark_jax.serve.loop import InvalidRequest, engine_sampling
+from dspark_jax.serve.schema import validate
+
+_TEMPLATE_OWNED = {"messages", "add_generation_prompt", "tokenizer", "template"}
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    max_new: int
+    sampling: SamplingParams
+    stop: list[str]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _encode(tok, text: str, field: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"): not text a tokenizer takes
+        raise BadRequest(f"the {field} is not valid Unicode (it holds a lone surrogate)", field) from None
+    return tok.encode(text)
+
+
+def _chars(n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise BadRequest(f"the {what} has {n} characters; this server takes at most {limit} (--max-prompt-chars)",
+                         what if what != "rendered conversation" else "messages")
+
+
+def _chat_ids(served, req) -> list[int]:
+    from dspark_jax.data.chat import render_text
+
+    limit = served.limits.max_prompt_chars
+    _chars(sum(len(m.content or "") for m in req.messages), limit, "messages")
+    kwargs = req.chat_template_kwargs or {}
+    if not all(k.isidentifier() for k in kwargs) or _TEMPLATE_OWNED & set(kwargs):
+        raise BadRequest("'chat_template_kwargs' must be an object of template variables (not "
+                         f"{', '.join(sorted(_TEMPLATE_OWNED))})", "chat_template_kwargs")
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""} for m in req.messages]
+    try:
+        text = render_text(msgs, served.chat_template, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # noqa: BLE001  (the model's template may refuse an order of roles, a variable, ...)
+        raise BadRequest(f"the chat template could not render these messages: {str(e)[:300]}", "messages") from None
+    _chars(len(text), limit, "rendered conversation")
+    return _encode(served.tokenizer, text, "messages")
+
+
+def prepare(served, raw: bytes, chat: bool) -> Prepared:
+    """-> Prepared, or BadRequest naming the field."""
+    req = validate(parse_json(raw, served.limits.max_json_depth), chat)
+    if req.model != served.model:
+        raise BadRequest(f"model {json.dumps(req.model)[:80]} is not served here; this server serves "
+                         f"'{served.model}' (GET /v1/models)", "model")
+    eng = served.loop.engine
+    room = eng.S - eng.G - 2
+    tok = served.tokenizer
+    field = "messages" if chat else "prompt"
+    if chat:
+        ids = _chat_ids(served, req)
+    elif isinstance(req.prompt, str):
+        _chars(len(req.prompt), served.limits.max_prompt_chars, "prompt")
+        ids = _encode(tok, req.prompt, "prompt")
+    else:
+        ids = req.prompt
+        vocab = min(tok.vocab_size, served.loop.vocab_size)
+        if len(ids) <= room and (min(ids) < 0 or max(ids) >= vocab):
+            raise BadRequest(f"'prompt' token ids must be in 0..{vocab - 1}", "prompt")
+    min_len = 1 if eng.kind is None else eng.kind.min_prompt_len
+    if len(ids) > room - 1:
+        raise BadRequest(f"the {field} has {len(ids)} tokens; this server's context holds {room} "
+                         f"(prompt + at least one new token): shorten it", field)
+    if len(ids) < min_len:
+        raise BadRequest(f"the {field} has {len(ids)} tokens; the drafter needs at least {min_len}", field)
+    name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, name)
+    if max_tokens is None:
+        max_tokens = min(512, room - len(ids)) if chat else 16
+    if len(ids) + max_tokens > room:
+        raise BadRequest(f"{name} {max_tokens} + the {len(ids)} prompt tokens exceed this server's context of "
+                         f"{room} tokens: ask for at most {room - len(ids)}", name)
+    if eng.pages is not None and eng.pages_to_reserve(len(ids), max_tokens) > eng.pages.num_pages:
+        fit = eng.pages.num_pages * eng.pages.page_size - len(ids) - eng.G
+        raise BadRequest(f"{name} {max_tokens} + the {len(ids)} prompt tokens need more KV cache than this server's "
+                         f"whole page pool ({eng.pages.num_pages} pages of {eng.pages.page_size} tokens): ask for at "
+                         f"most {max(fit, 0)}", name)
+    try:
+        sampling = engine_sampling(1.0 if req.temperature is None else req.temperature,
+                                   0 if req.top_k is None else req.top_k,
+                                   1.0 if req.top_p is None else req.top_p, served.loop.vocab_size)
+    except InvalidRequest as e:
+        raise BadRequest(str(e), e.param) from None
+    return Prepared(ids=list(ids), max_new=int(max_tokens), sampling=sampling, stop=req.stop, seed=req.seed,
+                    stream=bool(req.stream),
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage))
