@@ -6,7 +6,8 @@ Every Qwen3 preset's train and eval steps compiled for the slice it names, and t
 engine's round and prefill (dense and paged KV) of each Qwen3 target on v5e-8 / v6e-8 / v5p-8 /
 v7x-8, each by libtpu on this machine (no TPU; parallel/topology.py). Each compile runs in a
 process of its own (the large ones hold several GiB while compiling) and its figures are kept in
-`--cache` as JSON, so an interrupted run resumes where it stopped and `--only` refreshes a subset.
+`--cache` as JSON (docs/tpu_memory_figures/, committed), so an interrupted run resumes where it
+stopped, on this machine or another, and `--only` refreshes a subset.
 The tables are written between the markers in `--out`; the rest of the file is left as it is.
 """
 
@@ -137,7 +138,9 @@ def render(configs: Path, cache: Path) -> str:
     lines += ["", f"Serving, per chip: {SERVE_SLOTS} slots x {SERVE_CONTEXT} tokens, tensor parallel over the slice's "
               f"devices, DSpark drafter at its block size; paged: a pool of {SERVE_PAGES} pages of {SERVE_PAGE} "
               "tokens (half the dense caches' tokens) read by the Pallas kernel. The prefill is the largest "
-              "prompt bucket for every slot at once.", "",
+              "prompt bucket for every slot at once (the engine prefills whole prompts on an idle engine); "
+              "'(over)': a peak above the device's HBM; 'does not fit': XLA:TPU refused to compile it, "
+              "with the temporaries it needed and the HBM it had.", "",
               "| target | slice | KV | state | round peak | prefill peak | HBM per device | Mosaic kernels in the round "
               "| compile |", "|---|---|---|---|---|---|---|---|---|"]
     for e in entries(configs, "serve"):
@@ -146,8 +149,9 @@ def render(configs: Path, cache: Path) -> str:
         if r is None:
             lines.append(f"| {e['preset']} | {e['slice']} | {kv} | not compiled yet | | | | | |")
             continue
-        lines.append(f"| {e['preset']} | {e['slice']} | {kv} | {_gib(r['state'])} | {_gib(r['round'])} | "
-                     f"{_gib(r['prefill'])} | {r['hbm_gib']:g} GiB | {r['kernels'] if r['kernels'] is not None else '-'} | "
+        over = lambda b: _gib(b) + (" (over)" if not isinstance(b, str) and b > r["hbm_gib"] * GIB else "")
+        lines.append(f"| {e['preset']} | {e['slice']} | {kv} | {_gib(r['state'])} | {over(r['round'])} | "
+                     f"{over(r['prefill'])} | {r['hbm_gib']:g} GiB | {r['kernels'] if r['kernels'] is not None else '-'} | "
                      f"{r['compile_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -169,7 +173,8 @@ def main(argv=None) -> int:
     root = Path(__file__).resolve().parents[2]
     ap.add_argument("--out", type=Path, default=root / "docs" / "tpu_memory.md")
     ap.add_argument("--configs", type=Path, default=root / "configs")
-    ap.add_argument("--cache", type=Path, default=Path("runs/tpu_memory"), help="one JSON of figures per compile")
+    ap.add_argument("--cache", type=Path, default=root / "docs" / "tpu_memory_figures",
+                    help="one JSON of figures per compile (kept in the repository, so a later run resumes)")
     ap.add_argument("--what", choices=("all", "train", "serve"), default="all")
     ap.add_argument("--only", default="", help="compile only entries whose key contains this text")
     ap.add_argument("--redo", action="store_true", help="compile again entries already in the cache")

@@ -32,7 +32,7 @@ def test_render_uses_cached_figures_and_marks_the_rest(tmp_path):
     text = tpu_memory.render(configs, cache)
     assert "| qwen3_4b_dspark | v5p-32 (16) | 2 x 8 x 1 | none | 10.00 GiB | 5.00 GiB | 95 GiB | 85.00 GiB |" in text
     assert "| qwen3_8b_dspark | not compiled yet |" in text
-    assert "| qwen3_8b_dspark | v6e-8 | dense | 6.00 GiB | 7.00 GiB | 35.00 GiB | 32 GiB | 0 | 300 s |" in text
+    assert "| qwen3_8b_dspark | v6e-8 | dense | 6.00 GiB | 7.00 GiB | 35.00 GiB (over) | 32 GiB | 0 | 300 s |" in text
     assert "| qwen3_8b_dspark | v6e-8 | paged | not compiled yet |" in text
 
 
