@@ -33,7 +33,7 @@ def test_engine_plan_cache_bytes_and_compiled_round():
     for r in (one, two):
         assert r["temporaries"] > 0 and r["arguments"] >= r["target_weights"] + r["target_kv"]
         assert r["aliased"] > 0  # the donated state is updated in place
-    assert "does NOT fit" in res["text"] and "compiled peak" in res["text"]
+    assert "does NOT fit" in res["text"] and "compiled round peak" in res["text"]
     # paged: a pool of 8 pages of 8 tokens, whole on data (no slot axis), KV heads over tensor
     paged = res["paged"]
     assert paged["target_kv"] == 2 * layers * 8 * 8 * kv * hd * 4 // (2 if kv % 2 == 0 else 1)
