@@ -48,12 +48,9 @@ def _memory(compiled) -> dict:
 
 
 def _out_of_memory(err) -> str | None:
-    """XLA:TPU refuses to compile a program that cannot fit the chip's HBM: its message, else None."""
-    text = str(err)
-    if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
-        return None
-    line = next((ln for ln in text.splitlines() if "HBM" in ln), text)
-    return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+    from dspark_jax.parallel.topology import hbm_refusal
+
+    return hbm_refusal(err)
 
 
 def plan_mesh(mesh_shape: tuple[int, int, int], topology: str | None = None):

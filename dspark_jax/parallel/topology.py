@@ -15,7 +15,7 @@ import importlib.util
 import os
 import re
 
-__all__ = ["TpuSlice", "parse_slice", "slice_names", "slice_devices", "slice_mesh", "require_libtpu", "HBM_GIB"]
+__all__ = ["TpuSlice", "parse_slice", "slice_names", "slice_devices", "slice_mesh", "require_libtpu", "hbm_refusal", "HBM_GIB"]
 
 # HBM per chip (GiB), from Cloud TPU's system architecture pages
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v7x": 192.0}
@@ -136,3 +136,13 @@ def slice_mesh(slc: TpuSlice | str, data: int, fsdp: int, tensor: int):
                          f"{len(devices)} ({slc.chips} chips): set mesh.data/fsdp/tensor so their product is "
                          f"{len(devices)}, or data=-1 to fill the rest")
     return make_mesh(data, fsdp, tensor, devices=devices)
+
+
+def hbm_refusal(err) -> str | None:
+    """XLA:TPU refuses to compile a program that cannot fit the chip's HBM: the compiler's reason
+    (with the bytes it needed and had), else None."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+        return None
+    line = next((ln for ln in text.splitlines() if "HBM" in ln), text)
+    return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()

@@ -26,6 +26,7 @@ from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.losses.dspark import LossCoefs
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
+from dspark_jax.parallel.topology import hbm_refusal
 from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
@@ -119,11 +120,10 @@ def _timed(name: str, jitted, *args):
     try:
         compiled = jitted.lower(*args).compile()
     except Exception as e:  # XLA:TPU refuses a program that cannot fit the chip's HBM
-        text = str(e)
-        if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+        reason = hbm_refusal(e)
+        if reason is None:
             raise
-        reason = next((ln for ln in text.splitlines() if "HBM" in ln), text).split("RESOURCE_EXHAUSTED:", 1)[-1]
-        raise ValueError(f"the {name} step does not fit on the chip, the TPU compiler refused it: {reason.strip()}; "
+        raise ValueError(f"the {name} step does not fit on the chip, the TPU compiler refused it: {reason}; "
                          "raise train.grad_accum, set train.remat=drafter_layers or shard wider "
                          "(mesh.fsdp / mesh.tensor)") from None
     seconds = time.perf_counter() - t0
