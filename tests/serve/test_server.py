@@ -16,8 +16,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="openai not installed (pip install -e .[serve,test])")
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install -e .[serve])")
 
-PROMPTS = ["def add(a, b):", "The capital of France", "Question: what is 3 + 4?", "import numpy as np\n",
-           "Once upon a time", "x = [1, 2, 3]\nprint(", "Answer briefly.", "for i in range(10):"]
+from tests.serve.helpers import PROMPTS, start as _start, stop as _stop  # noqa: E402
 
 
 def _http(url, data: bytes | None = None):
@@ -28,21 +27,6 @@ def _http(url, data: bytes | None = None):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def _start(target_dir, drafter_dir, **kw):
-    from dspark_jax.serve import build, serve_in_thread
-
-    app, served = build(str(target_dir), str(drafter_dir) if drafter_dir else "none", slots=4, max_len=128, **kw)
-    server, thread, port = serve_in_thread(app)
-    assert server.started
-    return served, server, thread, port
-
-
-def _stop(server, thread, served):
-    server.should_exit = True
-    thread.join(30)
-    served.loop.stop()
 
 
 @pytest.fixture(scope="module")
