@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,9 +77,10 @@ def output_paths(output_dir: str) -> tuple[object, Path]:
 
 
 def check_output_dir(path) -> None:
+    """Fail early on an unwritable output dir; every host of a run probes it at once, so each probes its own file."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_test"
+        probe = path / f".write_test.{socket.gethostname()}.{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:  # OSError locally; fsspec / auth errors remotely

@@ -2,6 +2,9 @@
 
 import json
 import signal
+import subprocess
+import time
+import sys
 import os
 
 import numpy as np
@@ -157,6 +160,29 @@ def test_unwritable_output_dir(datasets, tmp_path):
     blocker.write_text("x")
     with pytest.raises(TrainingError, match="cannot be written.*set train.output_dir"):
         run(_cfg(datasets, blocker / "out"), progress=False)
+
+
+_PROBE_LOOP = """
+import sys, time
+from pathlib import Path
+from dspark_jax.train.trainer import check_output_dir
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+while time.time() < start + 2:
+    check_output_dir(Path(sys.argv[1]))
+"""
+
+
+def test_output_dir_probed_by_every_host_at_once(tmp_path):
+    # the hosts of a multi-host run check the shared output dir at the same moment; one host's probe
+    # must not be removed by another (with one probe name for all, a host saw its probe vanish)
+    start = str(time.time() + 12)  # after every process has imported jax: 2 s of probing, all at once
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE_LOOP, str(tmp_path), start], stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(errors)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dataset_without_assistant_tokens(tmp_path, datasets):
