@@ -1,36 +1,67 @@
-"""`python -m dspark_jax`: the commands, each run as `python -m dspark_jax.<command> --help` for its options."""
+"""`python -m dspark_jax <command> [options]` (or `dspark-jax <command>`): every command in one place.
+
+`python -m dspark_jax.train` also runs the trainer directly, as the TPU launch scripts do.
+Each command's module is imported only when it runs, so listing the commands needs no JAX.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    module: str  # holds `main(argv) -> int`
+    summary: str
+
 
 COMMANDS = {
-    "train": "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default",
-    "train.plan": "sharding check and per-device memory estimate of a preset, no devices needed",
-    "engine.plan": "per-chip serving memory of the engine (weights, KV caches, compiled round) for a preset",
-    "parallel.tpu_memory": "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)",
-    "embedded": "build / locate / verify / report the embedded default target",
-    "models": "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache",
-    "recipe": "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time (e.g. smollm2-135m-instruct)",
-    "data.prepare": "users' answered chats (OpenAI, ShareGPT, parquet, ...) -> a training dataset with the answer mask",
-    "regenerate": "regenerate assistant turns with the target into a training dataset",
-    "generate": "speculative (or target-only) decoding of prompts",
-    "eval": "tau with intervals, conditional acceptance, calibration report and plots",
-    "calibrate": "fit Sequential Temperature Scaling on engine traces",
-    "costs": "measure / show verification cost tables",
-    "serve": "an OpenAI-compatible HTTP server (completions, chat, streaming) with continuous batching",
-    "simulate": "serving simulation of the schedulers under concurrency",
-    "convert": "import / export DeepSpec reference-layout drafters",
-    "bench": "benchmarks (regen, train, engine, vs-torch, sampling, grid)",
+    "train": Command("dspark_jax.train.__main__",
+                     "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default"),
+    "train-plan": Command("dspark_jax.train.plan",
+                          "sharding check and per-chip memory of a preset's train / eval steps, no devices needed"),
+    "engine-plan": Command("dspark_jax.engine.plan",
+                           "per-chip serving memory of the engine (weights, KV caches, compiled round) for a preset"),
+    "tpu-memory": Command("dspark_jax.bench.tpu_memory",
+                          "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)"),
+    "embedded": Command("dspark_jax.embedded.__main__", "build / locate / verify / report the embedded default target"),
+    "models": Command("dspark_jax.io.models", "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache"),
+    "gguf": Command("dspark_jax.io.gguf", "import a GGUF model as a Hugging Face checkpoint directory"),
+    "recipe": Command("dspark_jax.recipe.__main__",
+                      "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time (e.g. smollm2-135m-instruct)"),
+    "prepare": Command("dspark_jax.data.prepare",
+                       "users' answered chats (OpenAI, ShareGPT, parquet, ...) -> a training dataset with the answer mask"),
+    "regenerate": Command("dspark_jax.data.regenerate", "regenerate assistant turns with the target into a training dataset"),
+    "generate": Command("dspark_jax.engine.generate", "speculative (or target-only) decoding of prompts"),
+    "eval": Command("dspark_jax.eval.evaluate", "tau with intervals, conditional acceptance, calibration report and plots"),
+    "calibrate": Command("dspark_jax.calibration.calibrate", "fit Sequential Temperature Scaling on engine traces"),
+    "costs": Command("dspark_jax.scheduler.costs", "measure / show verification cost tables"),
+    "serve": Command("dspark_jax.serve.__main__",
+                     "an OpenAI-compatible HTTP server (completions, chat, streaming) with continuous batching"),
+    "simulate": Command("dspark_jax.scheduler.simulate", "serving simulation of the schedulers under concurrency"),
+    "convert": Command("dspark_jax.io.convert", "import / export DeepSpec reference-layout drafters (what vLLM / SGLang load)"),
+    "bench": Command("dspark_jax.bench.__main__", "benchmarks (regen, train, engine, vs-torch, sampling, grid, serve)"),
 }
 
 
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()]
+    return ("usage: python -m dspark_jax <command> [options]   (or: dspark-jax <command> [options])\n\n"
+            "commands (each answers --help):\n" + "\n".join(lines))
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    print("usage: python -m dspark_jax.<command> [options]\n\ncommands:")
-    for name, what in COMMANDS.items():
-        print(f"  {name:<19} {what}")
-    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[name].module).main(rest)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The README's commands and snippets are real: every `python -m dspark_jax...` command in its
 code blocks (and inline code) names a module that answers `--help`, every `--flag` it uses
 appears in that command's help (a subcommand's own help where it has subcommands, e.g.
-`python -m dspark_jax.convert export --help`), the Python snippets define every name they use,
+`python -m dspark_jax convert export --help`), the Python snippets define every name they use,
 and the Qwen3 snippet runs (on the tiny embedded target) with valid feature layers."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FLAG = re.compile(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)")
 
 
 def _commands() -> list[tuple[str, list[str]]]:
-    """(module, argument tokens) of each `python -m dspark_jax...` command in code."""
+    """(command, argument tokens) of each `python -m dspark_jax <command>` (or `python -m dspark_jax.train`)."""
     texts = []
     for lang, body in FENCES:
         if lang in ("bash", "sh", "shell", "console", ""):
@@ -35,25 +35,28 @@ def _commands() -> list[tuple[str, list[str]]]:
     texts += re.findall(r"`(python -m dspark_jax[^`]*)`", prose)
     found = []
     for text in texts:
-        for m in re.finditer(r"python -m (dspark_jax(?:\.\w+)*)((?:(?!&&|;|\|\|).)*)", text):
-            args = m.group(2).replace("|", " ")  # `import|export`, `a\|b` in tables
-            found.append((m.group(1), args.split()))
+        for m in re.finditer(r"python -m dspark_jax(\.train\b)?((?:(?!&&|;|\|\|).)*)", text):
+            args = m.group(2).replace("|", " ").split()  # `import|export`, `a\|b` in tables
+            if m.group(1):
+                found.append(("train", args))
+            elif args and not args[0].startswith("-"):
+                found.append((args[0], args[1:]))
     return found
 
 
 COMMANDS = _commands()
 
 HELPER = r"""
-import contextlib, io, json, re, runpy, sys, warnings
+import contextlib, io, json, re, sys, warnings
+from dspark_jax.__main__ import main
 warnings.simplefilter("ignore")
 
 def help_of(argv):
     buf = io.StringIO()
-    sys.argv = list(argv) + ["--help"]
     code = 0
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         try:
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            code = main(list(argv) + ["--help"])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:
@@ -88,8 +91,7 @@ def _helps() -> dict:
 
 def test_readme_has_the_qwen3_path():
     modules = {m for m, _ in COMMANDS}
-    assert {"dspark_jax.data.prepare", "dspark_jax.regenerate", "dspark_jax.engine.plan", "dspark_jax.train",
-            "dspark_jax.eval", "dspark_jax.convert", "dspark_jax.serve"} <= modules
+    assert {"prepare", "regenerate", "engine-plan", "train", "eval", "convert", "serve"} <= modules
     assert "hf download Qwen/Qwen3-8B --local-dir" in README
     assert 'pip install -e ".[test]" && python -m pytest -q' in README  # .ci/run greps for it
     assert "Python >= 3.11" in README
@@ -99,12 +101,12 @@ def test_readme_has_the_qwen3_path():
 def test_readme_command_and_flags_exist(module, args):
     helps = _helps()
     top = helps[module]
-    assert top["code"] == 0 and "usage" in top["text"].lower(), f"python -m {module} --help:\n{top['text'][-2000:]}"
+    assert top["code"] == 0 and "usage" in top["text"].lower(), f"python -m dspark_jax {module} --help:\n{top['text'][-2000:]}"
     first = next((a for a in args if not a.startswith("-")), "")
     text = helps.get(f"{module} {first}", top)["text"]
     flags = {f for a in args for f in FLAG.findall(a)}
     missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
-    assert not missing, f"python -m {module} {' '.join(args)}: {missing} not in its --help"
+    assert not missing, f"python -m dspark_jax {module} {' '.join(args)}: {missing} not in its --help"
 
 
 def _python_snippets() -> list[str]:

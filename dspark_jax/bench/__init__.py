@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m dspark_jax.bench <subcommand>`` (see docs/benchmarks.md).
+"""Benchmarks: ``python -m dspark_jax bench <subcommand>`` (see docs/benchmarks.md).
 
 Each subcommand lives in its own module ``dspark_jax.bench.<name>`` exposing ``main(argv)``;
 register it in ``SUBCOMMANDS`` (name -> (module, one-line help)).

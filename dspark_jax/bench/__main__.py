@@ -1,4 +1,4 @@
-"""Dispatch ``python -m dspark_jax.bench <subcommand> [args...]`` to ``dspark_jax.bench.<subcommand>.main``."""
+"""Dispatch ``python -m dspark_jax bench <subcommand> [args...]`` to ``dspark_jax.bench.<subcommand>.main``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dspark_jax.cli import report_user_errors
 
 
 def _usage() -> str:
-    lines = ["usage: python -m dspark_jax.bench <subcommand> [options]", "", "subcommands:"]
+    lines = ["usage: python -m dspark_jax bench <subcommand> [options]", "", "subcommands:"]
     lines += [f"  {name:<8} {hlp}" for name, (_, hlp) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
-"""`python -m dspark_jax.bench engine`: engine throughput, accepted length and sequential-head overhead.
+"""`python -m dspark_jax bench engine`: engine throughput, accepted length and sequential-head overhead.
 
-    python -m dspark_jax.bench engine --target DIR --drafter runs/dspark/drafter [--dflash DIR] \
+    python -m dspark_jax bench engine --target DIR --drafter runs/dspark/drafter [--dflash DIR] \
         [--prompts heldout.jsonl] [--sections loop,speed,tau,head]
 
 Sections (all ratios measured in one run):
@@ -39,7 +39,7 @@ from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench engine")
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench engine")
     ap.add_argument("--target", default=None, help="HF checkpoint dir (default: the embedded target)")
     ap.add_argument("--drafter", default=None, help="trained DSpark drafter dir")
     ap.add_argument("--dflash", default=None, help="trained DFlash drafter dir (tau comparison)")
@@ -58,7 +58,7 @@ def _args(argv):
     ap.add_argument("--batch-sizes", default="1,8", help="speed section: the batch sizes timed (default 1,8)")
     ap.add_argument("--costs", action="append", default=[], metavar="R=TABLE",
                     help="speed section: also time scheduled DSpark at batch R (the production policy, the skip "
-                         "rule, this cost table measured for R slots: `python -m dspark_jax.costs measure --slots R`); "
+                         "rule, this cost table measured for R slots: `python -m dspark_jax costs measure --slots R`); "
                          "repeat per batch size")
     ap.add_argument("--calibrated", action="store_true",
                     help="scheduled rows use the drafter's STS temperatures fitted at --temperature")

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from dspark_jax.io.hf import load_target
     from dspark_jax.data.regenerate import DEFAULT_SAMPLING
 
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench regen", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench regen", description=__doc__)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     ap.add_argument("--preset", default="full", help="embedded preset when --target is not given")
     ap.add_argument("--batches", default="1,16")

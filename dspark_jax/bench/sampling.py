@@ -1,7 +1,7 @@
-"""`python -m dspark_jax.bench sampling`: the top-p / large top-k cut by bisection against a full
+"""`python -m dspark_jax bench sampling`: the top-p / large top-k cut by bisection against a full
 stable sort of the vocabulary (what `sampling_probs` did before), same inputs, alternating, in one run.
 
-    python -m dspark_jax.bench sampling --vocab 49152 --rows 1 8 32
+    python -m dspark_jax bench sampling --vocab 49152 --rows 1 8 32
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def sorted_probs(logits, temperature, top_k, top_p):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench sampling", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench sampling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default: SmolLM2's 49152)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="rows sampled together")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off; > 64 takes the bisection path too")

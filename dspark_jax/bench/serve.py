@@ -1,12 +1,12 @@
-"""`python -m dspark_jax.bench serve`: the server under load, configurations in turn at each level
+"""`python -m dspark_jax bench serve`: the server under load, configurations in turn at each level
 of a fixed-concurrency sweep; total throughput against per-user speed (the paper's Pareto view), time
 to first token and inter-token latency.
 
-    python -m dspark_jax.bench serve --target DIR --drafter dspark=DIR --drafter dflash=DIR \\
+    python -m dspark_jax bench serve --target DIR --drafter dspark=DIR --drafter dflash=DIR \\
         --prompts ../shared/eval_datasets/mt-bench.jsonl --concurrency 1 2 4 8 16 32 --out bench_serve
 
 Every configuration runs in this process behind a real HTTP server on 127.0.0.1 (the same app as
-`python -m dspark_jax.serve`), all of them up at once: each concurrency level runs every
+`python -m dspark_jax serve`), all of them up at once: each concurrency level runs every
 configuration in turn, so a drift of a noisy machine hits them alike. Clients are threads
 streaming chat completions through the `openai` client, bounded by --requests per level and
 --max-seconds per level.
@@ -132,7 +132,7 @@ def parse_config(spec: str, default_policy: str) -> tuple[str, str, str]:
     return (name or Path(path).name), path, (policy or default_policy)
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench serve", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR[@POLICY]",
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         if name != "target-only":
             print(f"[bench serve] {name} / target-only throughput: " +
                   ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
-    meta = {"command": "python -m dspark_jax.bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
+    meta = {"command": "python -m dspark_jax bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
             "configs": {name: {"drafter": d, "policy": pol, "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
                         for name, d, pol in configs},

@@ -52,7 +52,7 @@ def step_flops(cfg) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench train", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench train", description=__doc__)
     ap.add_argument("config", nargs="?", default="bench_cpu", help="config preset or path (default: bench_cpu)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up (default 10)")

@@ -1,6 +1,6 @@
-"""`python -m dspark_jax.bench vs-torch`: our hot paths beside transformers and beside an older commit of ours.
+"""`python -m dspark_jax bench vs-torch`: our hot paths beside transformers and beside an older commit of ours.
 
-    python -m dspark_jax.bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--reps 5] [--json OUT]
+    python -m dspark_jax bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--reps 5] [--json OUT]
 
 Three worker processes (dspark_jax/bench/vs_torch_worker.py) build the `bench_cpu` preset's shapes
 (target vocab 8192, hidden 256, 8 layers, 8/4 heads, head_dim 32, MLP 768; DSpark drafter 2
@@ -84,7 +84,7 @@ def _fmt(seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench vs-torch", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench vs-torch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-ref", default=DEFAULT_BASELINE,
                     help=f"git commit of this repository to time beside the checkout (default {DEFAULT_BASELINE}, "

@@ -1,4 +1,4 @@
-"""One side of `python -m dspark_jax.bench vs-torch`: builds its models, compiles, then times regions on request.
+"""One side of `python -m dspark_jax bench vs-torch`: builds its models, compiles, then times regions on request.
 
 Run as a script (`python vs_torch_worker.py jax|torch|probe`), never imported: the parent starts one
 worker per side with PYTHONPATH pointing at the tree to measure, so the same file times the

@@ -1,8 +1,8 @@
 """STS calibration from engine traces (spec 2.4): fit, report, save with the drafter.
 
-    python -m dspark_jax.calibrate --traces run.npz [more.npz ...] --drafter-dir ckpt/drafter \
+    python -m dspark_jax calibrate --traces run.npz [more.npz ...] --drafter-dir ckpt/drafter \
         [--out-dir reports/calib] [--grid-size 256 --grid-min 0.05 --grid-max 20 --bins 20] [--holdout 0.5]
-    python -m dspark_jax.calibrate --synthetic-traces --drafter-dir /tmp/d      # standalone demo
+    python -m dspark_jax calibrate --synthetic-traces --drafter-dir /tmp/d      # standalone demo
 
 Only rounds verified at full gamma are used (shorter rounds censor the labels). Traces are
 grouped by sampling setting (the soft label is defined at one temperature, so the fit is
@@ -103,7 +103,7 @@ def load_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.nda
     Raises CalibrationMissingError (naming the file, the setting and the fix) when absent."""
     path = Path(drafter_dir) / STS_FILE
     key = sampling_key(sampling)
-    fix = (f"run `python -m dspark_jax.calibrate --traces <full-gamma traces at {key}> --drafter-dir {drafter_dir}`, "
+    fix = (f"run `python -m dspark_jax calibrate --traces <full-gamma traces at {key}> --drafter-dir {drafter_dir}`, "
            "or run without calibration (sts=None)")
     if not path.exists():
         raise CalibrationMissingError(f"no STS temperatures for this drafter: {path} does not exist; {fix}")
@@ -183,7 +183,7 @@ def report_table(res: dict, extra: dict | None = None) -> str:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")
     ap.add_argument("--synthetic-traces", action="store_true", help="use the parametric model of traces.synthetic_traces")
     ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", required=True,
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sampling", default=None, metavar="T[,TOP_K,TOP_P]",
                     help="the sampling setting of trace files that record none (the engine's raw Traces.save "
-                         "output); files written by `python -m dspark_jax.generate --traces F.npz` record theirs")
+                         "output); files written by `python -m dspark_jax generate --traces F.npz` record theirs")
     args = ap.parse_args(argv)
     if not args.traces and not args.synthetic_traces:
         ap.error("give --traces FILE ... or --synthetic-traces")
@@ -230,7 +230,7 @@ def _load(path, sampling: dict | None) -> TraceSet:
     rec = recorded_sampling(path)
     if rec is None and sampling is None:
         raise ValueError(f"{path} does not record the sampling setting its rounds were drafted under: pass "
-                         "--sampling T[,TOP_K,TOP_P], or write the traces with `python -m dspark_jax.generate "
+                         "--sampling T[,TOP_K,TOP_P], or write the traces with `python -m dspark_jax generate "
                          "--traces F.npz`, which records it")
     if rec is not None and sampling is not None and sampling_key(rec) != sampling_key(sampling):
         raise ValueError(f"{path} records sampling {sampling_key(rec)} but --sampling says {sampling_key(sampling)}: "

@@ -1,11 +1,11 @@
-"""`python -m dspark_jax.data.prepare`: users' answered chats -> a training dataset (token ids and
+"""`python -m dspark_jax prepare`: users' answered chats -> a training dataset (token ids and
 the assistant loss mask), in the target's tokenizer and chat template.
 
-    python -m dspark_jax.data.prepare chats.jsonl more.parquet --target /ckpt/Qwen3-8B --out data/train
+    python -m dspark_jax prepare chats.jsonl more.parquet --target /ckpt/Qwen3-8B --out data/train
 
 Formats: see `dspark_jax.data.formats` (OpenAI messages, ShareGPT, content parts, turns; JSONL,
 JSON arrays, parquet, `datasets.save_to_disk` directories). Chats whose answers should come from
-the target itself go through `python -m dspark_jax.regenerate` instead.
+the target itself go through `python -m dspark_jax regenerate` instead.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
             try:
                 if not any(m["role"] == "assistant" and m["content"] for m in conv):
                     raise RecordError(f"record {i}: no assistant answer to train on (regenerate answers with "
-                                      "python -m dspark_jax.regenerate)")
+                                      "python -m dspark_jax regenerate)")
                 ids, mask = encode_chat(tok, conv, template, max_len=max_len, **kw)
                 if not mask.any():
                     raise RecordError(f"record {i}: its first answer starts after max_len={max_len} tokens")
@@ -59,7 +59,7 @@ def prepare(inputs, out, target=None, *, max_len: int = 4096, on_error: str = "r
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.data.prepare", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax prepare", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("inputs", nargs="+", help="chat files (.jsonl, .json, .parquet) or saved datasets directories")
     ap.add_argument("--out", required=True, help="output dataset directory (data.path of a training config)")

@@ -1,7 +1,7 @@
 """Regeneration through any OpenAI-compatible chat server (vLLM, SGLang, sglang-jax, our own).
 
 The reference regenerates its training data with SGLang servers; on a TPU VM the same job
-runs against vLLM-TPU or ``python -m dspark_jax.serve``. Each chat's turns go to
+runs against vLLM-TPU or ``python -m dspark_jax serve``. Each chat's turns go to
 ``/v1/chat/completions`` in order, turn k conditioned on the server's earlier answers
 (``data.multiturn``); ``--concurrency`` chats are in flight at once. Records are written in
 chat order (a finished chat waits for the ones before it), so the dataset always holds a

@@ -18,9 +18,9 @@ the ``len(writer)`` records already stored) neither duplicates nor loses samples
 the same records as an uninterrupted one.
 
 Through a server instead (``--server URL``): ``data.regen_server`` sends the same turns to any
-OpenAI-compatible chat endpoint (vLLM, SGLang, ``python -m dspark_jax.serve``).
+OpenAI-compatible chat endpoint (vLLM, SGLang, ``python -m dspark_jax serve``).
 
-CLI: ``python -m dspark_jax.regenerate --out DIR [--target DIR] [--prompts FILE.jsonl] ...``
+CLI: ``python -m dspark_jax regenerate --out DIR [--target DIR] [--prompts FILE.jsonl] ...``
 """
 
 from __future__ import annotations
@@ -245,11 +245,11 @@ def main(argv=None) -> int:
     from dspark_jax.cli import add_mesh_argument
 
     ap = argparse.ArgumentParser(
-        prog="python -m dspark_jax.regenerate",
+        prog="python -m dspark_jax regenerate",
         description="Regenerate every assistant turn of a chat set with the target (in process, or through an "
                     "OpenAI-compatible server) and write a training dataset.",
-        epilog="examples:\n  python -m dspark_jax.regenerate --target DIR --prompts chats.jsonl --out data/train\n"
-               "  python -m dspark_jax.regenerate --target DIR --prompts chats.jsonl --out data/train \\\n"
+        epilog="examples:\n  python -m dspark_jax regenerate --target DIR --prompts chats.jsonl --out data/train\n"
+               "  python -m dspark_jax regenerate --target DIR --prompts chats.jsonl --out data/train \\\n"
                "      --server http://127.0.0.1:8000 --model-name Qwen/Qwen3-8B --concurrency 64   # vLLM / SGLang\n"
                "Rerun with --resume after an interruption: no record is lost or written twice.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     srv = ap.add_argument_group("through a server")
     srv.add_argument("--server", default=None, metavar="URL",
-                     help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax.serve) serving the target")
+                     help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax serve) serving the target")
     srv.add_argument("--model-name", "--model", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
     srv.add_argument("--concurrency", type=int, default=16, help="chats in flight at once (default 16)")
     g = ap.add_mutually_exclusive_group()

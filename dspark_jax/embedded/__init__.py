@@ -1,5 +1,5 @@
 """The embedded default target: a small Qwen3 pretrained here on offline corpora and cached per
-user (target.py), its held-out report (report.py), and `python -m dspark_jax.embedded`."""
+user (target.py), its held-out report (report.py), and `python -m dspark_jax embedded`."""
 
 from dspark_jax.embedded.target import build_embedded_target, cache_root, embedded_target_dir
 

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.embedded build|path|verify|report`."""
+"""`python -m dspark_jax embedded build|path|verify|report`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dspark_jax.embedded.target import (CACHE_ENV, PRESETS, _cache_name, cache_r
                                         verify_target_dir)
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.embedded",
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax embedded",
                                  description="Build, locate, verify or evaluate the embedded default target.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, hlp in (("build", "build the target into the cache (no-op if a valid one exists)"),

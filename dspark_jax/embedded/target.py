@@ -18,7 +18,7 @@ without a valid manifest, or whose files do not match it, is corrupt and rebuilt
 used. Builds happen in a temporary sibling directory under a file lock and are renamed
 into place atomically. An interrupted build resumes from its orbax checkpoint.
 
-Command: ``python -m dspark_jax.embedded build [--force] [--preset full|tiny]``.
+Command: ``python -m dspark_jax embedded build [--force] [--preset full|tiny]``.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def embedded_target_dir(build: bool = True, progress: bool = True, *, preset: st
     if not build:
         raise FileNotFoundError(
             f"embedded target {d}: {verify_target_dir(d)}; build it with "
-            f"`python -m dspark_jax.embedded build --preset {p.name}` (or pass build=True)")
+            f"`python -m dspark_jax embedded build --preset {p.name}` (or pass build=True)")
     with _lock(root / f".{d.name}.lock"):
         problem = verify_target_dir(d)
         if force or problem is not None:  # re-check: another process may have built it meanwhile

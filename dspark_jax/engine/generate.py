@@ -1,7 +1,7 @@
-"""`python -m dspark_jax.generate`: speculative (or target-only) generation from the command line.
+"""`python -m dspark_jax generate`: speculative (or target-only) generation from the command line.
 
-    python -m dspark_jax.generate --prompts prompts.jsonl --drafter runs/dspark/drafter --mode dspark
-    echo "What is 12 + 7?" | python -m dspark_jax.generate --mode ar
+    python -m dspark_jax generate --prompts prompts.jsonl --drafter runs/dspark/drafter --mode dspark
+    echo "What is 12 + 7?" | python -m dspark_jax generate --mode ar
 
 Prompts: a jsonl file (`{"turns": [...]}` or `{"conversations": [...]}` lines) or, without
 `--prompts`, one user message per non-empty stdin line. They are rendered with the target's
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     from dspark_jax.cli import add_dtype_argument
     from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument, add_prefill_chunk_argument
 
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
     add_mesh_argument(ap, "request slots over data, KV heads over tensor")
@@ -39,7 +39,7 @@ def parse_args(argv=None):
                          "scheduler (Algorithm 1 / static-shape / production; need --costs)")
     ap.add_argument("--threshold", type=float, default=0.0, help="static confidence threshold (--policy threshold)")
     ap.add_argument("--costs", default=None,
-                    help="cost table JSON from `python -m dspark_jax.costs measure` (its buckets become the engine's)")
+                    help="cost table JSON from `python -m dspark_jax costs measure` (its buckets become the engine's)")
     ap.add_argument("--theta", default="latency", choices=("sps", "latency"),
                     help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
     ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--probe-max", type=int, default=64,
                     help="--skip-drafting known: that interval doubles up to this while drafting does not pay")
     ap.add_argument("--calibrated", action="store_true",
-                    help="use the STS temperatures stored with the drafter (python -m dspark_jax.calibrate)")
+                    help="use the STS temperatures stored with the drafter (python -m dspark_jax calibrate)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -147,7 +147,7 @@ def scheduling_inputs(args, sampling):
     scheduled = args.policy in ("early_stop", "static", "production")
     if scheduled and not args.costs:
         raise ValueError(f"--policy {args.policy} needs --costs TABLE.json (measure one with "
-                         "`python -m dspark_jax.costs measure`, or pass a table shaped like your accelerator's)")
+                         "`python -m dspark_jax costs measure`, or pass a table shaped like your accelerator's)")
     if args.skip_drafting and not args.costs:
         raise ValueError("--skip-drafting needs --costs TABLE.json: the table decides when drafting pays")
     table = load_cost_table(args.costs, expect_backend=platform()) if args.costs else None

@@ -1,7 +1,7 @@
-"""`python -m dspark_jax.engine.plan`: per-chip serving memory of the engine for a target preset,
+"""`python -m dspark_jax engine-plan`: per-chip serving memory of the engine for a target preset,
 R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the compiled programs.
 
-    python -m dspark_jax.engine.plan configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
+    python -m dspark_jax engine-plan configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
 
 Weights and caches are exact (their shapes and the rules table's shardings). With `--compile` the
 engine's programs are lowered for those shardings and compiled: the round (draft, verification
@@ -251,7 +251,7 @@ def device_hbm_gib(topology: str) -> float:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.engine.plan", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax engine-plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("config", help="a preset naming target.model (and the drafter), e.g. configs/qwen3_8b_dspark.yaml")
     ap.add_argument("--slots", type=int, default=128)

@@ -1,2 +1,2 @@
-"""Judging drafters: the `python -m dspark_jax.eval` report (evaluate.py) and the reproduction
+"""Judging drafters: the `python -m dspark_jax eval` report (evaluate.py) and the reproduction
 grid's tables and plots (grid.py)."""

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.eval`: judge drafters on prompt sets with real speculative decoding.
+"""`python -m dspark_jax eval`: judge drafters on prompt sets with real speculative decoding.
 
 For every prompt set and drafter: accepted length tau with a 95 % bootstrap interval
 (over requests), conditional acceptance per draft position (the paper's Figure 2
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     from dspark_jax.cli import add_dtype_argument
     from dspark_jax.cli import add_mesh_argument
 
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sts-min-rounds", type=int, default=50,
                     help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
     ap.add_argument("--traces", "--traces-dir", dest="traces_dir", default=None,
-                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax.calibrate)")
+                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
     from dspark_jax.calibration.calibrate import CalibrationMissingError, load_temperatures
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
             results[sname][dname] = r
             print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "
                   f"over {r['prompts']} prompts")
-    meta = {"command": "python -m dspark_jax.eval " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python -m dspark_jax eval " + " ".join(sys.argv[1:] if argv is None else argv),
             "target": str(target.path), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "sets": {k: v["sources"] for k, v in info.items()},

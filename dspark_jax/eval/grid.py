@@ -1,10 +1,10 @@
-"""`python -m dspark_jax.bench grid`: the reproduction grid's tables and plots from eval results.
+"""`python -m dspark_jax bench grid`: the reproduction grid's tables and plots from eval results.
 
-    python -m dspark_jax.bench grid --out docs/results_figures --from /tmp/grid_v2
-    python -m dspark_jax.bench grid --out DIR --drafter dspark_g7_d2=EVAL_DIR --drafter dflash_g7_d2=EVAL_DIR
-    python -m dspark_jax.bench grid --out DIR --drafter dspark_g4_d2=runs/dspark_g4_d2/drafter --evals evals
+    python -m dspark_jax bench grid --out docs/results_figures --from /tmp/grid_v2
+    python -m dspark_jax bench grid --out DIR --drafter dspark_g7_d2=EVAL_DIR --drafter dflash_g7_d2=EVAL_DIR
+    python -m dspark_jax bench grid --out DIR --drafter dspark_g4_d2=runs/dspark_g4_d2/drafter --evals evals
 
-One cell = one drafter evaluated by `python -m dspark_jax.eval` (its results.json). A
+One cell = one drafter evaluated by `python -m dspark_jax eval` (its results.json). A
 ``--drafter NAME=DIR`` whose DIR holds a results.json is rendered as is; one whose DIR is a
 trained drafter (drafter_config.json) is first evaluated into ``EVALS/eval_NAME`` unless
 that already holds results (the cache), with --num-prompts / --max-new-tokens.
@@ -48,7 +48,7 @@ def load_cell(name: str, path) -> dict:
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise GridError(f"cell {name!r}: {file} does not exist; pass an eval output dir written by "
-                        f"`python -m dspark_jax.eval --out DIR` (or a trained drafter dir to evaluate it)")
+                        f"`python -m dspark_jax eval --out DIR` (or a trained drafter dir to evaluate it)")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
@@ -336,7 +336,7 @@ def collect(specs, from_dirs, evals, eval_args) -> list[dict]:
             raise GridError(f"--from {d}: not a directory (expected one holding eval_<name>/results.json)")
         found = sorted(p for p in root.glob("eval_*") if (p / "results.json").is_file())
         if not found:
-            raise GridError(f"--from {d}: no eval_<name>/results.json inside; run `python -m dspark_jax.eval "
+            raise GridError(f"--from {d}: no eval_<name>/results.json inside; run `python -m dspark_jax eval "
                             f"--out {d}/eval_<name> ...` first")
         cells += [load_cell(p.name[len("eval_"):], p) for p in found]
     for spec in specs:
@@ -356,7 +356,7 @@ def collect(specs, from_dirs, evals, eval_args) -> list[dict]:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.bench grid", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench grid", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output dir for grid.md, grid.json and the PNGs")
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32, help="for evals run here (default 32)")
     args = ap.parse_args(argv)
     eval_args = ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)]
-    command = "python -m dspark_jax.bench grid " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m dspark_jax bench grid " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
         cells = collect(args.drafter, args.from_dirs, args.evals or Path(args.out) / "evals", eval_args)
         rendered = render(cells, args.out, command)

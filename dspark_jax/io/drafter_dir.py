@@ -73,7 +73,7 @@ def read_config(path: str | Path) -> tuple[DrafterSection, str | None]:
     if not cfg_file.is_file() or not w_file.is_file():
         raise FileNotFoundError(f"'{path}' is not a dspark_jax drafter directory (needs {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE}); train one with `python -m dspark_jax.train` or import a "
-                                "DeepSpec checkpoint with `python -m dspark_jax.convert import`")
+                                "DeepSpec checkpoint with `python -m dspark_jax convert import`")
     return _config_from_json(read_json(cfg_file, DrafterConfigError), str(cfg_file))
 
 

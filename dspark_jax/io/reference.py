@@ -1,7 +1,7 @@
 """Convert drafters between DeepSpec's checkpoint layout (spec section 8) and ours.
 
-    python -m dspark_jax.convert import REF_DIR OUT_DIR --target TARGET_DIR
-    python -m dspark_jax.convert export OUR_DIR REF_DIR --target TARGET_DIR [--dtype bfloat16] [--num-anchors N]
+    python -m dspark_jax convert import REF_DIR OUT_DIR --target TARGET_DIR
+    python -m dspark_jax convert export OUR_DIR REF_DIR --target TARGET_DIR [--dtype bfloat16] [--num-anchors N]
 
 Reference layout: Hugging Face `save_pretrained` of `Qwen3DSparkModel` (config.json +
 safetensors, keys without a `model.` prefix, torch Linear weights (out, in)). Ours: a
@@ -68,7 +68,7 @@ IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 # Width fields that must equal the target's (the drafter shares its embedding and LM head).
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
-from dspark_jax.convert.__main__ import DEFAULT_NUM_ANCHORS  # noqa: E402  (DeepSpec's 512; defined jax-free for --help)
+DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default, recorded in exported configs when the run recorded none
 
 # Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
 # The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
@@ -429,11 +429,11 @@ def _refusal(kind: str) -> str:
         return ("ours is DeepSpec's Eagle3 variant (a Qwen3 layer with q/k norm over m fused target layers, full "
                 "vocabulary, no d2t map) and no vLLM / SGLang EAGLE-3 config contract for it was pinned down (their "
                 "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer over 3 layers with a reduced vocabulary); "
-                "serve it with `python -m dspark_jax.serve --drafter DIR`")
+                "serve it with `python -m dspark_jax serve --drafter DIR`")
     if kind == "mtp1":
         return ("the engines' MTP paths load MTP layers shipped inside the target's own checkpoint for specific "
-                "model families, not a standalone module; serve it with `python -m dspark_jax.serve --drafter DIR`")
-    return "serve it with `python -m dspark_jax.serve --drafter DIR`"
+                "model families, not a standalone module; serve it with `python -m dspark_jax serve --drafter DIR`")
+    return "serve it with `python -m dspark_jax serve --drafter DIR`"
 
 
 def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anchors: int | None = None,
@@ -460,13 +460,3 @@ def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anch
         log(f"note: {note}")
     write_reference(drafter, ref_dir, dtype, num_anchors)
     return drafter
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def main(argv=None) -> int:
-    """`python -m dspark_jax.convert` (the parser lives there, importable without jax)."""
-    from dspark_jax.convert.__main__ import main as convert_main
-
-    return convert_main(argv)

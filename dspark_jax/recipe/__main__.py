@@ -1,7 +1,7 @@
-"""`python -m dspark_jax.recipe NAME --out DIR [section.key=value ...]`: a whole recipe, resumable.
+"""`python -m dspark_jax recipe NAME --out DIR [section.key=value ...]`: a whole recipe, resumable.
 
-    python -m dspark_jax.recipe smollm2-135m-instruct --out runs/smollm2
-    python -m dspark_jax.recipe smollm2-135m-instruct --out runs/smollm2 data.num_prompts=400 train.steps=60
+    python -m dspark_jax recipe smollm2-135m-instruct --out runs/smollm2
+    python -m dspark_jax recipe smollm2-135m-instruct --out runs/smollm2 data.num_prompts=400 train.steps=60
 
 Fetches the target (or takes --target), trains every drafter of the recipe on the same regenerated
 data, evaluates them side by side on the public prompt sets at each temperature (tau with 95 %
@@ -23,7 +23,7 @@ DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.recipe", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax recipe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(RECIPES), help="the recipe")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every training run")

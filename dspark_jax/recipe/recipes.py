@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    model: str | None  # a `python -m dspark_jax.models fetch` name; None: --target is required
+    model: str | None  # a `python -m dspark_jax models fetch` name; None: --target is required
     kinds: dict[str, tuple[str | None, tuple[str, ...]]]  # label -> (config preset, None = default; overrides)
     eval_sets: tuple[str, ...]  # jsonl stems in the eval directory (../shared/eval_datasets)
     speed_set: str  # the set the wall-clock comparison decodes

@@ -6,10 +6,10 @@ the command's own output):
   train   `python -m dspark_jax.train PRESET target.path=... train.output_dir=OUT/<kind>` per drafter
           (done: OUT/<kind>/summary.json; an interrupted run resumes from its checkpoints, and the
           regeneration it starts with is cached and shared by drafters with the same data section)
-  eval    `python -m dspark_jax.eval` on the prompt sets, all drafters side by side, per temperature
+  eval    `python -m dspark_jax eval` on the prompt sets, all drafters side by side, per temperature
           (done: OUT/eval_T<t>/results.json)
-  speed   `python -m dspark_jax.bench engine --sections speed` per drafter and temperature; for DSpark
-          first `python -m dspark_jax.costs measure` per batch size (OUT/costs/) and a scheduled row on
+  speed   `python -m dspark_jax bench engine --sections speed` per drafter and temperature; for DSpark
+          first `python -m dspark_jax costs measure` per batch size (OUT/costs/) and a scheduled row on
           those tables (done: OUT/speed_<kind>_T<t>.json)
 Then OUT/report.md and OUT/summary.json are rewritten from whatever is done.
 """
@@ -56,8 +56,8 @@ def run_stage(name: str, cmd: list[str], log_path: Path, echo: bool = True) -> N
                           "rerun the same command: finished stages are skipped, training resumes from its checkpoints")
 
 
-def _py(module: str, *args) -> list[str]:
-    return [sys.executable, "-m", module, *map(str, args)]
+def _py(command: str, *args) -> list[str]:
+    return [sys.executable, "-m", "dspark_jax", command, *map(str, args)]
 
 
 def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
@@ -79,13 +79,13 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
     drafter_dir = {k: out / k / "drafter" for k in recipe.kinds}
     for kind, (preset, kind_overrides) in recipe.kinds.items():
         if "train" in stages and not (out / kind / "summary.json").is_file():
-            cmd = _py("dspark_jax.train", *([preset] if preset else []), f"target.path={target}",
+            cmd = _py("train", *([preset] if preset else []), f"target.path={target}",
                       f"train.output_dir={out / kind}", *kind_overrides, *overrides)
             run_stage(f"train {kind}", cmd, logs / f"train_{kind}.log", echo)
     for t in temps:
         res = out / f"eval_T{t:g}"
         if "eval" in stages and not (res / "results.json").is_file():
-            cmd = _py("dspark_jax.eval", "--target", target, *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
+            cmd = _py("eval", "--target", target, *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
                       "--prompts", *sets, "--num-prompts", num_eval_prompts, "--max-new-tokens", eval_max_new_tokens,
                       "--temperature", t, "--out", res)
             run_stage(f"eval T={t:g}", cmd, logs / f"eval_T{t:g}.log", echo)
@@ -99,12 +99,12 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
                     for r in speed_batch_sizes:
                         table = out / "costs" / f"{kind}_r{r}_T{t:g}.json"
                         if not table.is_file():
-                            cmd = _py("dspark_jax.costs", "measure", "--target", target, "--drafter", d, "--slots", r,
+                            cmd = _py("costs", "measure", "--target", target, "--drafter", d, "--slots", r,
                                       "--temperature", t, "--max-len", COST_MAX_LEN, "--repeats", 3, "--stat", "min",
                                       "--out", table)
                             run_stage(f"costs {kind} R={r} T={t:g}", cmd, logs / f"costs_{kind}_r{r}_T{t:g}.log", echo)
                         tables += ["--costs", f"{r}={table}"]
-                cmd = _py("dspark_jax.bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
+                cmd = _py("bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
                           "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
                           "--temperature", t, "--repeats", speed_repeats,
                           "--batch-sizes", ",".join(map(str, speed_batch_sizes)), *tables, "--json", res)

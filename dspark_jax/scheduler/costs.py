@@ -1,8 +1,8 @@
 """Verification cost tables (spec 3.1): measure on the engine's compiled round, save, load, check.
 
-    python -m dspark_jax.costs measure --model tiny --num-slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
-    python -m dspark_jax.costs roofline --out configs/costs/accelerator_synthetic.json   # synthetic, documented
-    python -m dspark_jax.costs show configs/costs/accelerator_synthetic.json
+    python -m dspark_jax costs measure --model tiny --num-slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
+    python -m dspark_jax costs roofline --out configs/costs/accelerator_synthetic.json   # synthetic, documented
+    python -m dspark_jax costs show configs/costs/accelerator_synthetic.json
 
 A cost file is JSON::
 
@@ -63,7 +63,7 @@ class CostTableError(ValueError):
 def _check(d: dict, where: str, expect_backend=None, expect_buckets=None) -> None:
     if d.get("format") != FORMAT:
         raise CostTableError(f"{where}: not a cost table (format {d.get('format')!r}, expected {FORMAT!r}); "
-                             "write it with `python -m dspark_jax.costs measure`")
+                             "write it with `python -m dspark_jax costs measure`")
     b, tv = d.get("buckets"), d.get("t_verify")
     if not isinstance(b, list) or not isinstance(tv, list) or len(b) != len(tv) or not b:
         raise CostTableError(f"{where}: 'buckets' and 't_verify' must be non-empty lists of equal length")
@@ -84,7 +84,7 @@ def _check(d: dict, where: str, expect_backend=None, expect_buckets=None) -> Non
                                  "every step takes time; re-measure the table")
     if expect_backend is not None and d.get("backend") != expect_backend:
         raise CostTableError(f"{where}: measured on backend {d.get('backend')!r} ({d.get('device_kind')}), this run is "
-                             f"on {expect_backend!r}: measure a table here with `python -m dspark_jax.costs measure`")
+                             f"on {expect_backend!r}: measure a table here with `python -m dspark_jax costs measure`")
     if expect_buckets is not None and [int(x) for x in b] != sorted(int(x) for x in expect_buckets):
         raise CostTableError(f"{where}: measured for buckets {[int(x) for x in b]}, the engine compiles "
                              f"{sorted(int(x) for x in expect_buckets)}: re-measure with these buckets")
@@ -369,7 +369,7 @@ def roofline_table(buckets=ROOFLINE_BUCKETS, requests=ROOFLINE_REQUESTS, **overr
                                          "t_draft_by_requests": tm.tolist()}},
             "provenance": ("SYNTHETIC, not measured: a smooth roofline t(B) = overhead + (t_mem^p + (B t_tok)^p)^(1/p) "
                            "modeled on published H100/H200 serving behaviour (weight-read bound and flat up to ~120 "
-                           "tokens, then compute bound and linear); written by `python -m dspark_jax.costs roofline`. "
+                           "tokens, then compute bound and linear); written by `python -m dspark_jax costs roofline`. "
                            "KV-cache reads (which grow with requests x context, not with B) are not modeled."),
             "roofline": c}
 
@@ -459,7 +459,7 @@ def _cmd_measure(args) -> int:
     path = save_cost_file(
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,
-        provenance=(f"measured by `python -m dspark_jax.costs measure` on {jax.default_backend()} ({dev.device_kind}), "
+        provenance=(f"measured by `python -m dspark_jax costs measure` on {jax.default_backend()} ({dev.device_kind}), "
                     f"model {args.model}, drafter {args.drafter}, {args.dtype}, temperature {args.temperature:g}, "
                     f"{'the checkpoint' if (Path(args.model) / 'config.json').is_file() else 'random'} weights; t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
@@ -534,7 +534,7 @@ def _cmd_plot(args) -> int:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.costs", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax costs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
     m.add_argument("--target", "--model", dest="model", default="tiny",

@@ -1,8 +1,8 @@
 """Serving simulation: many concurrent requests, round times from a cost table, acceptance from traces.
 
-    python -m dspark_jax.simulate --costs configs/costs/accelerator_synthetic.json --synthetic-traces \
+    python -m dspark_jax simulate --costs configs/costs/accelerator_synthetic.json --synthetic-traces \
         --out-dir docs/figures/sim_accel
-    python -m dspark_jax.simulate --costs T.json --traces dspark.npz --dflash-traces dflash.npz \
+    python -m dspark_jax simulate --costs T.json --traces dspark.npz --dflash-traces dflash.npz \
         --mtp-traces mtp.npz --drafter-dir ckpt/drafter --out-dir out/
 
 Model (steady state, every slot busy). At concurrency R each simulated request replays a
@@ -375,7 +375,7 @@ def _load_temps(args, ts: TraceSet):
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.simulate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--costs", required=True, help="cost table JSON (dspark_jax.scheduler.costs)")
     ap.add_argument("--traces", default=None, help="DSpark trace file (.npz); the default acceptance source")
     ap.add_argument("--dflash-traces", default=None)

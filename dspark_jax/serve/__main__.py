@@ -1,10 +1,10 @@
-"""`python -m dspark_jax.serve`: an OpenAI-compatible server (completions, chat, streaming) with
+"""`python -m dspark_jax serve`: an OpenAI-compatible server (completions, chat, streaming) with
 continuous batching over the speculative engine.
 
-    python -m dspark_jax.serve                                   # embedded target (+ runs/dspark/drafter if trained)
-    python -m dspark_jax.serve --target DIR                      # DIR's own drafter (DIR/drafter or beside DIR) or none
-    python -m dspark_jax.serve --target DIR --drafter DIR --policy early_stop --costs TABLE.json --calibrated
-    python -m dspark_jax.serve --api-key KEY --cors-origins https://app.example --host 0.0.0.0
+    python -m dspark_jax serve                                   # embedded target (+ runs/dspark/drafter if trained)
+    python -m dspark_jax serve --target DIR                      # DIR's own drafter (DIR/drafter or beside DIR) or none
+    python -m dspark_jax serve --target DIR --drafter DIR --policy early_stop --costs TABLE.json --calibrated
+    python -m dspark_jax serve --api-key KEY --cors-origins https://app.example --host 0.0.0.0
 
 Query it with any OpenAI client: base_url http://127.0.0.1:8000/v1, model as GET /v1/models says.
 /health answers 503 "starting" until the engine's programs are compiled (--no-warmup: at once).
@@ -35,7 +35,7 @@ def parse_args(argv=None):
         add_prefill_chunk_argument,
     )
 
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.serve", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
@@ -46,13 +46,13 @@ def parse_args(argv=None):
                          "DIR/drafter or a 'drafter' directory beside DIR for --target DIR; else target-only")
     ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"))
     ap.add_argument("--threshold", type=float, default=0.0, help="--policy threshold: confidence threshold")
-    ap.add_argument("--costs", default=None, help="cost table JSON (python -m dspark_jax.costs measure); its buckets become the engine's")
+    ap.add_argument("--costs", default=None, help="cost table JSON (python -m dspark_jax costs measure); its buckets become the engine's")
     ap.add_argument("--calibrated", nargs="?", type=float, const=1.0, default=None, metavar="T",
                     help="use the drafter's stored STS temperatures fitted at sampling temperature T (default 1; "
                          "the fit for the temperature most requests use: one set serves the whole batch)")
     ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
                     help="scheduled policies: skip the drafter in rounds where the cost table says speculation "
-                         "does not pay (python -m dspark_jax.generate --help)")
+                         "does not pay (python -m dspark_jax generate --help)")
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
     ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + completion (default 1024)")
     add_kv_pages_argument(ap)

@@ -318,7 +318,7 @@ class Trainer:
         drafter = nnx.merge(self.d_graphdef, host_arrays(self.state.params), self.frozen)
         if jax.process_index() == 0:
             local_export = self.local_out / "drafter"
-            # what `python -m dspark_jax.convert export` records in the reference config.json
+            # what `python -m dspark_jax convert export` records in the reference config.json
             drafter_io.save(drafter, local_export, training={"num_anchors": int(self.cfg.data.num_anchors)})
             if is_remote(self.out):
                 copy_tree(local_export, export)

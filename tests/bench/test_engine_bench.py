@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.bench engine --sections skip` runs on the tiny embedded target and reports
+"""`python -m dspark_jax bench engine --sections skip` runs on the tiny embedded target and reports
 its figures (the timing itself is the benchmark's business, not the test's)."""
 
 from __future__ import annotations

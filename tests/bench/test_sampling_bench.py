@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.bench sampling` runs both paths on the same logits and prints their ratio;
+"""`python -m dspark_jax bench sampling` runs both paths on the same logits and prints their ratio;
 the two agree (the bisection cut is the sorted cut)."""
 
 from dspark_jax.bench.__main__ import main

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.bench serve` drives the real server with concurrent streaming clients
+"""`python -m dspark_jax bench serve` drives the real server with concurrent streaming clients
 and reports every level of every configuration (tiny embedded target, bounded)."""
 
 import json

@@ -51,7 +51,7 @@ def test_full_target_beats_bigram():
     try:
         d = E.embedded_target_dir(build=False)
     except FileNotFoundError:
-        pytest.skip("full embedded target not built (python -m dspark_jax.embedded build)")
+        pytest.skip("full embedded target not built (python -m dspark_jax embedded build)")
     rep = report_mod.heldout_report(d)
     n = sum(r["tokens"] for r in rep.values())
     mean = sum((r["bigram"] - r["model"]) * r["tokens"] for r in rep.values()) / n
@@ -95,7 +95,7 @@ def test_corrupt_cache_is_detected_and_rebuilt(tiny_dir, tmp_path, monkeypatch, 
     else:
         (d / "manifest.json").unlink()
     assert E.verify_target_dir(d) is not None
-    with pytest.raises(FileNotFoundError, match="python -m dspark_jax.embedded build"):
+    with pytest.raises(FileNotFoundError, match="python -m dspark_jax embedded build"):
         E.embedded_target_dir(preset="tiny", build=False)
 
     calls = []

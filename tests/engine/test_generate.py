@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.generate` end to end on a tiny saved target + tokenizer + drafter, and the Python API."""
+"""`python -m dspark_jax generate` end to end on a tiny saved target + tokenizer + drafter, and the Python API."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ for kind in ("dspark", "eagle3", "mtp1", None):  # dflash shares dspark's code p
     out = {}
     for name, mesh, pages, chunk in (("one", None, None, None), ("mesh", make_mesh(4, 1, 2), None, None),
                                      ("chunked", make_mesh(4, 1, 2), (40, 4), 4)):
-        eng = Engine(target, d, num_slots=4, max_len=48, mesh=mesh, kv_pages=pages, prefill_chunk=chunk)
+        eng = Engine(target, d, EngineConfig(num_slots=4, max_len=48, kv_pages=pages, prefill_chunk=chunk), mesh=mesh)
         g = eng.generate(prompts, max_new_tokens=12, sampling=SamplingParams(0.0, 0, 1.0), seed=1)
         out[name] = [r.tokens for r in g.results]
         if pages is not None:
@@ -58,7 +58,7 @@ def test_engine_on_a_mesh_matches_one_device():
 
 
 def test_generate_command_on_a_mesh(embedded_tiny_dir, tmp_path):
-    """`python -m dspark_jax.generate --mesh 2,1,1` on 2 fake devices prints the same greedy text as
+    """`python -m dspark_jax generate --mesh 2,1,1` on 2 fake devices prints the same greedy text as
     one device; a malformed --mesh is one line naming the format."""
     import os
     import subprocess
@@ -67,7 +67,7 @@ def test_generate_command_on_a_mesh(embedded_tiny_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["def add(a, b):"]}) + "\n" + json.dumps({"turns": ["What is 3 + 4?"]}) + "\n")
     env = fake_devices_env(2)
-    base = [sys.executable, "-m", "dspark_jax.generate", "--target", str(embedded_tiny_dir), "--prompts", str(prompts),
+    base = [sys.executable, "-m", "dspark_jax", "generate", "--target", str(embedded_tiny_dir), "--prompts", str(prompts),
             "--temperature", "0", "--max-new-tokens", "12", "--batch", "2"]
     one = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
     two = subprocess.run(base + ["--mesh", "2,1,1"], capture_output=True, text=True, env=env, timeout=600)

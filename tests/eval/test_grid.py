@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.bench grid`: tables and plots from fake eval results, clear errors on bad dirs."""
+"""`python -m dspark_jax bench grid`: tables and plots from fake eval results, clear errors on bad dirs."""
 
 import json
 
@@ -26,7 +26,7 @@ def _result(tau, G, sts=True):
 def _write(root, name, kind, G, depth, tau, with_meta=True):
     d = root / f"eval_{name}"
     d.mkdir(parents=True)
-    meta = {"command": f"python -m dspark_jax.eval --drafter {name}=/nowhere"}
+    meta = {"command": f"python -m dspark_jax eval --drafter {name}=/nowhere"}
     if with_meta:
         meta["drafters"] = {name: {"kind": kind, "gamma": G, "num_layers": depth, "confidence_head": kind == "dspark"}}
     res = {s: {name: _result(tau + off, G, sts=kind == "dspark")} for s, off in (("code", 0.2), ("math", 0.0))}
@@ -92,7 +92,7 @@ def test_missing_and_invalid_results_dirs(tmp_path, capsys):
     out = str(tmp_path / "o")
     assert grid.main(["--out", out, "--drafter", f"x={tmp_path / 'nope'}"]) == 2
     err = capsys.readouterr().err
-    assert "nope does not exist" in err and "python -m dspark_jax.eval" in err
+    assert "nope does not exist" in err and "python -m dspark_jax eval" in err
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "results.json").write_text("{not json")

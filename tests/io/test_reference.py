@@ -11,7 +11,8 @@ from flax import nnx
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
-from dspark_jax.io.reference import ConversionError, main, read_reference, reference_tensors
+from dspark_jax.io.convert import main
+from dspark_jax.io.reference import ConversionError, read_reference, reference_tensors
 from dspark_jax.drafter import Drafter, attach_target
 from dspark_jax.io.drafter_dir import load as load_drafter
 from dspark_jax.io.drafter_dir import save as save_drafter
@@ -335,5 +336,5 @@ def test_export_refusal_says_why_and_what_to_use(target, tmp_path, capsys, kind,
     save_drafter(d, tmp_path / "ours")
     assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and reason in err and "python -m dspark_jax.serve" in err
+    assert "\n" not in err and reason in err and "python -m dspark_jax serve" in err
     assert not (tmp_path / "ref").exists()

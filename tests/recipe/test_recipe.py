@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.recipe`: every stage runs on the tiny embedded target, a rerun skips them all,
+"""`python -m dspark_jax recipe`: every stage runs on the tiny embedded target, a rerun skips them all,
 the drafters share one regeneration, and bad input or a failing stage is named."""
 
 import json

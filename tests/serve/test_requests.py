@@ -545,7 +545,7 @@ def test_prompt_limit_is_configurable(srv):
 def test_an_engine_that_cannot_continue_says_so_and_the_server_exits_nonzero(srv, monkeypatch):
     """Every round raises: each request in flight gets a 500; after three failed rounds in a row
     the loop stops, /health answers 500 "error", later requests 503, and `run_server` (what
-    `python -m dspark_jax.serve` returns) exits with status 1."""
+    `python -m dspark_jax serve` returns) exits with status 1."""
     from dspark_jax.serve.__main__ import run_server
     from tests.serve.helpers import free_port
 

@@ -38,7 +38,7 @@ def reference(embedded_tiny_dir):
 
     lt = load_target(embedded_tiny_dir)
     tok = lt.tokenizer
-    eng = Engine(lt.model, None, num_slots=4, max_len=128)
+    eng = Engine(lt.model, None, EngineConfig(num_slots=4, max_len=128))
     ids = [tok.encode(p) for p in PROMPTS]
     res = eng.generate(ids, max_new_tokens=12, sampling=SamplingParams(0.0, 0, 1.0), stop_ids=tok.stop_ids)
     return [tok.decode(r.tokens, skip_special_tokens=True) for r in res.results], [len(r.tokens) for r in res.results]
@@ -219,7 +219,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(embedded_tiny_dir
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dspark_jax.serve", "--target", str(embedded_tiny_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_jax", "serve", "--target", str(embedded_tiny_dir),
                              "--drafter", "none", "--max-len", "128", "--port", str(port)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})

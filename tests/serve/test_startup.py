@@ -1,4 +1,4 @@
-"""Which drafter `python -m dspark_jax.serve` serves when none is named, what its startup line
+"""Which drafter `python -m dspark_jax serve` serves when none is named, what its startup line
 says, and the access flags (no request is generated here: builds only, nothing compiles)."""
 
 from __future__ import annotations

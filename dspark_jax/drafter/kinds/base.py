@@ -38,7 +38,7 @@ class DrafterKind(ABC):
     drafts_in_parallel: bool = False  # one drafter forward per round, whatever gamma (block drafters)
     max_gamma: int | None = None  # draft tokens per round the kind can make at most (None: any)
     supports_remat: bool = False  # `loss(..., remat=True)` recomputes the drafter layers
-    has_reference_layout: bool = False  # `python -m dspark_jax.convert` reads / writes it in DeepSpec's layout
+    has_reference_layout: bool = False  # `python -m dspark_jax convert` reads / writes it in DeepSpec's layout
 
     def __hash__(self):
         return hash((type(self), self.name))

@@ -1,6 +1,6 @@
-"""`python -m dspark_jax.parallel.tpu_memory`: docs/tpu_memory.md's tables, from the TPU compiler.
+"""`python -m dspark_jax tpu-memory`: docs/tpu_memory.md's tables, from the TPU compiler.
 
-    python -m dspark_jax.parallel.tpu_memory --out docs/tpu_memory.md
+    python -m dspark_jax tpu-memory --out docs/tpu_memory.md
 
 Every Qwen3 preset's train and eval steps compiled for the slice it names, and the serving
 engine's round and prefill (dense and paged KV) of each Qwen3 target on v5e-8 / v6e-8 / v5p-8 /
@@ -93,7 +93,7 @@ def _serve_worker(preset: str, slc_name: str, paged: bool, configs: Path) -> dic
 def run_entry(entry: dict, configs: Path, cache: Path, timeout: int) -> dict | None:
     """Compile one entry in a child process -> its figures (cached), or None with the error logged."""
     path = cache / f"{entry['key']}.json"
-    cmd = [sys.executable, "-m", "dspark_jax.parallel.tpu_memory", "--worker", json.dumps(entry),
+    cmd = [sys.executable, "-m", "dspark_jax", "tpu-memory", "--worker", json.dumps(entry),
            "--configs", str(configs), "--cache", str(cache)]
     t0 = time.perf_counter()
     try:
@@ -168,7 +168,7 @@ def write_doc(out: Path, table: str) -> None:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax.parallel.tpu_memory", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax tpu-memory", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     root = Path(__file__).resolve().parents[2]
     ap.add_argument("--out", type=Path, default=root / "docs" / "tpu_memory.md")

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.convert import|export ...`: drafters between DeepSpec's layout (what vLLM /
+"""`python -m dspark_jax convert import|export ...`: drafters between DeepSpec's layout (what vLLM /
 SGLang load) and ours; the work is in `dspark_jax.io.reference`."""
 
 from __future__ import annotations
@@ -6,15 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark_jax.cli import report_user_errors
-
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's reference value (method note section 4), used when the run recorded none
-
+from dspark_jax.cli import add_mesh_argument, report_user_errors
 
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dspark_jax.convert",
+        prog="python -m dspark_jax convert",
         description="Convert DSpark/DFlash drafters between the DeepSpec (PyTorch, Hugging Face save_pretrained) "
                     "layout and dspark_jax's drafter directory (drafter.safetensors + drafter_config.json).",
     )
@@ -33,15 +30,13 @@ def main(argv=None) -> int:
                      help="tensor dtype written (default bfloat16, as DeepSpec ships; float32 keeps our master weights)")
     exp.add_argument("--num-anchors", type=int, default=None,
                      help="num_anchors recorded in config.json (default: the training run's data.num_anchors, "
-                          f"else {DEFAULT_NUM_ANCHORS}, DeepSpec's)")
-    from dspark_jax.cli import add_mesh_argument
-
+                          "else DeepSpec's default)")
     for p in (imp, exp):
         p.add_argument("--target", required=True, metavar="TARGET_DIR",
                        help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")
         add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
     args = ap.parse_args(argv)
-    from dspark_jax.io.reference import export_reference, import_reference
+    from dspark_jax.io.reference import export_reference, import_reference  # jax: after --help
     from dspark_jax.parallel.sharding import parse_mesh
 
     try:

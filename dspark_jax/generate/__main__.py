@@ -1,5 +1,0 @@
-import sys
-
-from dspark_jax.engine.generate import main
-
-sys.exit(main())

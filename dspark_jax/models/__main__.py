@@ -1,5 +1,0 @@
-import sys
-
-from dspark_jax.io.models import main
-
-sys.exit(main())
