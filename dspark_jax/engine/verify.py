@@ -18,7 +18,9 @@ With a `Chunk` (chunked prefill, `Engine(prefill_chunk=...)`), prompt tokens of 
 are packed after the block's tokens into the same bucket: the dense work is shared, and they
 attend in their own `[K, C]` view to their slot's committed keys.
 
-`pack` / `unpack` are the two index maps; `verify_packed` is the forward plus the write.
+The forward is the target's one forward (`target.forward`) with `PackedVerify` attention
+metadata; the packing's index maps are `target.packing.pack` / `unpack`. `verify_packed` is the
+forward plus the write.
 """
 
 from __future__ import annotations
@@ -27,48 +29,21 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from dspark_jax.target.attention import PackedVerify, VerifyView
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.forward import forward
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import lm_head_logits
+from dspark_jax.target.packing import Packing, pack, unpack
 from dspark_jax.target.paged_kv import PagedKVCache
-from dspark_jax.target.layers import lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
-from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = ["Packing", "Chunk", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
 
 
 def target_arrays(model, dtype=None) -> dict:
     """The target's weights as a dict of arrays for the pure forwards (lm_head [H,V] even when tied)."""
-    dt = dtype or (model.dtype or model.embed[...].dtype)
-    return {"embed": model.embed[...], "layers": model.layers.arrays(dt), "final_norm": model.final_norm[...],
-            "lm_head": model.lm_head_weight()}
-
-
-class Packing(NamedTuple):
-    dest: jax.Array  # [R*T] packed index of each padded token (bucket = not packed)
-    slot: jax.Array  # [bucket] row of each packed token (R = padding)
-    col: jax.Array  # [bucket] column in the padded view
-    pos: jax.Array  # [bucket] sequence position (S = padding: cache writes dropped)
-    tok: jax.Array  # [bucket] token id
-    n: jax.Array  # scalar: number of valid packed tokens
-
-
-def pack(tokens, start, valid, bucket: int, max_len: int, offset=0) -> Packing:
-    """tokens/valid [R, T], start [R] (position of column 0) -> a packing of the valid tokens
-    into `bucket` slots, row-major, from packed index `offset` on (a second lane packs after
-    the first). Valid tokens beyond the bucket are dropped (callers size the bucket so that
-    never happens). Entries of the bucket this lane does not fill have slot R."""
-    r, t = tokens.shape
-    fv = valid.reshape(-1)
-    idx = jnp.cumsum(fv.astype(jnp.int32)) - 1 + offset
-    dest = jnp.where(fv, idx, bucket)
-    slot = jnp.full((bucket,), r, jnp.int32).at[dest].set(jnp.repeat(jnp.arange(r, dtype=jnp.int32), t), mode="drop")
-    col = jnp.zeros((bucket,), jnp.int32).at[dest].set(jnp.tile(jnp.arange(t, dtype=jnp.int32), r), mode="drop")
-    tok = jnp.zeros((bucket,), jnp.int32).at[dest].set(tokens.reshape(-1).astype(jnp.int32), mode="drop")
-    live = slot < r
-    pos = jnp.where(live, start[jnp.minimum(slot, r - 1)] + col, max_len)
-    return Packing(dest, slot, col, pos.astype(jnp.int32), tok, jnp.sum(fv.astype(jnp.int32)))
+    return model.arrays(dtype)
 
 
 class Chunk(NamedTuple):
@@ -80,12 +55,6 @@ class Chunk(NamedTuple):
     start: jax.Array  # [K] int32
     valid: jax.Array  # [K, C] bool
     rows: jax.Array  # [K] int32 slot of each row (R = unused row)
-
-
-def unpack(packed, pk: Packing, r: int, t: int):
-    """[bucket, ...] -> [R, T, ...] (tokens that were not packed get an arbitrary finite row)."""
-    b = packed.shape[0]
-    return packed[jnp.clip(pk.dest, 0, b - 1)].reshape(r, t, *packed.shape[1:])
 
 
 class VerifyOut(NamedTuple):
@@ -102,9 +71,9 @@ class VerifyOut(NamedTuple):
     chunk_v: jax.Array | None = None
 
 
-def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
-                   feature_layers: tuple[int, ...] = (), packed_logits: bool = False, chunk: Chunk | None = None,
-                   logit_rows: int | None = None) -> VerifyOut:
+def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *,
+                   bucket: int, feature_layers: tuple[int, ...] = (), packed_logits: bool = False,
+                   chunk: Chunk | None = None, logit_rows: int | None = None) -> VerifyOut:
     """Forward the valid tokens of `tokens` [R, T] (positions start[r] + column) through the target.
 
     Dense work on `bucket` packed tokens; attention on the padded [R, T] view: a row's queries
@@ -121,68 +90,25 @@ def verify_forward(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, to
     r, t = tokens.shape
     s = cache.max_len
     pk = pack(tokens, start, valid, bucket, s)
-    pc = None if chunk is None else pack(chunk.tokens, chunk.start, chunk.valid, bucket, s, offset=pk.n)
-    in_block = pk.slot < r
-    tok = pk.tok if pc is None else jnp.where(in_block, pk.tok, pc.tok)
-    pos = pk.pos if pc is None else jnp.where(in_block, pk.pos, pc.pos)
-    dtype = tp["layers"]["q_proj"].dtype
-    kv_dtype = cache.k.dtype
-    x = jnp.take(tp["embed"], tok, axis=0).astype(dtype)[None]  # [1, Bk, H]
-    cos, sin = rope_cos_sin(jnp.minimum(pos, s - 1)[None], rope_inv_freq(cfg.head_dim, cfg.rope))
-    slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
-    for i, l in enumerate(feature_layers):
-        slot_of_layer[l] = i
-    m = max(len(feature_layers), 1)
-    feats0 = jnp.zeros((m, bucket, cfg.hidden_size), dtype)
-
-    def view_attention(q, k, v, lp: Packing, n_rows, width, view_start, view_valid, rows, ck, cv, li):
-        """One view's attention: the packed q / k / v of its tokens scattered into [n_rows, width],
-        each row against its slot's committed keys and its own earlier tokens -> (out [Bk, Nq, D]
-        at the packed tokens, the view's K / V as the cache would hold them)."""
-        blank = jnp.zeros((n_rows, width, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
-        kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
-        vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
-        qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
-        col = jnp.arange(width, dtype=jnp.int32)
-        causal = (col[None, :] <= col[:, None])[None] & view_valid[:, None, :]
-        # committed keys (< start) read from the cache in place, the view's own keys beside them
-        o = cache.attend_committed(qv, ck, cv, li, view_start, [(kb.astype(dtype), vb.astype(dtype), causal)], dtype,
-                                   rows=rows)
-        return o[jnp.minimum(lp.slot, n_rows - 1), lp.col], kb, vb
-
-    def body(carry, layer):
-        # the cache rides in the carry, read only: closed over, XLA hoisted its dtype conversion
-        # out of the layer loop (a converted copy of the whole cache)
-        x, feats, (ck, cv) = carry
-        p, fslot, li = layer
-        q, k, v = project_qkv(p, x, cos, sin, cfg)
-        o, kb, vb = view_attention(q, k, v, pk, r, t, start, valid, None, ck, cv, li)
-        ys = (kb, vb)
-        if chunk is not None:
-            kc, cw = chunk.tokens.shape
-
-            def chunk_attention(ck, cv):
-                return view_attention(q, k, v, pc, kc, cw, chunk.start, chunk.valid, chunk.rows, ck, cv, li)
-
-            def no_chunk(ck, cv):
-                shapes = jax.eval_shape(chunk_attention, ck, cv)
-                return tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
-
-            oc, kcb, vcb = jax.lax.cond(pc.n > 0, chunk_attention, no_chunk, ck, cv)
-            o = jnp.where(in_block[:, None, None], o, oc)
-            ys = (kb, vb, kcb, vcb)
-        x = finish_layer(p, x, o[None], cfg)
-        if feature_layers:
-            i = jnp.maximum(fslot, 0)
-            feats = feats.at[i].set(jnp.where(fslot >= 0, x[0], feats[i]))
-        return (x, feats, (ck, cv)), ys
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, feats, _), ys = jax.lax.scan(body, (x, feats0, (cache.k, cache.v)),
-                                     (tp["layers"], jnp.asarray(slot_of_layer), layer_ids))
-    h = rms_norm(x[0], tp["final_norm"], cfg.rms_norm_eps)
-    logits = lm_head_logits(h if logit_rows is None else h[: min(int(logit_rows), bucket)], tp["lm_head"])
-    features = jnp.moveaxis(feats, 0, 1)  # [Bk, m, H]
+    block = VerifyView(pk, start, valid)
+    chunk_view = None
+    if chunk is not None:
+        pc = pack(chunk.tokens, chunk.start, chunk.valid, bucket, s, offset=pk.n)
+        chunk_view = VerifyView(pc, chunk.start, chunk.valid, chunk.rows)
+        in_block = pk.slot < r
+        tok, pos = jnp.where(in_block, pk.tok, pc.tok), jnp.where(in_block, pk.pos, pc.pos)
+    else:
+        tok, pos = pk.tok, pk.pos
+    # padding tokens sit at position S (their writes dropped); RoPE reads a position inside the cache
+    fo = forward(target_params, cfg, tok[None], jnp.minimum(pos, s - 1)[None], PackedVerify(cache, block, chunk_view),
+                 feature_layers=feature_layers, return_logits=False)
+    h = fo.hidden[0]
+    logits = lm_head_logits(h if logit_rows is None else h[: min(int(logit_rows), bucket)], target_params["lm_head"])
+    if fo.features is None:  # callers read [.., m, H] with m >= 1
+        features = jnp.zeros((bucket, 1, cfg.hidden_size), h.dtype)
+    else:
+        features = fo.features[0]  # [bucket, m, H]
+    ys = fo.layer_out
     out = VerifyOut(logits if packed_logits else unpack(logits, pk, r, t), unpack(h, pk, r, t),
                     unpack(features, pk, r, t), None, ys[0], ys[1], pk if packed_logits else None)
     if chunk is not None:
@@ -207,9 +133,9 @@ def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid, rows=
     return cache._replace(k=k, v=v)
 
 
-def verify_packed(tp: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *, bucket: int,
-                  feature_layers: tuple[int, ...] = ()) -> VerifyOut:
+def verify_packed(target_params: dict, cfg: ModelConfig, cache: KVCache | PagedKVCache, tokens, start, valid, *,
+                  bucket: int, feature_layers: tuple[int, ...] = ()) -> VerifyOut:
     """`verify_forward` and `write_block` in one call (benchmarks, tests); the engine's round
     writes after its bucket switch instead."""
-    vo = verify_forward(tp, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
+    vo = verify_forward(target_params, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
     return vo._replace(cache=write_block(cache, vo.k_new, vo.v_new, start, valid))

@@ -1,4 +1,5 @@
-"""Pure building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, attention."""
+"""Pure building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, attention,
+and the two halves of a decoder layer around its attention."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.target.config import RopeConfig
+from dspark_jax.target.config import ModelConfig, RopeConfig
 
 # A large finite negative, so a fully masked row gives a uniform (finite) softmax, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -64,6 +65,27 @@ def apply_rope(x, cos, sin):
 
 def swiglu(x, gate, up, down):
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def project_qkv(p: dict, x, cos, sin, cfg: ModelConfig):
+    """Pre-norm, q/k/v projections, Qwen3 q/k RMSNorm, RoPE. x [B,T,H] -> q [B,T,Nq,D], k/v [B,T,Nkv,D]."""
+    b, t, _ = x.shape
+    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    q = (h @ p["q_proj"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = (h @ p["k_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ p["v_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def finish_layer(p: dict, x, attn_out, cfg: ModelConfig):
+    """Attention output projection + residual, then the SwiGLU MLP block + residual."""
+    b, t = x.shape[:2]
+    x = x + attn_out.reshape(b, t, -1) @ p["o_proj"]
+    h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
+    return x + swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
 
 
 def attention(q, k, v, mask):

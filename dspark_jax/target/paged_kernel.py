@@ -33,8 +33,8 @@ It returns the normalised output and each query's log-sum-exp, so keys that are 
 pool (the verification's block of new tokens) join with `merge_parts`: one softmax over both,
 as `layers.attention_parts` computes it.
 
-The platform the program is compiled for (`parallel.platform`: the mesh it is traced under)
-decides: on TPU the kernel compiles through Mosaic (tests/target/test_paged_kernel_tpu.py
+Whether a paged cache is read by this kernel is decided in target/kernels.py, from the platform
+the program is compiled for (the mesh it is traced under): on TPU the kernel compiles through Mosaic (tests/target/test_paged_kernel_tpu.py
 compiles it for TPU slices on a CPU machine); elsewhere it runs in Pallas interpret mode, which
 is how tests/target/test_paged_kernel.py checks it against the reference. On a mesh it runs per
 shard (`jax.shard_map`): rows over the batch axes, KV heads over `tensor` as the rules table
@@ -49,30 +49,23 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.parallel.platform import on_tpu, platform
 from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.target.kernels import PAGED_KERNELS as PAGED_ATTENTION_IMPLS
+from dspark_jax.target.kernels import choose_paged_kernel as resolve_impl
+from dspark_jax.target.kernels import pallas_interpret
 from dspark_jax.target.layers import MASK_VALUE
-from dspark_jax.target.paged_kv import PAGE_AXES
 
-__all__ = ["PAGED_ATTENTION_IMPLS", "attention_lse", "merge_parts", "paged_attention_lse", "resolve_impl"]
+__all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "attention_lse", "merge_parts", "paged_attention_lse",
+           "resolve_impl"]
 
-PAGED_ATTENTION_IMPLS = ("auto", "reference", "pallas")
+# the page pool [L, P, Nkv, page_size, D] has no slot axis: KV heads over tensor (on the mesh set by
+# `jax.set_mesh`, if any), whole on the batch axes
+PAGE_AXES = (None, None, "kv_heads", None, None)
 NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key: weight exp(NO_KEYS - lse) = 0
 QUERY_BLOCK = 256  # query rows (T * G) per block: more are split into blocks of this many
 TOKENS_PER_STEP = 128  # keys a grid step reads (pages_per_step = this // page_size, at most MAX_PAGES_PER_STEP)
 MAX_PAGES_PER_STEP = 8
 MAX_ROWS_PER_STEP = 2048  # heads per step * query rows per block: bounds the step's VMEM
-
-
-def resolve_impl(impl: str, mesh=None) -> str:
-    """"auto": the kernel when the program is compiled for TPU (`mesh`, else the mesh set by
-    `jax.set_mesh`, else the default device), the reference (a gather) elsewhere; "pallas"
-    forces the kernel (interpret mode off TPU, for tests)."""
-    if impl not in PAGED_ATTENTION_IMPLS:
-        raise ValueError(f"paged attention {impl!r} is not one of {PAGED_ATTENTION_IMPLS}")
-    if impl == "auto":
-        return "pallas" if platform(mesh) == "tpu" else "reference"
-    return impl
 
 
 def _precision(dtype):
@@ -209,7 +202,7 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
-        interpret = not on_tpu()
+        interpret = pallas_interpret()
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     local = functools.partial(_local, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()

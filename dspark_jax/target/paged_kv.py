@@ -14,7 +14,8 @@ Same interface as the dense `KVCache`: `write_layer_at` (the scan-carried in-pla
 `max_len`. The target forward (prefill) and verification call only these, so they run on
 either cache. `paged_attention` is the reference: it gathers each row's pages into its
 `[max_len]` view and calls `target.layers.attention`, so the numbers equal the dense path's;
-the "pallas" impl reads the pages in place instead (target/paged_kernel.py).
+the "pallas" impl reads the pages in place instead (target/paged_kernel.py); "auto" leaves the
+choice to target/kernels.py, from the platform the program is traced for.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
+from dspark_jax.target.kernels import choose_paged_kernel
 from dspark_jax.target.kv_cache import attend_before
 from dspark_jax.target.layers import attention
+from dspark_jax.target.paged_kernel import PAGE_AXES, attention_lse, merge_parts, paged_attention_lse
 
-__all__ = ["NO_PAGE", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
+__all__ = ["NO_PAGE", "PAGE_AXES", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
 
 NO_PAGE = -1
-# the page pool has no slot axis: KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
-PAGE_AXES = (None, None, "kv_heads", None, None)
 
 
 def pages_per_slot(max_len: int, page_size: int) -> int:
@@ -70,7 +71,7 @@ class PagedKVCache:
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
     lengths: jax.Array  # [R] int32, committed tokens per slot
     max_len: int  # static: positions per slot (the dense cache's S); writes at >= max_len are dropped
-    impl: str = "reference"  # static: how `attend_committed` reads pages ("reference" gather or "pallas" kernel)
+    impl: str = "reference"  # static: how pages are read, "reference" gather, "pallas" kernel or "auto" (target/kernels.py)
 
     @classmethod
     def create(cls, cfg, num_slots: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,
@@ -149,14 +150,8 @@ class PagedKVCache:
         the pages in place (target/paged_kernel.py) and the extra keys join through their
         log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it.
         `rows` [K]: q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
-        if self.impl != "pallas":
+        if choose_paged_kernel(self.impl) != "pallas":
             return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
-        from dspark_jax.target.paged_kernel import (
-            attention_lse,
-            merge_parts,
-            paged_attention_lse,
-        )
-
         parts = [paged_attention_lse(q, k_all, v_all, self._table(rows), start, start, layer=layer)]
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
         return merge_parts(parts).astype(dtype)
@@ -166,9 +161,7 @@ class PagedKVCache:
         With the "pallas" impl and `positions` [R, T] (each row's queries at consecutive positions,
         as a forward over new tokens has them; the mask then being keys <= the query's position)
         the kernel reads the pages in place instead of the mask."""
-        if self.impl == "pallas" and positions is not None:
-            from dspark_jax.target.paged_kernel import paged_attention_lse
-
+        if positions is not None and choose_paged_kernel(self.impl) == "pallas":
             start = positions[:, 0].astype(jnp.int32)
             out, _ = paged_attention_lse(q, k_all, v_all, self.page_table, start + q.shape[1], start, layer=layer)
             return out.astype(dtype)

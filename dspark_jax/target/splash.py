@@ -5,9 +5,8 @@ scores [B, heads, T, T]. On TPU this module runs the same math in Pallas' splash
 (block-sparse causal mask, scores never leave VMEM). Padding keys are handled with segment ids
 (real tokens 1, padding 0), so every real query sees exactly the keys the dense path lets it
 see; padding rows differ and are never read. Off TPU the kernel runs in Pallas interpret mode,
-which is how the tests compare it with the dense path. What counts as "on TPU" is the mesh the
-program is traced under (`parallel.platform`), so a CPU host compiling for a TPU slice ahead of
-time gets the real kernel.
+which is how the tests compare it with the dense path. Whether it runs is decided in
+target/kernels.py, from the platform of the mesh the program is traced under.
 """
 
 from __future__ import annotations
@@ -20,33 +19,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.parallel.platform import on_tpu
 from dspark_jax.parallel.sharding import logical_to_pspec
-
-BLOCK = 128
-ATTENTION_IMPLS = ("auto", "dense", "splash")
-
-
-def splash_fits(seq_len: int, head_dim: int) -> bool:
-    """The kernel's blocks tile the sequence and TPU lanes hold whole heads."""
-    return seq_len % BLOCK == 0 and head_dim % BLOCK == 0
-
-
-def use_splash(impl: str, seq_len: int, head_dim: int) -> bool:
-    """`auto` picks the kernel where the program is compiled for TPU (the traced-under mesh's
-    devices) and it fits; `splash` forces it (interpret mode off TPU, for tests) and says why
-    when the shapes do not fit."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention implementation {impl!r} is not one of {ATTENTION_IMPLS}")
-    if impl == "dense":
-        return False
-    if impl == "auto":
-        return on_tpu() and splash_fits(seq_len, head_dim)
-    if seq_len % BLOCK:
-        raise ValueError(f"splash attention needs a sequence length that is a multiple of {BLOCK}, got {seq_len}; "
-                         "pad the batch or use attention 'dense'")
-    return True
-
+from dspark_jax.target.kernels import SPLASH_BLOCK as BLOCK
+from dspark_jax.target.kernels import pallas_interpret
 
 def _build_kernel(group: int, seq_len: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -101,7 +76,7 @@ def splash_causal_attention(q, k, v, key_valid):
     nkv = k.shape[2]
     q5 = q.reshape(b, t, nkv, nq // nkv, d)
     mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(_local, interpret=not on_tpu())
+    local = functools.partial(_local, interpret=pallas_interpret())
     if mesh.empty:
         out = local(q5, k, v, key_valid)
     else:

@@ -152,13 +152,13 @@ def test_attention_layouts_match_numpy_and_block_skipping_is_exact():
 def test_block_skipping_forward_equals_dense_forward(micro_target, monkeypatch):
     """The model's no-cache forward takes the block-skipping path; with a block smaller than the
     sequence it matches the same forward through the dense mask (cache-free, explicit positions)."""
-    import dspark_jax.target.transformer as transformer
+    import dspark_jax.target.attention as attention_mod
 
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, micro_target.cfg.vocab_size, (2, 21)), jnp.int32)
     valid = jnp.ones(tokens.shape, bool).at[1, 15:].set(False)
     positions = jnp.broadcast_to(jnp.arange(21, dtype=jnp.int32), tokens.shape)
     dense = micro_target(tokens, positions=positions, valid=valid, feature_layers=(0,))  # positions given: dense mask
-    monkeypatch.setattr(transformer, "ATTENTION_BLOCK", 8)
+    monkeypatch.setattr(attention_mod, "CAUSAL_BLOCK", 8)
     blocked = micro_target(tokens, valid=valid, feature_layers=(0,))
     np.testing.assert_allclose(blocked.logits, dense.logits, atol=1e-4)
     np.testing.assert_allclose(blocked.features, dense.features, atol=1e-4)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.target.splash import splash_causal_attention, use_splash
+from dspark_jax.target.kernels import choose_causal_kernel
+from dspark_jax.target.splash import splash_causal_attention
 from dspark_jax.target.layers import causal_attention
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 from tests.conftest import run_multidevice
@@ -52,13 +53,13 @@ def test_target_forward_with_splash_matches_dense():
 
 
 def test_attention_choice():
-    assert not use_splash("auto", 256, 128)  # CPU: dense unless forced
-    assert not use_splash("dense", 256, 128)
-    assert use_splash("splash", 256, 64)
+    assert choose_causal_kernel("auto", 256, 128) == "blocked"  # CPU: dense unless forced
+    assert choose_causal_kernel("dense", 256, 128) == "blocked"
+    assert choose_causal_kernel("splash", 256, 64) == "splash"
     with pytest.raises(ValueError, match="multiple of 128"):
-        use_splash("splash", 100, 128)
+        choose_causal_kernel("splash", 100, 128)
     with pytest.raises(ValueError, match="not one of"):
-        use_splash("flash", 256, 128)
+        choose_causal_kernel("flash", 256, 128)
 
 
 def test_splash_on_a_mesh_equals_one_device():
@@ -98,10 +99,10 @@ def test_splash_is_chosen_and_compiled_for_a_tpu_mesh():
     q = jax.ShapeDtypeStruct((4, 256, 8, 128), jnp.bfloat16, sharding=spec)
     kv = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=spec)
     valid = jax.ShapeDtypeStruct((4, 256), jnp.bool_, sharding=NamedSharding(mesh, P("data", None)))
-    assert jax.default_backend() == "cpu" and not use_splash("auto", 256, 128)
+    assert jax.default_backend() == "cpu" and choose_causal_kernel("auto", 256, 128) == "blocked"
     with jax.set_mesh(mesh):
-        assert use_splash("auto", 256, 128)
-        assert not use_splash("auto", 200, 128)  # does not tile: dense
+        assert choose_causal_kernel("auto", 256, 128) == "splash"
+        assert choose_causal_kernel("auto", 200, 128) == "blocked"  # does not tile: dense
         compiled = jax.jit(splash_causal_attention).lower(q, kv, kv, valid).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text and "splash" in text

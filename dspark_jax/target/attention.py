@@ -1,0 +1,181 @@
+"""What a target forward's attention reads and writes, and the one function that runs it per layer.
+
+The decoder layers are the same for every use of the target; only the attention differs. Each
+use describes its attention with one of these pytrees, built once per forward outside the layer
+scan, and `layer_attention` runs the matching variant inside it:
+
+- `CausalSelf`: no cache; a chunk at positions 0..T-1 attends causally to itself (training, full
+  forwards), through jax's splash kernel or the block-skipping `layers.causal_attention`.
+- `MaskedSelf`: no cache; tokens at explicit positions attend to the chunk under a position mask.
+- `CacheUpdate`: new tokens write their K / V into a dense or paged cache (in place: the cache
+  rides in the scan carry) and attend to it (prefill, regeneration, target-only decoding).
+- `PackedVerify`: packed tokens (target/packing.py) read a dense or paged cache without writing
+  it; each padded view (the verification block, optionally a prefill chunk) attends to its
+  slots' committed keys in the cache and to its own keys, which come back per layer so the
+  caller writes them once outside any branch.
+
+Which kernel runs is decided in target/kernels.py: `CausalSelf.kernel`, and the paged cache's
+`impl` for the cache variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.target.kernels import choose_causal_kernel
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import attention, causal_attention
+from dspark_jax.target.packing import Packing
+from dspark_jax.target.paged_kv import PagedKVCache
+from dspark_jax.target.splash import splash_causal_attention
+
+__all__ = ["CausalSelf", "MaskedSelf", "CacheUpdate", "VerifyView", "PackedVerify", "AttentionMetadata",
+           "causal_self", "masked_self", "cache_update", "layer_attention", "cache_read", "cache_written"]
+
+CAUSAL_BLOCK = 128  # query block of `layers.causal_attention`
+ACTIVATION_AXES = ("batch", "seq", "act_embed")  # logical axes of a [B, T, H] activation
+
+
+def _pytree(cls, meta=()):
+    data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalSelf:
+    valid: jax.Array  # [B, T] real tokens (padding keys are masked)
+    kernel: str  # static: "splash" or "blocked"
+    block: int = CAUSAL_BLOCK  # static: query block of the blocked path
+    activation_axes: ClassVar = ACTIVATION_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedSelf:
+    mask: jax.Array  # [B, T, T] True = query t may attend to key s of the same chunk
+    activation_axes: ClassVar = ACTIVATION_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheUpdate:
+    cache: KVCache | PagedKVCache
+    rows: jax.Array  # [B, 1] cache slot of each row
+    write_pos: jax.Array  # [B, T] where each token's K / V go (max_len for padding: dropped)
+    mask: jax.Array  # [B, T, max_len] keys at or before the query's position
+    positions: jax.Array  # [B, T] the queries' positions (the paged kernel reads these, not the mask)
+    activation_axes: ClassVar = ACTIVATION_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyView:
+    """One padded view of packed tokens: row k holds the tokens packed with slot k (`rows` None)
+    or slot rows[k] (a prefill chunk's rows), at positions start[k] + column."""
+
+    packing: Packing
+    start: jax.Array  # [K] position of column 0 (the slot's committed length)
+    valid: jax.Array  # [K, W]
+    rows: jax.Array | None = None  # [K] cache slot of each row (R = unused row)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedVerify:
+    cache: KVCache | PagedKVCache  # read, never written
+    block: VerifyView
+    chunk: VerifyView | None = None  # packed after the block's tokens; skipped when empty
+    activation_axes: ClassVar = None  # packed tokens [1, bucket, H] carry no batch layout
+
+
+for _cls, _meta in ((CausalSelf, ("kernel", "block")), (MaskedSelf, ()), (CacheUpdate, ()), (VerifyView, ()),
+                    (PackedVerify, ())):
+    _pytree(_cls, _meta)
+
+AttentionMetadata = CausalSelf | MaskedSelf | CacheUpdate | PackedVerify
+
+
+def causal_self(valid, requested: str, head_dim: int) -> CausalSelf:
+    """Cache-free causal attention over [B, T] with the kernel `requested` resolves to."""
+    return CausalSelf(valid, choose_causal_kernel(requested, valid.shape[1], head_dim), CAUSAL_BLOCK)
+
+
+def masked_self(positions, valid) -> MaskedSelf:
+    """Cache-free attention at explicit positions [B, T]: keys at or before the query's position."""
+    return MaskedSelf((positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :])
+
+
+def cache_update(cache: KVCache | PagedKVCache, positions, valid) -> CacheUpdate:
+    """Tokens at `positions` [B, T] (a row's valid tokens consecutive from its cache length)
+    written into `cache` where `valid`, each attending to the cache's keys up to its position."""
+    key_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
+    mask = key_idx[None, None, :] <= positions[:, :, None]
+    write_pos = jnp.where(valid, positions, cache.max_len)
+    rows = jnp.arange(positions.shape[0])[:, None]
+    return CacheUpdate(cache, rows, write_pos, mask, positions)
+
+
+def cache_read(attn: AttentionMetadata) -> KVCache | PagedKVCache | None:
+    """The cache the layers read (and carry through the layer scan), if any."""
+    return attn.cache if isinstance(attn, (CacheUpdate, PackedVerify)) else None
+
+
+def cache_written(attn: AttentionMetadata, kv) -> KVCache | PagedKVCache | None:
+    """The cache with the layer scan's final K / V pools, for the variant that writes it."""
+    return attn.cache._replace(k=kv[0], v=kv[1]) if isinstance(attn, CacheUpdate) else None
+
+
+def _view_attention(cache, view: VerifyView, q, k, v, kv, layer, dtype):
+    """One view's attention: the packed q / k / v [1, bucket, ..] of its tokens scattered into
+    [K, W], each row against its slot's committed keys (read from the cache in place) and its own
+    earlier tokens -> (out [bucket, Nq, D] at the packed tokens, the view's K / V [K, W, Nkv, D]
+    as the cache would hold them)."""
+    lp = view.packing
+    n_rows, width = view.valid.shape
+    kv_dtype = cache.k.dtype
+    blank = jnp.zeros((n_rows, width, *k.shape[2:]), kv_dtype)
+    kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
+    vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
+    qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
+    col = jnp.arange(width, dtype=jnp.int32)
+    causal = (col[None, :] <= col[:, None])[None] & view.valid[:, None, :]
+    o = cache.attend_committed(qv, kv[0], kv[1], layer, view.start, [(kb.astype(dtype), vb.astype(dtype), causal)],
+                               dtype, rows=view.rows)
+    return o[jnp.minimum(lp.slot, n_rows - 1), lp.col], kb, vb
+
+
+def _packed_attention(attn: PackedVerify, q, k, v, kv, layer, dtype):
+    o, kb, vb = _view_attention(attn.cache, attn.block, q, k, v, kv, layer, dtype)
+    if attn.chunk is None:
+        return o[None], (kb, vb)
+
+    def chunk_attention(ck, cv):
+        return _view_attention(attn.cache, attn.chunk, q, k, v, (ck, cv), layer, dtype)
+
+    def no_chunk(ck, cv):
+        shapes = jax.eval_shape(chunk_attention, ck, cv)
+        return tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
+
+    oc, kcb, vcb = jax.lax.cond(attn.chunk.packing.n > 0, chunk_attention, no_chunk, *kv)
+    in_block = attn.block.packing.slot < attn.block.valid.shape[0]
+    return jnp.where(in_block[:, None, None], o, oc)[None], (kb, vb, kcb, vcb)
+
+
+def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype):
+    """One decoder layer's attention: q [B, T, Nq, D], k / v [B, T, Nkv, D] of the chunk, `kv` the
+    cache's K / V pools carried through the layer scan (None without a cache), `layer` its index
+    -> (out [B, T, Nq, D], kv after this layer's writes, this layer's outputs for the scan's ys:
+    the views' K / V of a `PackedVerify`, else None)."""
+    if isinstance(attn, CausalSelf):
+        if attn.kernel == "splash":
+            return splash_causal_attention(q, k, v, attn.valid), kv, None
+        return causal_attention(q, k, v, attn.valid, attn.block), kv, None
+    if isinstance(attn, MaskedSelf):
+        return attention(q, k, v, attn.mask), kv, None
+    if isinstance(attn, CacheUpdate):
+        kv = attn.cache.write_layer_at(kv[0], kv[1], layer, attn.rows, attn.write_pos, k, v)  # dense or paged
+        return attn.cache.attend_layer(q, kv[0], kv[1], layer, attn.mask, dtype, positions=attn.positions), kv, None
+    if isinstance(attn, PackedVerify):
+        out, views_kv = _packed_attention(attn, q, k, v, kv, layer, dtype)
+        return out, kv, views_kv
+    raise TypeError(f"no attention variant for {type(attn).__name__}")

@@ -1,0 +1,85 @@
+"""The target's one forward: embedding, the decoder layers under one `lax.scan`, final norm, LM head.
+
+Prefill, regeneration, training and the engine's verification all run this function; what they
+differ in is the attention, given as metadata (target/attention.py). Parameters of all layers are
+stacked on a leading `layers` axis, so compile time does not grow with depth. Besides the final
+hidden states it returns the raw outputs (residual stream, before the final norm) of selected
+layers: layer id i = output of decoder layer i = Hugging Face `hidden_states[i + 1]`, the
+drafters' context features.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.parallel.sharding import constrain
+from dspark_jax.target.attention import AttentionMetadata, cache_read, cache_written, layer_attention
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import finish_layer, lm_head_logits, project_qkv, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.paged_kv import PagedKVCache
+
+__all__ = ["ForwardOut", "forward", "check_feature_layers"]
+
+
+class ForwardOut(NamedTuple):
+    logits: jnp.ndarray | None  # [B, T, V] (float32) or None when not requested
+    hidden: jnp.ndarray  # [B, T, H] after the final norm
+    features: jnp.ndarray | None  # [B, T, m, H] raw outputs of the selected layers (None when m = 0)
+    cache: KVCache | PagedKVCache | None  # `CacheUpdate`: K/V written for valid tokens; lengths unchanged
+    layer_out: Any = None  # the attention's per-layer outputs stacked on [L, ...] (`PackedVerify`: views' K / V)
+
+
+def check_feature_layers(cfg: ModelConfig, feature_layers: tuple[int, ...]) -> None:
+    for i in feature_layers:
+        if not 0 <= i < cfg.num_layers:
+            raise ValueError(f"feature layer id {i} outside the target's {cfg.num_layers} layers")
+
+
+def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: AttentionMetadata, *,
+            feature_layers: tuple[int, ...] = (), return_logits: bool = True) -> ForwardOut:
+    """tokens [B, T] at `positions` [B, T] (for RoPE) through the target, attention as `attn` says.
+
+    `target_params`: embed [V, H], layers (each weight stacked [L, ...], in the compute dtype),
+    final_norm [H], lm_head [H, V] (`TargetModel.arrays`).
+    """
+    check_feature_layers(cfg, feature_layers)
+    b, t = tokens.shape
+    layers = target_params["layers"]
+    dtype = layers["q_proj"].dtype
+    axes = attn.activation_axes
+    pin = (lambda x: constrain(x, axes)) if axes else (lambda x: x)
+    x = pin(jnp.take(target_params["embed"], tokens, axis=0).astype(dtype))
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope))
+    slot_of_layer = np.full((cfg.num_layers,), -1, np.int32)
+    for s, i in enumerate(feature_layers):
+        slot_of_layer[i] = s
+    m = len(feature_layers)
+    feats0 = jnp.zeros((m, b, t, cfg.hidden_size), dtype) if m else None
+    cache = cache_read(attn)
+    # the cache's pools ride in the carry: each layer writes its slice in place (or only reads);
+    # as scan xs -> ys they would be copied whole every forward, and closed over, XLA hoisted
+    # their dtype conversion out of the layer loop (a converted copy of the whole cache)
+    kv0 = None if cache is None else (cache.k, cache.v)
+
+    def body(carry, layer):
+        x, feats, kv = carry
+        p, slot, li = layer
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        out, kv, ys = layer_attention(attn, q, k, v, kv, li, dtype)
+        x = pin(finish_layer(p, x, out, cfg))
+        if m:
+            idx = jnp.maximum(slot, 0)
+            feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))
+        return (x, feats, kv), ys
+
+    xs = (layers, jnp.asarray(slot_of_layer), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    (x, feats, kv), layer_out = jax.lax.scan(body, (x, feats0, kv0), xs)
+    hidden = rms_norm(x, target_params["final_norm"], cfg.rms_norm_eps)
+    features = jnp.moveaxis(feats, 0, 2) if m else None
+    logits = lm_head_logits(hidden, target_params["lm_head"]) if return_logits else None
+    return ForwardOut(logits, hidden, features, cache_written(attn, kv), layer_out)

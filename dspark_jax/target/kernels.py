@@ -1,0 +1,55 @@
+"""Which attention kernel a target program runs, decided in one place.
+
+A program traced on a CPU host may be compiled for a TPU slice ahead of time, so the kernels are
+chosen from the platform of the mesh the program is traced under (`parallel.platform`), never
+from the host's backend. Forced choices ("splash", "pallas") run the Pallas kernels in interpret
+mode off TPU, which is how the tests compare them with the plain jnp paths.
+"""
+
+from __future__ import annotations
+
+from dspark_jax.parallel.platform import platform
+
+__all__ = ["CAUSAL_KERNELS", "PAGED_KERNELS", "SPLASH_BLOCK", "choose_causal_kernel", "choose_paged_kernel",
+           "pallas_interpret", "splash_fits"]
+
+CAUSAL_KERNELS = ("auto", "dense", "splash")  # cache-free causal attention (`TargetModel.attention`)
+PAGED_KERNELS = ("auto", "reference", "pallas")  # how a paged cache is read (`PagedKVCache.impl`)
+SPLASH_BLOCK = 128  # the splash kernel's query and key block
+
+
+def splash_fits(seq_len: int, head_dim: int) -> bool:
+    """The splash kernel's blocks tile the sequence and TPU lanes hold whole heads."""
+    return seq_len % SPLASH_BLOCK == 0 and head_dim % SPLASH_BLOCK == 0
+
+
+def choose_causal_kernel(requested: str, seq_len: int, head_dim: int) -> str:
+    """"splash" (jax's TPU kernel) or "blocked" (`layers.causal_attention`). "auto" takes the
+    kernel where the program is compiled for TPU and the shapes fit; "splash" forces it and says
+    why when the sequence does not tile."""
+    if requested not in CAUSAL_KERNELS:
+        raise ValueError(f"attention implementation {requested!r} is not one of {CAUSAL_KERNELS}")
+    if requested == "dense":
+        return "blocked"
+    if requested == "auto":
+        return "splash" if platform() == "tpu" and splash_fits(seq_len, head_dim) else "blocked"
+    if seq_len % SPLASH_BLOCK:
+        raise ValueError(f"splash attention needs a sequence length that is a multiple of {SPLASH_BLOCK}, got "
+                         f"{seq_len}; pad the batch or use attention 'dense'")
+    return "splash"
+
+
+def choose_paged_kernel(requested: str, mesh=None) -> str:
+    """"pallas" (target/paged_kernel.py, pages read in place) or "reference" (pages gathered into
+    each row's view). "auto": the kernel when the program is compiled for TPU (`mesh`, else the
+    mesh set by `jax.set_mesh`, else the default device)."""
+    if requested not in PAGED_KERNELS:
+        raise ValueError(f"paged attention {requested!r} is not one of {PAGED_KERNELS}")
+    if requested == "auto":
+        return "pallas" if platform(mesh) == "tpu" else "reference"
+    return requested
+
+
+def pallas_interpret() -> bool:
+    """Pallas kernels compile through Mosaic only for TPU; elsewhere they run interpreted."""
+    return platform() != "tpu"
