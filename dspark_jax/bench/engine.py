@@ -24,6 +24,7 @@ Without --drafter a random drafter is used (speed / tau then only measure the ma
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ from dspark_jax.calibration.calibrate import load_temperatures
 from dspark_jax.cli import add_dtype_argument
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
+from dspark_jax.engine.batcher import Batcher, Job
+from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.engine import Engine
 
 
 def _args(argv):
@@ -103,7 +107,7 @@ def _time(fn, reps):
 
 
 def _prompts(target, args):
-    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.text.chat import render_prompt
 
     tok = target.require_tokenizer()
     if args.prompts:
@@ -122,7 +126,6 @@ def _random_drafter(target, gamma, markov_rank, seed=0):
 
     from dspark_jax.config import DrafterSection
     from dspark_jax.drafter.frozen import attach_target
-    from dspark_jax.drafter.model import Drafter
     from dspark_jax.parallel.sharding import create_model
 
     tok = target.tokenizer
@@ -131,7 +134,7 @@ def _random_drafter(target, gamma, markov_rank, seed=0):
                           target_layer_ids=tuple(sorted({1, L // 2, L - 2})), markov_rank=markov_rank,
                           mask_token_id=(tok.mask_id if tok is not None and tok.mask_id is not None
                                          else target.cfg.vocab_size - 1))
-    d = create_model(lambda: Drafter(target.cfg, dcfg, rngs=nnx.Rngs(seed)))
+    d = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(seed)))
     attach_target(d, target.model)
     return d
 
@@ -157,12 +160,11 @@ def _started(eng, prompts, max_new):
 
 
 def bench_loop(target, drafter, prompts, args, out):
-    from dspark_jax.engine import Engine
     from dspark_jax.decoding.sampling import SamplingParams
 
     S = max(len(p) for p in prompts[:8]) + args.max_new_tokens + drafter.gamma + 2
     for name, d in (("ar", None), ("dspark", drafter)):
-        eng = Engine(target, d, num_slots=8, max_len=S)
+        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S))
         r = {}
         for loop in ("host", "while"):
             eng.generate(prompts[:8], max_new_tokens=4, sampling=SamplingParams(1.0, 0, 1.0), loop=loop)  # compile
@@ -174,7 +176,6 @@ def bench_loop(target, drafter, prompts, args, out):
 
 
 def bench_speed(target, drafter, prompts, args, out):
-    from dspark_jax.engine import Engine
     from dspark_jax.decoding.sampling import SamplingParams
 
     sp = SamplingParams(args.temperature, 0, 1.0)
@@ -182,14 +183,14 @@ def bench_speed(target, drafter, prompts, args, out):
     for R in (int(b) for b in args.batch_sizes.split(",")):
         ps = prompts[: max(R, 8)]
         S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
-        ar = Engine(target, None, num_slots=R, max_len=S)
-        ds = Engine(target, drafter, num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),))
+        ar = Engine(target, None, EngineConfig(num_slots=R, max_len=S))
+        ds = Engine(target, drafter, EngineConfig(num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),)))
         engines = [(ar, {}), (ds, {})]
         table = args.tables.get(R)
         if table is not None:  # scheduled: the production policy + skip rule on the table measured for R slots
             sts = load_temperatures(args.drafter, sp) if args.calibrated else None
-            sc = Engine(target, drafter, num_slots=R, max_len=S, policy="production", table=table,
-                        skip_drafting="known")
+            sc = Engine(target, drafter, EngineConfig(num_slots=R, max_len=S, policy="production",
+                                                      skip_drafting="known"), table=table)
             engines.append((sc, {"sts": sts}))
         for e, kw in engines:
             e.generate(ps[:R], max_new_tokens=4, sampling=sp, loop="while", **kw)
@@ -227,14 +228,13 @@ def bench_speed(target, drafter, prompts, args, out):
 
 
 def bench_tau(target, drafters, prompts, args, out, stop_ids):
-    from dspark_jax.engine import Engine
-    from dspark_jax.eval.evaluate import bootstrap_tau
     from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.eval.evaluate import bootstrap_tau
 
     for name, d in drafters.items():
         gamma = getattr(d, "gamma", None) or d.dcfg.gamma
         S = max(len(p) for p in prompts) + args.max_new_tokens + gamma + 2
-        eng = Engine(target, d, num_slots=8, max_len=S)
+        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S))
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
                            loop="while", stop_ids=stop_ids, seed=args.seed)
         _, lo, hi = bootstrap_tau([r.accepted for r in res.results], [r.rounds for r in res.results])
@@ -252,9 +252,8 @@ def head_flop_share(H, V, r, G, L_draft, L_target, I_draft, I_target, R, S_ctx):
 
 
 def bench_head(target, prompts, args, out):
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine.round import round_step
     from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.engine.round import round_step
 
     cfg = target.cfg
     sp = SamplingParams(1.0, 0, 1.0)
@@ -265,7 +264,7 @@ def bench_head(target, prompts, args, out):
             ps = [prompts[i % len(prompts)] for i in range(R)]
             times = {}
             for name, d in (("markov", with_h), ("none", without)):
-                eng = Engine(target, d, num_slots=R, max_len=S + G, buckets=(R * (G + 1),))
+                eng = Engine(target, d, EngineConfig(num_slots=R, max_len=S + G, buckets=(R * (G + 1),)))
                 st = _started(eng, ps, 16)
                 ctl = eng.control(sp)
                 rnd = jax.jit(lambda tp, dp, st, ctl, _e=eng: round_step(_e.spec, tp, dp, st, ctl)[1])
@@ -286,32 +285,25 @@ def _join_once(eng, shorts, long, max_new, sp):
     running requests tokens, counted from before the join; joiner's seconds to its first token;
     rounds until then; median seconds of a round before the join, when no slot prefills)."""
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), eng.R)))
-    ctl = eng.control(sp)
-    st = eng.init_state()
-    st, ctl = eng.start(st, ctl, [0, 1, 2], shorts, kd[:3], [max_new] * 3, [sp] * 3, [[]] * 3)
-    plain = []
-    for _ in range(4):
-        t = time.perf_counter()
-        st, _ = eng.step(st, ctl)
-        jax.block_until_ready(st.n_gen)
-        plain.append(time.perf_counter() - t)
+    b = Batcher(eng, eng.control(sp))
+    jobs = [Job(prompt=p, max_new=max_new, sampling=sp, key_data=kd[i]) for i, p in enumerate(shorts)]
+    b.join(b.admit(collections.deque(jobs))[0])
+    plain = [b.round().seconds for _ in range(4)]
     t0 = last = time.perf_counter()
-    st, ctl = eng.start(st, ctl, [3], [long], kd[3:], [max_new], [sp], [[]])
-    gap, rounds, n_prev = 0.0, 0, np.asarray(st.n_gen)[:3]
+    joiner = Job(prompt=long, max_new=max_new, sampling=sp, key_data=kd[3])
+    b.join(b.admit(collections.deque([joiner]))[0])
+    gap, rounds = 0.0, 0
     while True:
-        st, _ = eng.step(st, ctl)
-        n_gen = np.asarray(st.n_gen)  # syncs
+        rnd = b.round()
         now = time.perf_counter()
         rounds += 1
-        if (n_gen[:3] > n_prev).any():
+        if any(u.new and u.job is not joiner for u in rnd.updates):
             gap, last = max(gap, now - last), now
-        n_prev = n_gen[:3]
-        if n_gen[3] > 0:
+        if joiner.tokens:
             return gap, now - t0, rounds, float(np.median(plain[1:]))
 
 
 def bench_join(target, drafter, prompts, args, out):
-    from dspark_jax.engine import Engine
     from dspark_jax.decoding.sampling import SamplingParams
 
     long = [t for p in prompts for t in p][: args.join_tokens]
@@ -320,7 +312,7 @@ def bench_join(target, drafter, prompts, args, out):
     S = len(long) + max_new + drafter.gamma + 2
     res = {}
     for name, chunk in (("whole", None), ("chunked", args.prefill_chunk)):
-        eng = Engine(target, drafter, num_slots=4, max_len=S, prefill_chunk=chunk)
+        eng = Engine(target, drafter, EngineConfig(num_slots=4, max_len=S, prefill_chunk=chunk))
         _join_once(eng, shorts, long, max_new, sp)  # compiles
         runs = np.asarray([_join_once(eng, shorts, long, max_new, sp) for _ in range(args.reps)])
         res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])), "joiner_ttft_ms": 1e3 * float(np.median(runs[:, 1])),
@@ -357,7 +349,6 @@ def bench_skip(target, drafter, prompts, args, out):
     drafting ever pays) against a target-only step, both at 4 slots with every slot decoding:
     what the scheduled engine pays over plain decoding when it decides not to speculate."""
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.engine import Engine
     from dspark_jax.scheduler.prefix import make_table
 
     R, sp, n = 4, SamplingParams(0.0, 0, 1.0), max(args.reps, 1) * 8
@@ -366,9 +357,9 @@ def bench_skip(target, drafter, prompts, args, out):
     max_new = max(args.max_new_tokens, 2 * n + 2)
     buckets = (R, 2 * R, R * (drafter.gamma + 1))
     never = make_table(buckets, t_verify=[0.1, 0.1, 0.1], t_draft=1e3)  # drafting never pays, even at best
-    ar = Engine(target, None, num_slots=R, max_len=S + 2 * n)
-    sk = Engine(target, drafter, num_slots=R, max_len=S + 2 * n, policy="production", table=never,
-                skip_drafting="best_case", buckets=buckets)
+    ar = Engine(target, None, EngineConfig(num_slots=R, max_len=S + 2 * n))
+    sk = Engine(target, drafter, EngineConfig(num_slots=R, max_len=S + 2 * n, policy="production",
+                                              skip_drafting="best_case", buckets=buckets), table=never)
     runs = {"target_only": [], "skipped": []}
     for _ in range(3):  # alternating, so drifts of this machine hit both
         runs["target_only"] += _round_times(ar, ar.control(sp), ps, max_new, n)[0]
@@ -384,8 +375,8 @@ def bench_skip(target, drafter, prompts, args, out):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_jax.io.drafter_dir import load as load_drafter
     from dspark_jax.engine.generate import load_models
+    from dspark_jax.io.drafter_dir import load as load_drafter
 
     target, drafter, _ = load_models(args.target, args.drafter, None, args.dtype)
     prompts, tok = _prompts(target, args)

@@ -48,7 +48,7 @@ def jax_regions() -> dict:
     from dspark_jax.decoding.sampling import SamplingParams, probs_from_params
     from dspark_jax.drafter import heads, registry
     from dspark_jax.drafter.frozen import attach_target
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.engine.verify import verify_packed
     from dspark_jax.parallel.sharding import create_model
     from dspark_jax.train.run import prepare_target
@@ -93,7 +93,7 @@ def jax_regions() -> dict:
     # --- draft round and verification: a random drafter of the preset, one slot, context CONTEXT - NEW + NEW
     drafter = create_model(lambda: registry.build(cfg, bc.drafter, rngs=nnx.Rngs(1)))
     attach_target(drafter, target)
-    eng = Engine(target, drafter, num_slots=1, max_len=2 * CONTEXT, buckets=(gamma + 1,))
+    eng = Engine(target, drafter, EngineConfig(num_slots=1, max_len=2 * CONTEXT, buckets=(gamma + 1,)))
     sp = SamplingParams(1.0, 0, 1.0)
     ctl = eng.control(sp)
     st = eng.init_state()

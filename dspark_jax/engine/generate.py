@@ -16,13 +16,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
 from dspark_jax.cli import report_user_errors
 
 
-
 def parse_args(argv=None):
-    from dspark_jax.cli import add_dtype_argument
-    from dspark_jax.cli import add_kv_pages_argument, add_mesh_argument, add_prefill_chunk_argument
+    from dspark_jax.cli import (
+        add_dtype_argument,
+        add_kv_pages_argument,
+        add_mesh_argument,
+        add_prefill_chunk_argument,
+    )
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
@@ -119,17 +123,17 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
     """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
 
     `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
-    from dspark_jax.data.chat import render_prompt
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.text.chat import render_prompt
 
     tok = target.require_tokenizer()
     ids = [render_prompt(tok, c, target.chat_template) for c in convs]
     G = gamma or getattr(drafter, "gamma", 0)
     S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
-    eng = Engine(target, drafter, num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy,
-                 table=table, theta=theta, cost=cost, skip_drafting=skip_drafting,
-                 probe_every=probe_every, probe_max=probe_max, mesh=mesh, kv_pages=kv_pages,
-                 prefill_chunk=prefill_chunk)
+    config = EngineConfig(num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy, theta=theta,
+                          cost=cost, skip_drafting=skip_drafting, probe_every=probe_every, probe_max=probe_max,
+                          kv_pages=kv_pages, prefill_chunk=prefill_chunk)
+    eng = Engine(target, drafter, config, table=table, mesh=mesh)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
@@ -172,12 +176,11 @@ def save_run_traces(path: Path, traces, mode: str, sampling) -> Path:
 @report_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dspark_jax.drafter.frozen import TargetMismatchError
-    from dspark_jax.engine import EngineError
-    from dspark_jax.decoding.sampling import SamplingParams
-
     from dspark_jax.calibration.calibrate import CalibrationMissingError
     from dspark_jax.cli import prefill_chunk
+    from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.engine import EngineError
     from dspark_jax.parallel.sharding import parse_mesh
     from dspark_jax.scheduler.costs import CostTableError
 

@@ -5,8 +5,12 @@ list of pages, kept in `table` [num_slots, max_pages_per_slot] int32 (NO_PAGE = 
 slot's pages): exactly the page table the device cache reads (target/paged_kv.py). A slot grows
 to cover a token count by taking pages from a free list and gives all of them back when its
 request ends, so the pages in use are proportional to the tokens the slots hold. Pages freed
-last are reused first. `reserved` records the pages promised to each slot's request at
-admission (its whole reach), which the engine admits against (`Engine.reserve`).
+last are reused first.
+
+Admission by reservation: a request joins only when the pool can hold everything it may write
+(its reach, in tokens) beside what the running requests were promised (`admits`, `reserve`), so a
+running request never finds the pool empty; its promise ends with it (`end`). `reserved` holds
+the pages promised to each slot; only this class writes it.
 """
 
 from __future__ import annotations
@@ -60,7 +64,44 @@ class PageAllocator:
     def pages_of(self, slot: int) -> list[int]:
         return self.table[slot, : self.owned[slot]].tolist()
 
+    def admits(self, reaches: Iterable[int], promised: int | None = None) -> int:
+        """How many of `reaches` (tokens each request may write, in arrival order) join now with
+        `promised` pages already promised (default: this pool's reservations): the leading run that
+        fits, later ones wait (first come, first served). A reach larger than the whole pool raises
+        OutOfPagesError: that request could never run."""
+        budget = self.num_pages - int(self.reserved.sum() if promised is None else promised)
+        n = 0
+        for tokens in reaches:
+            need = self.pages_for(tokens)
+            if need > self.num_pages:
+                raise OutOfPagesError(
+                    f"a request that may write {int(tokens)} positions (prompt + max_new_tokens + one round's drafts) "
+                    f"needs {need} KV pages of {self.page_size} tokens, more than the whole pool of {self.num_pages}: "
+                    "build the Engine with more pages (kv_pages=(num_pages, page_size); --kv-pages NUM,SIZE on the "
+                    "command line) or ask for fewer new tokens")
+            if need > budget:
+                break
+            budget -= need
+            n += 1
+        return n
+
     # ------------------------------------------------------------ changes
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Promise `slot`'s new request pages for `tokens` positions when the pool can hold them
+        beside the other promises -> True; else False (the request waits). Raises OutOfPagesError
+        when they exceed the whole pool."""
+        slot = self._slot(slot)
+        if not self.admits([tokens], self.reserved.sum() - self.reserved[slot]):
+            return False
+        self.reserved[slot] = self.pages_for(tokens)
+        return True
+
+    def end(self, slots: Iterable[int]) -> int:
+        """The requests of `slots` are over: their pages and their promises go back -> pages freed."""
+        slots = [self._slot(s) for s in slots]
+        self.reserved[slots] = 0
+        return self.release_many(slots)
 
     def grow(self, slot: int, tokens: int) -> int:
         """Give `slot` pages for positions 0..tokens-1 (never shrinks) -> pages added."""

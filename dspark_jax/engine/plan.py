@@ -23,7 +23,12 @@ import argparse
 import sys
 import time
 
-from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk, report_user_errors
+from dspark_jax.cli import (
+    add_kv_pages_argument,
+    add_prefill_chunk_argument,
+    prefill_chunk,
+    report_user_errors,
+)
 
 GIB = 1024 ** 3
 POLICIES = ("fixed", "scheduled")
@@ -81,15 +86,16 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     engine's buckets); `drafter=False`: the target-only engine."""
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
+    from dspark_jax.drafter.abstract import abstract_models
     from dspark_jax.drafter.frozen import Frozen
-    from dspark_jax.engine import Engine
-    from dspark_jax.engine.engine import decode_shardings
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.engine.layout import decode_shardings
     from dspark_jax.engine.verify import target_arrays
     from dspark_jax.parallel.sharding import state_shardings
     from dspark_jax.scheduler import prefix as scheduler
-    from dspark_jax.train.plan import abstract_models
 
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -105,10 +111,11 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     box = {}
 
     def build(ts, dp, dfz, table=None):  # the Engine's static parts, built on abstract models (nothing allocated)
-        kw = {} if table is None else dict(policy="production", skip_drafting="known", table=table)
+        kw = {} if table is None else dict(policy="production", skip_drafting="known")
         d = nnx.merge(dg, dp, dfz) if drafter else None
-        box["eng"] = Engine(nnx.merge(tg, ts), d, num_slots=slots, max_len=context, gamma=gamma,
-                            kv_pages=kv_pages, prefill_chunk=prefill_chunk, **kw)
+        config = EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
+                              prefill_chunk=prefill_chunk, **kw)
+        box["eng"] = Engine(nnx.merge(tg, ts), d, config, table=table)
         return 0
 
     with jax.set_mesh(mesh):  # kernels are chosen for the mesh's platform (parallel/platform.py)

@@ -42,11 +42,11 @@ from typing import Callable
 
 import numpy as np
 
+from dspark_jax.cli import report_user_errors
 from dspark_jax.drafter.registry import KINDS as KIND_NAMES
 from dspark_jax.drafter.registry import get_kind
 from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
-from dspark_jax.cli import report_user_errors
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
            "save_cost_file", "measure_table", "measure_engine", "engine_round_timer", "engine_draft_timer",
@@ -396,7 +396,7 @@ def _build_engine(args):
     import jax.numpy as jnp
 
     from dspark_jax.drafter.kinds.eagle3 import EAGLE3
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
@@ -431,8 +431,8 @@ def _build_engine(args):
         target = tiny_target(cfg, param_dtype=dtype)
         drafter = None if args.drafter == "none" else tiny_drafter(
             args.drafter, target, gamma=args.gamma, dcfg=dcfg, dtype=None if dtype == jnp.float32 else dtype)
-    eng = Engine(target, drafter, num_slots=args.num_slots, buckets=buckets, **kw)
-    return eng, cfg, lambda r: Engine(target, drafter, num_slots=r, **kw)
+    eng = Engine(target, drafter, EngineConfig(num_slots=args.num_slots, buckets=buckets, **kw))
+    return eng, cfg, lambda r: Engine(target, drafter, EngineConfig(num_slots=r, **kw))
 
 
 def _cmd_measure(args) -> int:

@@ -114,7 +114,7 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
     import jax.numpy as jnp
 
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.engine.generate import load_models
     from dspark_jax.serve.app import Access, Limits, Served, make_app
     from dspark_jax.serve.loop import EngineLoop
@@ -146,9 +146,9 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
 
         sts = load_temperatures(drafter, SamplingParams(float(calibrated), 0, 1.0))
     max_len = min(int(max_len), lt.cfg.max_position_embeddings)
-    eng = Engine(lt.model, d, num_slots=slots, max_len=max_len, policy=policy, table=table, mesh=mesh,
-                 skip_drafting=skip_drafting, kv_pages=kv_pages,
-                 prefill_chunk=prefill_chunk or None)
+    config = EngineConfig(num_slots=slots, max_len=max_len, policy=policy, skip_drafting=skip_drafting,
+                          kv_pages=kv_pages, prefill_chunk=prefill_chunk or None)
+    eng = Engine(lt.model, d, config, table=table, mesh=mesh)
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=max_queue, metrics=metrics, threshold=threshold, sts=sts, warmup=warmup).start()
     chars = int(max_prompt_chars or max(65536, 32 * max_len))

@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass
 
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine.errors import InvalidRequest
 from dspark_jax.serve.body import parse_json
 from dspark_jax.serve.errors import BadRequest
-from dspark_jax.serve.loop import InvalidRequest, engine_sampling
 from dspark_jax.serve.schema import validate
 
 _TEMPLATE_OWNED = {"messages", "add_generation_prompt", "tokenizer", "template"}
@@ -42,7 +42,7 @@ def _chars(n: int, limit: int, what: str) -> None:
 
 
 def _chat_ids(served, req) -> list[int]:
-    from dspark_jax.data.chat import render_text
+    from dspark_jax.text.chat import render_text
 
     limit = served.limits.max_prompt_chars
     _chars(sum(len(m.content or "") for m in req.messages), limit, "messages")
@@ -66,7 +66,7 @@ def prepare(served, raw: bytes, chat: bool) -> Prepared:
         raise BadRequest(f"model {json.dumps(req.model)[:80]} is not served here; this server serves "
                          f"'{served.model}' (GET /v1/models)", "model")
     eng = served.loop.engine
-    room = eng.S - eng.G - 2
+    room = eng.room
     tok = served.tokenizer
     field = "messages" if chat else "prompt"
     if chat:
@@ -79,30 +79,17 @@ def prepare(served, raw: bytes, chat: bool) -> Prepared:
         vocab = min(tok.vocab_size, served.loop.vocab_size)
         if len(ids) <= room and (min(ids) < 0 or max(ids) >= vocab):
             raise BadRequest(f"'prompt' token ids must be in 0..{vocab - 1}", "prompt")
-    min_len = 1 if eng.kind is None else eng.kind.min_prompt_len
-    if len(ids) > room - 1:
-        raise BadRequest(f"the {field} has {len(ids)} tokens; this server's context holds {room} "
-                         f"(prompt + at least one new token): shorten it", field)
-    if len(ids) < min_len:
-        raise BadRequest(f"the {field} has {len(ids)} tokens; the drafter needs at least {min_len}", field)
     name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, name)
     if max_tokens is None:
-        max_tokens = min(512, room - len(ids)) if chat else 16
-    if len(ids) + max_tokens > room:
-        raise BadRequest(f"{name} {max_tokens} + the {len(ids)} prompt tokens exceed this server's context of "
-                         f"{room} tokens: ask for at most {room - len(ids)}", name)
-    if eng.pages is not None and eng.pages_to_reserve(len(ids), max_tokens) > eng.pages.num_pages:
-        fit = eng.pages.num_pages * eng.pages.page_size - len(ids) - eng.G
-        raise BadRequest(f"{name} {max_tokens} + the {len(ids)} prompt tokens need more KV cache than this server's "
-                         f"whole page pool ({eng.pages.num_pages} pages of {eng.pages.page_size} tokens): ask for at "
-                         f"most {max(fit, 0)}", name)
-    try:
-        sampling = engine_sampling(1.0 if req.temperature is None else req.temperature,
-                                   0 if req.top_k is None else req.top_k,
-                                   1.0 if req.top_p is None else req.top_p, served.loop.vocab_size)
+        max_tokens = max(min(512, room - len(ids)), 1) if chat else 16
+    sampling = SamplingParams(1.0 if req.temperature is None else req.temperature,
+                              0 if req.top_k is None else req.top_k, 1.0 if req.top_p is None else req.top_p)
+    try:  # the engine's ranges, named as this API names its fields
+        ok = eng.validate_request(ids, max_tokens, sampling=sampling, fit_context=True, prompt_name=f"the {field}",
+                                  names={"prompt": field, "max_new": name})
     except InvalidRequest as e:
         raise BadRequest(str(e), e.param) from None
-    return Prepared(ids=list(ids), max_new=int(max_tokens), sampling=sampling, stop=req.stop, seed=req.seed,
+    return Prepared(ids=ok.prompt, max_new=ok.max_new, sampling=ok.sampling, stop=req.stop, seed=req.seed,
                     stream=bool(req.stream),
                     include_usage=bool(req.stream_options and req.stream_options.include_usage))

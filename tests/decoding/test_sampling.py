@@ -112,14 +112,14 @@ def test_batch_path_keeps_one_branch_under_per_row_vmap():
 
 
 def test_engine_draft_keeps_one_sampling_branch():
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.engine.round import draft
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
     for kind in ("dspark", "mtp1"):
-        eng = Engine(target, tiny_drafter(kind, target, gamma=2), num_slots=2, max_len=16,
-                     **({"gamma": 1} if kind == "mtp1" else {}))
+        config = EngineConfig(num_slots=2, max_len=16, **({"gamma": 1} if kind == "mtp1" else {}))
+        eng = Engine(target, tiny_drafter(kind, target, gamma=2), config)
         st = eng.init_state()
         samp = eng.control().sampling
         jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s, s.keys, samp))(st)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.testing.tiny import tiny_drafter
@@ -29,7 +29,8 @@ def _engine(target, kind, **kw):
     d = tiny_drafter(kind, target, gamma=G)
     lk = dict(gamma=G, layer_ids=[0]) if kind == "eagle3" else {}
     g = 1 if kind == "mtp1" else G
-    return Engine(target, d, num_slots=2, max_len=64, buckets=(2, 2 * (g + 1)), prefill_buckets=(16, 64), **lk, **kw)
+    config = EngineConfig(num_slots=2, max_len=64, buckets=(2, 2 * (g + 1)), prefill_buckets=(16, 64), **lk, **kw)
+    return Engine(target, d, config)
 
 
 def _dense(cache):
@@ -56,8 +57,8 @@ def test_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence(target, 
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 2)))
     st = eng.init_state()
     if paged:  # slot 1 takes the first pages, then gives them back: slot 0's pages are not 0, 1, 2, ...
-        st = eng._set_pages(st, grow={1: 9})
-        st = eng._set_pages(st, release=[1])
+        st = eng._paging.update(st, grow={1: 9})
+        st = eng._paging.update(st, release=[1])
     st = eng.prefill_slots(st, [0, 1], prompts[:2], kd, [40, 40])
     if paged:
         assert isinstance(st.dcache, PagedKVCache) and isinstance(st.cache, PagedKVCache)
@@ -115,7 +116,8 @@ def test_stop_cut_rounds_and_finish_reasons(target, prompts):
     assert not (tr["cut"] & tr["full"]).any()
 
     # a slot whose context fills before max_new: ends early and says so
-    short = Engine(target, tiny_drafter("dspark", target, gamma=G), num_slots=2, max_len=24, prefill_buckets=(24,))
+    short = Engine(target, tiny_drafter("dspark", target, gamma=G),
+                   EngineConfig(num_slots=2, max_len=24, prefill_buckets=(24,)))
     res = short.generate([prompts[2], prompts[0]], max_new_tokens=40, sampling=GREEDY)
     assert res.results[0].finish_reason == "context" and len(res.results[0].tokens) < 40
     assert res.results[1].finish_reason == "context"

@@ -1,4 +1,4 @@
-"""Chunked prefill (`Engine(prefill_chunk=C)`): a request that joins while others decode has its
+"""Chunked prefill (`EngineConfig(prefill_chunk=C)`): a request that joins while others decode has its
 prompt forwarded C tokens per round, packed beside the others' verification, instead of a
 prefill call that stalls them. Checked: the same tokens as whole prefills for every kind (dense
 and paged), the caches after chunks equal a whole prefill of the committed sequence, nobody
@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.engine import Engine, EngineError
+from dspark_jax.engine import Engine, EngineConfig, EngineError
 from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
 from tests.engine.test_bookkeeping import _dense, _rows_equal
@@ -29,7 +29,8 @@ def prompts():
 def _engine(target, kind, **kw):
     d = None if kind == "ar" else tiny_drafter(kind, target, gamma=G)
     lk = dict(gamma=G, layer_ids=[0]) if kind == "eagle3" else {}
-    return Engine(target, d, max_len=64, **lk, **kw)
+    cfg = {k: kw.pop(k) for k in list(kw) if k != "table"}
+    return Engine(target, d, EngineConfig(max_len=64, **lk, **cfg), **kw)
 
 
 # dflash is dspark's block kind with the heads off: the same cache and chunk code (not repeated here)
@@ -142,6 +143,7 @@ def test_with_chunk_room():
 
 
 def test_bad_prefill_chunk_is_an_error(target):
-    for bad in (dict(prefill_chunk=0), dict(prefill_chunk=4, prefill_rows=0), dict(prefill_chunk=-2)):
-        with pytest.raises(EngineError, match="prefill_chunk"):
+    for bad, field in ((dict(prefill_chunk=0), "prefill_chunk"), (dict(prefill_chunk=4, prefill_rows=0), "prefill_rows"),
+                       (dict(prefill_chunk=-2), "prefill_chunk")):
+        with pytest.raises(EngineError, match=field):
             _engine(target, "dspark", num_slots=2, **bad)

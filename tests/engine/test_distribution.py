@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing import broken
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
@@ -59,13 +59,15 @@ def engine(target, drafter, verifier="exact"):
     key = (type(drafter).__name__, getattr(drafter, "head_type", None), getattr(drafter, "mode", None),
            getattr(getattr(drafter, "dcfg", None), "kind", None), verifier)
     if key not in _ENGINES:
-        kw = dict(gamma=G, layer_ids=[0]) if type(drafter).__name__ == "Eagle3Drafter" else {}
+        kw = {}
         if verifier == "no_residual":
             kw["verify"] = broken.verify_no_residual
         elif verifier == "unfiltered_q":
             kw["kind"] = broken.UnfilteredQ()
-        _ENGINES[key] = Engine(target, drafter, num_slots=N, max_len=len(PROMPT) + 2 + G + 2, buckets=(N * (G + 1),),
-                               prefill_buckets=(len(PROMPT),), **kw)
+        cfg = dict(gamma=G, layer_ids=(0,)) if type(drafter).__name__ == "Eagle3Drafter" else {}
+        config = EngineConfig(num_slots=N, max_len=len(PROMPT) + 2 + G + 2, buckets=(N * (G + 1),),
+                              prefill_buckets=(len(PROMPT),), **cfg)
+        _ENGINES[key] = Engine(target, drafter, config, **kw)
     eng = _ENGINES[key]
     eng.dp = drafter.arrays()
     return eng

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
 
@@ -28,7 +28,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(target, prompts):
-    eng = Engine(target, None, num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,))
+    eng = Engine(target, None, EngineConfig(num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
     out = [r.tokens for r in res.results]
     for p, o in zip(prompts, out):  # cache-free check + margin guard
@@ -48,7 +48,7 @@ def test_greedy_equals_target(target, prompts, reference, kind):
     d = tiny_drafter(base, target, gamma=3, head_type="rnn" if kind == "dspark_rnn" else "vanilla")
     kw = dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}
     G = 1 if kind == "mtp1" else 3
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=(3 * (G + 1),), prefill_buckets=(20,), **kw)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=(3 * (G + 1),), prefill_buckets=(20,), **kw))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
     assert [r.tokens for r in res.results] == reference
     # one dispatch per round: the host loop made exactly as many calls as rounds ran
@@ -60,7 +60,7 @@ def test_buckets_policies_and_loops_one_program(target, prompts, reference):
     """Several buckets, fixed / threshold gamma and sampling changes: one round program; the
     while loop gives the same tokens; accepted lengths are >= 1 and tau > 1 with real acceptance."""
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,))  # default buckets (3, 6, 12)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,)))  # default buckets (3, 6, 12)
     assert len(eng.buckets) == 3
     out = {}
     for gamma in (3, 1, 0):
@@ -80,7 +80,8 @@ def test_buckets_policies_and_loops_one_program(target, prompts, reference):
 
 def test_threshold_policy_traces(target, prompts):
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=(12,), prefill_buckets=(20,), policy="threshold")
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=(12,), prefill_buckets=(20,),
+                                        policy="threshold"))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, threshold=0.5, traces=True)
     tr = res.traces.arrays()
     a = np.cumprod(1 / (1 + np.exp(-tr["conf_logits"])), axis=1)
@@ -98,8 +99,8 @@ def test_rounds_that_verify_no_drafts_take_the_one_column_view(target, prompts, 
     from dspark_jax.engine import round as round_mod
 
     d = tiny_drafter("dspark", target, gamma=3)
-    fixed = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,))
-    eng = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold")
+    fixed = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,)))
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold"))
     assert fixed.spec.widths == (4,) and eng.spec.widths == (1, 4)
     lengths = []
     for threshold in (1.01, 0.0, 0.3):  # never draft / always gamma / mixed rounds
@@ -110,6 +111,6 @@ def test_rounds_that_verify_no_drafts_take_the_one_column_view(target, prompts, 
     assert eng.compiled_rounds() == 1
     # the mutation: always the narrow view -> drafts verified against rows that were never forwarded
     monkeypatch.setattr(round_mod, "_width_index", lambda widths, act, lengths: jnp.int32(0))
-    broken = Engine(target, d, num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold")
+    broken = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold"))
     res = broken.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, threshold=0.0)
     assert [r.tokens for r in res.results] != reference

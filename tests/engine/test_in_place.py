@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.round import round_step
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
@@ -50,8 +50,8 @@ def _engine(target, kind, kv_pages=None, prefill_chunk=None):
     base, _, policy = kind.partition("-")
     drafter = None if base == "none" else tiny_drafter(base, target, gamma=3)
     # a long context makes one cache far larger than anything else a round touches
-    return Engine(target, drafter, num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages,
-                  prefill_chunk=prefill_chunk, policy=policy or "fixed")
+    return Engine(target, drafter, EngineConfig(num_slots=4, max_len=1024, prefill_buckets=(16,), kv_pages=kv_pages,
+                                                prefill_chunk=prefill_chunk, policy=policy or "fixed"))
 
 
 @pytest.mark.parametrize("kind,paged,chunk", [(k, False, None) for k in KINDS]

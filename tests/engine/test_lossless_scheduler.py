@@ -36,7 +36,7 @@ import pytest
 from scipy import stats
 
 from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.round import draft, round_step
 from dspark_jax.testing import broken
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
@@ -118,8 +118,8 @@ def engine(models, name):
     if name not in _ENGINES:
         target, d = models
         policy = VARIANTS[name][0]
-        _ENGINES[name] = Engine(target, d, num_slots=R, max_len=16, buckets=ENGINE_BUCKETS, prefill_buckets=(8,),
-                                policy=policy, theta="sps", cost="interp")
+        _ENGINES[name] = Engine(target, d, EngineConfig(num_slots=R, max_len=16, buckets=ENGINE_BUCKETS,
+                                                        prefill_buckets=(8,), policy=policy, theta="sps", cost="interp"))
     return _ENGINES[name]
 
 

@@ -9,7 +9,7 @@ from tests.conftest import fake_devices_env, run_multidevice
 
 CODE = r"""
 import dataclasses, json, numpy as np, jax
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.parallel.sharding import make_mesh

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ def setup():
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 17, 5, 2)]
-    ref = Engine(target, None, num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,))
+    ref = Engine(target, None, EngineConfig(num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
     reference = [r.tokens for r in ref.generate(prompts, max_new_tokens=12, sampling=GREEDY).results]
     return target, prompts, reference
 
@@ -43,7 +43,8 @@ def _reference_lengths(policy, a, table):
 def test_scheduler_in_compiled_round(setup, policy):
     target, prompts, reference = setup
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy=policy)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy=policy))
     res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True,
                        table=scheduler.make_table(**TABLE))
     assert [r.tokens for r in res.results] == reference  # lossless (greedy)
@@ -76,8 +77,8 @@ def test_scheduler_objective_is_configurable(setup):
     table_np = scheduler.make_table(**table, as_numpy=True)
     lengths = {}
     for theta in ("sps", "latency"):
-        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
-                     theta=theta)
+        eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                             policy="early_stop", theta=theta))
         res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True,
                            table=scheduler.make_table(**table))
         assert [r.tokens for r in res.results] == reference
@@ -96,9 +97,9 @@ def test_bad_objective_names(setup):
     target = setup[0]
     d = tiny_drafter("dspark", target, gamma=3)
     with pytest.raises(ValueError, match="theta='speed'.*sps, latency"):
-        Engine(target, d, num_slots=3, max_len=40, policy="early_stop", theta="speed")
+        Engine(target, d, EngineConfig(num_slots=3, max_len=40, policy="early_stop", theta="speed"))
     with pytest.raises(ValueError, match="cost model 'linear'.*step, interp"):
-        Engine(target, d, num_slots=3, max_len=40, policy="production", cost="linear")
+        Engine(target, d, EngineConfig(num_slots=3, max_len=40, policy="production", cost="linear"))
 
 
 def test_skip_drafting_inside_the_round(setup):
@@ -109,8 +110,8 @@ def test_skip_drafting_inside_the_round(setup):
 
     target, prompts, reference = setup
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
-                 skip_drafting=True)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="early_stop", skip_drafting=True))
     never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)  # drafting costs 50 steps
     res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True, table=never)
     assert [r.tokens for r in res.results] == reference
@@ -132,8 +133,8 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
 
     target, prompts, _ = setup
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="production",
-                 skip_drafting=True)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="production", skip_drafting=True))
     never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)
     pays = scheduler.make_table(**TABLE)
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
@@ -162,8 +163,8 @@ def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     assert scheduler.speculation_pays_np(3, tab_np, 9, mode="latency")
     drafted = {}
     for rule in ("best_case", "known"):
-        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
-                     skip_drafting=rule, probe_every=4)
+        eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                             policy="early_stop", skip_drafting=rule, probe_every=4))
         res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, traces=True, table=table)
         assert [r.tokens for r in res.results] == reference
         tr = res.traces.arrays()
@@ -200,19 +201,20 @@ def test_scheduled_policies_refuse_to_guess(setup):
     target, prompts, _ = setup
     d = tiny_drafter("dspark", target, gamma=3)
     for kw in ({"policy": "early_stop"}, {"policy": "production"}, {"skip_drafting": "best_case"}):
-        eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), **kw)
+        eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), **kw))
         with pytest.raises(EngineError, match="cost table and none was given.*costs measure"):
             eng.generate(prompts, max_new_tokens=4, sampling=GREEDY)
     # with a table each runs (test_scheduler_in_compiled_round, test_skip_on_known_survivals...);
     # a fixed policy never needs one (every other engine test)
 
-    eng = Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop")
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="early_stop"))
     for other in ((2, 4, 12), (3, 6), (3, 6, 12, 24)):
         with pytest.raises(EngineError, match=r"buckets .* do not match this engine's verification buckets \[3, 6, 12\]"):
             eng.generate(prompts, max_new_tokens=4, sampling=GREEDY,
                          table=scheduler.make_table(other, t_verify=np.linspace(1, 2, len(other))))
     with pytest.raises(EngineError, match="do not match"):
-        Engine(target, d, num_slots=3, max_len=40, buckets=BUCKETS, policy="static",
+        Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, policy="static"),
                table=scheduler.make_table((4, 12), t_verify=(1.0, 2.0)))
 
     for kind in ("dflash", "eagle3", "mtp1"):
@@ -220,5 +222,6 @@ def test_scheduled_policies_refuse_to_guess(setup):
         lk = dict(layer_ids=[0]) if kind == "eagle3" else {}
         for kw in ({"policy": "early_stop"}, {"policy": "threshold"}, {"skip_drafting": "known"}):
             with pytest.raises(EngineError, match=f"confidence head, and this {kind} drafter has none"):
-                Engine(target, nc, num_slots=3, max_len=40, **lk, **kw)
-        Engine(target, nc, num_slots=3, max_len=40, skip_drafting="best_case", **lk)  # reads the table only
+                Engine(target, nc, EngineConfig(num_slots=3, max_len=40, **lk, **kw))
+        Engine(target, nc, EngineConfig(num_slots=3, max_len=40, skip_drafting="best_case",
+                                        **lk))  # reads the table only

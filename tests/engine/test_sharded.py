@@ -5,7 +5,7 @@ from tests.conftest import run_multidevice
 CODE = r"""
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.parallel.sharding import make_mesh, shard_model
@@ -15,7 +15,7 @@ t = tiny_target(cfg, logit_scale=1.0)
 d = tiny_drafter("dspark", t, gamma=3)
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [3, 3, 3, 3]]
 def run(tt, dd):
-    eng = Engine(tt, dd, num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,))
+    eng = Engine(tt, dd, EngineConfig(num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,)))
     g = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(0.0, 0, 1.0))
     s = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(1.0, 0, 1.0), seed=1)
     return [r.tokens for r in g.results], [r.tokens for r in s.results]

@@ -229,7 +229,7 @@ def test_tokenizer_matches_transformers(hf_gguf, ours):
 
 
 def test_chat_template_renders_identically(hf_gguf, ours):
-    from dspark_jax.data.chat import render_text
+    from dspark_jax.text.chat import render_text
 
     tok, _ = hf_gguf
     for msgs in ([{"role": "user", "content": "What is 2+2?"}],
@@ -265,11 +265,11 @@ def test_greedy_tokens_match_transformers_generate(hf_gguf, ours):
     import torch
 
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
 
     tok, model = hf_gguf
     prompts = [list(_ids(tok, m)) for m in PROMPTS[:2]]
-    eng = Engine(ours.model, None, num_slots=2, max_len=128, prefill_buckets=(64,))
+    eng = Engine(ours.model, None, EngineConfig(num_slots=2, max_len=128, prefill_buckets=(64,)))
     res = eng.generate(prompts, max_new_tokens=32, sampling=SamplingParams(0.0, 0, 1.0), stop_ids=ours.tokenizer.stop_ids)
     for p, r in zip(prompts, res.results):
         with torch.no_grad():

@@ -106,12 +106,13 @@ def test_bucket_plan_lands_in_each_bucket():
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     target = tiny_target(tiny_config())
     drafter = tiny_drafter("dspark", target, gamma=2)
-    return Engine(target, drafter, num_slots=2, max_len=16, buckets=[1, 2, 3, 4, 6], policy=verify_gamma_policy)
+    return Engine(target, drafter, EngineConfig(num_slots=2, max_len=16, buckets=[1, 2, 3, 4, 6],
+                                                policy=verify_gamma_policy))
 
 
 @pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")  # timing noise, not under test here
@@ -128,12 +129,13 @@ def test_measure_engine_times_each_bucket_on_the_round(tiny_engine):
 def test_measure_engine_refuses_a_round_in_another_bucket(tiny_engine):
     import jax.numpy as jnp
 
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
 
     def never_verify(a, active, ctl, a_stale, stale_valid):  # ignores ctl.gamma: every round packs 1 token / slot
         return jnp.zeros(active.shape, jnp.int32)
 
-    eng = Engine(tiny_engine.target, tiny_engine.drafter, num_slots=2, max_len=16, buckets=[2, 6], policy=never_verify)
+    eng = Engine(tiny_engine.target, tiny_engine.drafter, EngineConfig(num_slots=2, max_len=16, buckets=[2, 6],
+                                                                       policy=never_verify))
     with pytest.raises(MeasureError, match=r"bucket 6 .* ran in bucket 2: the engine's policy "
                                            r"'never_verify'.*policy=dspark_jax.scheduler.costs.verify_gamma_policy"):
         measure_engine(eng, repeats=1, warmup=1)

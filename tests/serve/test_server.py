@@ -33,7 +33,7 @@ def _http(url, data: bytes | None = None):
 def reference(embedded_tiny_dir):
     """Greedy completions of the target alone (the offline engine), as text."""
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.engine import Engine
+    from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.io.hf import load_target
 
     lt = load_target(embedded_tiny_dir)
@@ -282,7 +282,7 @@ def test_calibrated_takes_the_fit_for_the_named_sampling_temperature(embedded_ti
     for calibrated, want in ((0.0, fits[0.0]), (True, fits[1.0]), (1.0, fits[1.0]), (None, np.ones(G))):
         _, served = build(str(embedded_tiny_dir), str(d), slots=2, max_len=64, calibrated=calibrated)
         try:
-            np.testing.assert_allclose(np.asarray(served.loop._ctl.sts), want, rtol=1e-6, err_msg=str(calibrated))
+            np.testing.assert_allclose(np.asarray(served.loop.control.sts), want, rtol=1e-6, err_msg=str(calibrated))
         finally:
             served.loop.stop()
     with pytest.raises(CalibrationMissingError, match=r"T0.5_k0_p1 \(has: T0_k0_p1, T1_k0_p1\)"):

@@ -191,7 +191,7 @@ def test_engine_verification_through_the_kernel():
     the drafters' cached attention) gives the dense engine's greedy tokens, target-only and with
     DSpark, Eagle3 and MTP-1 drafters."""
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.engine import Engine, EngineError
+    from dspark_jax.engine import Engine, EngineConfig, EngineError
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
@@ -205,11 +205,12 @@ def test_engine_verification_through_the_kernel():
         g = {None: 0, "mtp1": 1}.get(kind, 3)
         kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,),
                   **({"gamma": 3, "layer_ids": [0]} if kind == "eagle3" else {}))
-        want = [r.tokens for r in Engine(target, d, **kw).generate(prompts, max_new_tokens=10, sampling=greedy).results]
-        eng = Engine(target, d, kv_pages=(24, 4), paged_attention="pallas", **kw)
+        want = [r.tokens for r in Engine(target, d, EngineConfig(**kw)).generate(prompts, max_new_tokens=10,
+                                                                                 sampling=greedy).results]
+        eng = Engine(target, d, EngineConfig(kv_pages=(24, 4), paged_attention="pallas", **kw))
         st = eng.init_state()
         assert st.cache.impl == "pallas" and (kind is None or st.dcache.impl == "pallas")
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=10, sampling=greedy).results]
         assert got == want
     with pytest.raises(EngineError, match="not one of"):
-        Engine(target, None, num_slots=2, max_len=40, kv_pages=(24, 4), paged_attention="flash")
+        EngineConfig(num_slots=2, max_len=40, kv_pages=(24, 4), paged_attention="flash")

@@ -1,0 +1,130 @@
+"""The engine's settings: one frozen, typed value, checked once when it is made.
+
+    config = EngineConfig(num_slots=8, max_len=512, policy="production", skip_drafting="known")
+    engine = Engine(target, drafter, config, table=table)
+
+What needs the models (the drafter's block size, whether it has a confidence head, whether a cost
+table prices the buckets) is checked by the `Engine` that uses the config; everything a value alone
+decides is checked here, and each refusal names the field and what to give instead.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from dspark_jax.engine.errors import EngineConfigError
+from dspark_jax.engine.policy import get_policy
+from dspark_jax.target.paged_kernel import PAGED_ATTENTION_IMPLS
+
+__all__ = ["EngineConfig", "EngineConfigError", "SKIP_RULES"]
+
+# accepted `skip_drafting` values -> the rule the compiled round applies (None: always draft)
+SKIP_RULES = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # request slots decoded together: the batch of every compiled round
+    num_slots: int = 8
+    # tokens a slot holds (prompt + generated + one round's drafts): the KV cache length
+    max_len: int = 512
+    # default verification length (fixed / threshold policies); None = the drafter's block size
+    gamma: int | None = None
+    # verification bucket sizes in tokens; None = a cost table's buckets, else R, 2R, ... R * (G + 1)
+    buckets: tuple[int, ...] | None = None
+    # prompt-length buckets, one compiled prefill each; None = 16, 32, ... up to max_len
+    prefill_buckets: tuple[int, ...] | None = None
+    # verification lengths: "fixed", "threshold", a scheduler ("early_stop", "static", "production") or a function
+    policy: str | Callable = "fixed"
+    # what a scheduler maximises: "sps" (tau * SPS(B), the paper's) or "latency" (tau / round time)
+    theta: str = "latency"
+    # how a scheduler prices B tokens: "interp" / "step"; None = the policy's own default
+    cost: str | None = None
+    # skip the whole draft when it cannot pay: None, "best_case" or "known" (True = "known")
+    skip_drafting: str | bool | None = None
+    # "known" rule: rounds between probes that refresh the survivals ...
+    probe_every: int = 8
+    # ... doubled while fresh survivals say no, up to this
+    probe_max: int = 64
+    # target layers the drafter reads (None: the drafter's own)
+    layer_ids: tuple[int, ...] | None = None
+    # (num_pages, page_size): a paged KV cache, a pool shared by the slots; None = dense [R, max_len]
+    kv_pages: tuple[int, int] | None = None
+    # how attention reads pages: "auto" (Pallas kernel on TPU, reference elsewhere), "pallas", "reference"
+    paged_attention: str = "auto"
+    # prompt tokens a round forwards for a request joining running ones; None = prompts prefilled whole
+    prefill_chunk: int | None = None
+    # ... spread over at most this many joining slots a round
+    prefill_rows: int = 4
+
+    def __post_init__(self):
+        for name in ("buckets", "prefill_buckets", "layer_ids", "kv_pages"):  # lists -> tuples (hashable)
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                items = tuple(value)
+            except TypeError:
+                items = None
+            if items is None or not all(_is_int(x) for x in items):
+                raise EngineConfigError(f"EngineConfig.{name} must be a sequence of integers, got {value!r}")
+            object.__setattr__(self, name, tuple(int(x) for x in items))
+        self.check()
+
+    def check(self) -> None:
+        """Raise EngineConfigError naming the first field out of range and the fix."""
+        _at_least("num_slots", self.num_slots, 1, "one request slot at least")
+        _at_least("max_len", self.max_len, 3, "room for a prompt token, a new token and a round")
+        if self.gamma is not None:
+            _at_least("gamma", self.gamma, 0, "None takes the drafter's block size")
+        for name in ("buckets", "prefill_buckets"):
+            value = getattr(self, name)
+            if value is not None and (not value or min(value) < 1):
+                raise EngineConfigError(f"EngineConfig.{name} must be positive token counts, got {value!r}; "
+                                        "or None for the defaults")
+        try:
+            get_policy(self.policy, self.theta, self.cost)
+        except ValueError as e:
+            raise EngineConfigError(f"EngineConfig: {e}") from None
+        if self.skip_drafting not in SKIP_RULES:
+            raise EngineConfigError(f"EngineConfig.skip_drafting={self.skip_drafting!r}: use None, 'best_case' or "
+                                    "'known' (True = 'known')")
+        if not (_is_int(self.probe_every) and _is_int(self.probe_max) and 1 <= self.probe_every <= self.probe_max):
+            raise EngineConfigError(f"EngineConfig needs 1 <= probe_every <= probe_max, got {self.probe_every} and "
+                                    f"{self.probe_max}")
+        if self.kv_pages is not None:
+            if len(self.kv_pages) != 2:
+                raise EngineConfigError(f"EngineConfig.kv_pages must be (num_pages, page_size), got {self.kv_pages!r}")
+            if min(self.kv_pages) < 1:
+                raise EngineConfigError(f"EngineConfig.kv_pages needs num_pages >= 1 and page_size >= 1, got "
+                                        f"{self.kv_pages!r}")
+        if self.paged_attention not in PAGED_ATTENTION_IMPLS:
+            raise EngineConfigError(f"EngineConfig.paged_attention {self.paged_attention!r} is not one of "
+                                    f"{PAGED_ATTENTION_IMPLS}")
+        if self.prefill_chunk is not None:
+            _at_least("prefill_chunk", self.prefill_chunk, 1, "None prefills prompts whole")
+        _at_least("prefill_rows", self.prefill_rows, 1, "at least one joining slot a round")
+
+    @property
+    def skip_rule(self) -> str | None:
+        """The skip rule by its one name: None, "best_case" or "known"."""
+        return SKIP_RULES[self.skip_drafting]
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with `changes` (checked like a new config)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise EngineConfigError(f"EngineConfig has no field(s) {unknown}; fields: {', '.join(sorted(known))}")
+        return EngineConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _at_least(name: str, value, low: int, why: str) -> None:
+    if not _is_int(value) or value < low:
+        raise EngineConfigError(f"EngineConfig.{name} must be an integer >= {low} ({why}), got {value!r}")

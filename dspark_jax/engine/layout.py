@@ -1,0 +1,73 @@
+"""A fresh decode state for an engine's slots, and its layout on a device mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from dspark_jax.engine.spec import Spec
+from dspark_jax.engine.state import DecodeState
+from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kv import PAGE_AXES, PagedKVCache
+
+__all__ = ["fresh_state", "decode_shardings"]
+
+
+def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=None, paged_attention="reference",
+                chunked: bool = False) -> DecodeState:
+    """Every slot free. `pages`: the PageAllocator of a paged cache (the drafter's cache is paged
+    too, with the same page table); `chunked`: room for prompts forwarded in chunks by the rounds."""
+    S, kind = spec.max_len, spec.kind
+    if kind is not None:
+        if pages is None:
+            dcache, last = kind.init_decode(spec, drafter, R, S, dtype)
+        else:  # the drafter's cache paged like the target's (same positions, same page table)
+            dense, _ = jax.eval_shape(lambda: kind.init_decode(spec, drafter, R, S, dtype))
+            _, last = kind.init_decode(spec, drafter, R, 1, dtype)
+            dcache = PagedKVCache.like(dense, pages.num_pages, pages.page_size, paged_attention)
+    else:
+        dcache, last = KVCache.create(tcfg, R, 1, dtype, num_layers=1), jnp.zeros((R, 1), dtype)
+    if pages is None:
+        cache = KVCache.create(tcfg, R, S, dtype)
+    else:
+        cache = PagedKVCache.create(tcfg, R, S, pages.num_pages, pages.page_size, dtype, impl=paged_attention)
+    zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
+    return DecodeState(
+        cache=cache, dcache=dcache, last=last, anchor=zi(), pos=zi(), active=jnp.zeros((R,), bool),
+        keys=jax.random.split(jax.random.key(0), R), rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
+        out=jnp.zeros((R, S), jnp.int32), a_hist=jnp.full((2, R, spec.Gs), -1.0, jnp.float32), step=jnp.int32(0),
+        since_draft=jnp.int32(0), probe_gap=jnp.int32(spec.probe_every), finish=zi(), plen=zi(), joined=zi(),
+        prompt=jnp.zeros((R, S if chunked else 1), jnp.int32))
+
+
+def decode_shardings(state: DecodeState, mesh):
+    """Layout of a DecodeState on `mesh`: per-slot arrays split over `data` (slots), KV caches
+    [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. A paged cache's pool
+    [L, pages, Nkv, page_size, D] has no slot axis (`PAGE_AXES`): KV heads over `tensor`, whole on
+    `data` (every data shard holds the pool; page tables split with their slots), as the paged
+    kernel's shard_map reads it. An axis that does not divide its dimension is left whole
+    (`logical_to_pspec`)."""
+    r = state.anchor.shape[0]
+
+    def one(x, names):
+        return NamedSharding(mesh, logical_to_pspec(names, x.shape, mesh))
+
+    def per_slot(x):
+        if x.ndim == 0:
+            return one(x, ())
+        names = ["batch" if d == r and i == 0 else None for i, d in enumerate(x.shape)]
+        return one(x, names)
+
+    def cache(c):
+        if isinstance(c, PagedKVCache):
+            pool = lambda a: one(a, PAGE_AXES)
+            return c._replace(k=pool(c.k), v=pool(c.v), page_table=per_slot(c.page_table), lengths=per_slot(c.lengths))
+        kv = lambda a: one(a, (None, "batch", None, "kv_heads", None))
+        return c._replace(k=kv(c.k), v=kv(c.v), lengths=per_slot(c.lengths))
+
+    out = jax.tree.map(per_slot, state._replace(cache=None, dcache=None))
+    hist = one(state.a_hist, (None, "batch", None))
+    return out._replace(cache=cache(state.cache), dcache=cache(state.dcache), a_hist=hist)

@@ -1,0 +1,47 @@
+"""An engine's compiled programs: prefill (one per prompt-length bucket), the round, the
+`lax.while_loop` of rounds, the draft alone, and a join without a forward (chunked prefill).
+
+The decode state is donated to every program that returns it; with a mesh it keeps its layout
+from call to call (`state_sh`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+
+from dspark_jax.engine.round import admit, draft_part, prefill, round_step, run_rounds
+from dspark_jax.engine.spec import Spec
+
+__all__ = ["Programs", "compile_programs"]
+
+
+class Programs(NamedTuple):
+    prefill: object  # (tstate, dp, st, tokens, plen, join, keys, max_new) -> st
+    round: object  # (tp, dp, st, ctl) -> (st, RoundOut)
+    loop: object  # (tp, dp, st, ctl, max_rounds, stop_on_free) -> (st, rounds)
+    draft: object  # (dp, st, sampling) -> (tokens, q, z); None for target-only
+    admit: object  # (st, tokens, plen, join, keys, max_new) -> st
+
+
+def compile_programs(spec: Spec, tgraph, state_sh=None) -> Programs:
+    """The jitted programs of `spec` over the target's graph `tgraph` (its state is an argument)."""
+
+    def _prefill(tstate, dp, st, tokens, plen, join, keys, max_new):
+        model = nnx.merge(tgraph, tstate)
+
+        def apply(tok, pos, valid, cache, fl):
+            return model(tok, positions=pos, valid=valid, cache=cache, feature_layers=fl, return_logits=False)
+
+        return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)
+
+    state_kw = {} if state_sh is None else {"out_shardings": state_sh}
+    round_kw = {} if state_sh is None else {"out_shardings": (state_sh, None)}
+    return Programs(
+        prefill=jax.jit(_prefill, donate_argnums=(2,), **state_kw),
+        round=jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **round_kw),
+        loop=jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,)),
+        draft=jax.jit(functools.partial(draft_part, spec)) if spec.G else None,
+        admit=jax.jit(admit, donate_argnums=(0,), **state_kw))
