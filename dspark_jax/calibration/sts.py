@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (STS) and calibration metrics (spec 2.4). Host-side numpy.
+"""Sequential Temperature Scaling (STS) and calibration metrics (docs/method.md §2.4). Host-side numpy.
 
 Data layout: ``conf_logits[N, G]`` = confidence logits z_j of N held-out rounds, and
 ``accepted[N]`` = number of accepted draft tokens of each round. Fitting needs rounds

@@ -1,4 +1,4 @@
-"""Anchor sampling for DSpark training blocks (method note section 4).
+"""Anchor sampling for DSpark training blocks (docs/method.md §4).
 
 An anchor p is a committed token whose block predicts p+1 ... p+gamma. It is valid when
 both x_p and x_{p+1} are assistant tokens. Per sequence we draw up to `num_anchors`

@@ -1,4 +1,4 @@
-"""Speculative verification (rejection sampling) for a batch of requests (spec section 5).
+"""Speculative verification (rejection sampling) for a batch of requests (docs/method.md §5).
 
 ``q`` and ``p`` must be the exact distributions the tokens are / would be sampled from,
 i.e. both produced by :func:`dspark_jax.decoding.sampling.sampling_probs` with the same sampling

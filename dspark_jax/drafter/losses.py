@@ -1,4 +1,4 @@
-"""DSpark training losses as pure functions (method note section 4).
+"""DSpark training losses as pure functions (docs/method.md §4).
 
 Per block slot j (weight w_j = exp(-j / decay) times the valid prefix mask, one shared
 denominator sum(w)):  coef_ce * CE(q_j, label) + coef_l1 * ||q_j - p_j||_1

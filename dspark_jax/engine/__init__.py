@@ -1,4 +1,4 @@
-"""Batched, static-shape, lossless speculative decoding (spec 3.1 and 5).
+"""Batched, static-shape, lossless speculative decoding (docs/method.md §3.1 and §5).
 
 - state.py: the decode-state pytree of R slots, traced controls, per-round records.
 - spec.py: the static description of a compiled engine (the drafter kind's adapter inside).

@@ -3,7 +3,7 @@
 `a` [R, G] is the prefix survival of the current drafts (from the confidence logits and
 the STS temperatures), `active` [R] bool, `ctl` the traced `Control` (gamma, threshold,
 cost table, default capacity), `a_stale` the survivals of two rounds ago. A policy must
-respect the lossless invariant of spec 3: whether draft j is verified never depends on
+respect the lossless invariant of docs/method.md §3: whether draft j is verified never depends on
 the value of draft j itself (all policies here do; see scheduler.py). Policies are static
 (part of the compiled program); their parameters are traced.
 
@@ -43,7 +43,7 @@ def early_stop(a, active, ctl, a_stale, stale_valid, mode="latency", cost="inter
 
 
 def static(a, active, ctl, a_stale, stale_valid, mode="latency", cost=None):
-    """Section 3.1: early stop on the interpolated table (`cost` does not apply), then the bucket is filled."""
+    """docs/method.md §3.1: early stop on the interpolated table (`cost` does not apply), then the bucket is filled."""
     return scheduler.schedule_static(a, active, ctl.table, mode=mode)[0]
 
 

@@ -1,4 +1,4 @@
-"""Target verification on a packed token batch with a per-request padded attention view (spec 3.1).
+"""Target verification on a packed token batch with a per-request padded attention view (docs/method.md §3.1).
 
 The dense work (q/k/v/o projections, MLP, LM head) runs on `bucket` packed tokens: the
 valid tokens of the padded `[R, T]` block (`T = gamma + 1`, each row's anchor and its

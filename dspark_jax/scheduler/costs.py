@@ -1,4 +1,4 @@
-"""Verification cost tables (spec 3.1): measure on the engine's compiled round, save, load, check.
+"""Verification cost tables (docs/method.md §3.1): measure on the engine's compiled round, save, load, check.
 
     python -m dspark_jax costs measure --model tiny --num-slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
     python -m dspark_jax costs roofline --out configs/costs/accelerator_synthetic.json   # synthetic, documented

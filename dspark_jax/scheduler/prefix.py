@@ -1,4 +1,4 @@
-"""Hardware-aware prefix scheduler (spec sections 3 and 3.1).
+"""Hardware-aware prefix scheduler (docs/method.md §3 and §3.1).
 
 Every scheduler exists twice with the same signature: a plain-loop numpy version
 (``*_np``, the readable reference, host-side) and a jit-compiled JAX version (static

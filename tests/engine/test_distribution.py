@@ -1,4 +1,4 @@
-"""The engine's output distribution equals the target's (spec 5), checked by a chi-square test.
+"""The engine's output distribution equals the target's (docs/method.md §5), checked by a chi-square test.
 
 Tiny target with vocabulary 8, one 4-token prompt, N = 50,000 independent requests run
 as N slots of one engine (each with its own key; 2e5 would quadruple the CPU time). Cells: the first two generated tokens

@@ -1,4 +1,4 @@
-"""Losslessness of the engine's compiled round with each prefix scheduler (spec 3, issue 7).
+"""Losslessness of the engine's compiled round with each prefix scheduler (docs/method.md §3, issue 7).
 
 Instance: R = 3 requests, gamma 2, vocabulary 2, temperature 1. The DSpark drafter's
 confidence logit of slot 1 reads the sampled slot-0 token (its Markov embedding), so the

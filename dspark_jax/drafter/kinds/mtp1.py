@@ -1,4 +1,4 @@
-"""MTP-1 (DeepSeek-V3 style, method note section 6): one causal layer over the target's final
+"""MTP-1 (DeepSeek-V3 style, docs/method.md §6): one causal layer over the target's final
 hidden state and the next token, one draft token per round, CE on x_{t+2}."""
 
 from __future__ import annotations
