@@ -1,7 +1,7 @@
 """The decode state of R request slots (a pytree, every leaf a fixed-shape array) and the
 traced per-call controls.
 
-Convention per slot r: while its prompt is forwarded in chunks (`Engine(prefill_chunk=...)`),
+Convention per slot r: while its prompt is forwarded in chunks (`EngineConfig(prefill_chunk=...)`),
 `pos[r] < plen[r] - 1` is how far it got (the cache holds positions < pos); then the
 committed sequence is x_0..x_p, `anchor[r] = x_p`,
 `pos[r] = p`; the target cache holds K/V of positions < p (`cache.lengths == pos`), the
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kv import PagedKVCache
-from dspark_jax.decoding.sampling import SamplingParams
 
 __all__ = ["DecodeState", "Control", "RoundOut", "FINISH_REASONS"]
 
@@ -30,7 +30,7 @@ FINISH_REASONS = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache | PagedKVCache  # target KV: dense [L, R, S, Nkv, D] or paged (Engine(kv_pages=...))
+    cache: KVCache | PagedKVCache  # target KV: dense [L, R, S, Nkv, D] or paged (EngineConfig(kv_pages=...))
     dcache: KVCache  # drafter cache (mode dependent; a 1-position dummy for target-only)
     last: jax.Array  # Eagle3 [R, m, H] / MTP-1 [R, H] / dummy [R, 1]
     anchor: jax.Array  # [R] int32

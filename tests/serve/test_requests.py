@@ -40,9 +40,9 @@ def srv(embedded_tiny_dir):
 
     gate, real_warm = threading.Event(), EngineLoop._warm
 
-    def gated(self, st):
+    def gated(self, *args):
         gate.wait(300)
-        return real_warm(self, st)
+        return real_warm(self, *args)
 
     seen = {}
     EngineLoop._warm = gated
