@@ -8,6 +8,7 @@ shows the traceback anyway (for bug reports).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -17,7 +18,6 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ConnectionError)
 
 def report_user_errors(main):
     """Decorate a ``main(argv) -> int``: user errors become ``error: <message>`` and status 2."""
-
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         try:
@@ -76,7 +76,6 @@ def prefill_chunk(value) -> int | None:
 
 
 def parse_kv_pages(text: str) -> tuple[int, int]:
-    import argparse
 
     try:
         num, size = (int(x) for x in str(text).split(","))

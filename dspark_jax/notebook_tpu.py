@@ -69,7 +69,7 @@ def with_checkpoint_model(cfg, path=None, *, fallback_mask_token_id: int | None 
     if drafter.mask_token_id is None:
         mask = None
         if (path / "tokenizer.json").is_file():
-            from dspark_jax.data.tokenizer import Tokenizer
+            from dspark_jax.text.tokenizer import Tokenizer
 
             mask = Tokenizer.load(path).mask_id
         if mask is None:

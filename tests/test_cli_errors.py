@@ -3,36 +3,35 @@
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
+
+from dspark_jax.__main__ import main
 
 NOPE = "/nonexistent/dspark_jax_test"
 
 CASES = {
-    "train": ("dspark_jax.train.__main__", [f"{NOPE}.yaml"]),
-    "train.plan": ("dspark_jax.train.plan", [f"{NOPE}.yaml"]),
-    "regenerate": ("dspark_jax.regenerate_main", ["--target", NOPE, "--out", f"{NOPE}/out"]),
-    "prepare": ("dspark_jax.data.prepare", [f"{NOPE}.jsonl", "--out", f"{NOPE}/out"]),
-    "eval": ("dspark_jax.eval.evaluate", ["--target", NOPE, "--drafter", NOPE]),
-    "calibrate": ("dspark_jax.calibration.calibrate", ["--traces", f"{NOPE}.npz", "--drafter", NOPE]),
-    "convert export": ("dspark_jax.io.convert", ["export", NOPE, f"{NOPE}/ref", "--target", NOPE]),
-    "generate": ("dspark_jax.engine.generate", ["--target", NOPE, "--prompts", f"{NOPE}.txt"]),
-    "serve": ("dspark_jax.serve.__main__", ["--target", NOPE]),
-    "gguf import": ("dspark_jax.io.gguf", ["import", f"{NOPE}.gguf", f"{NOPE}/out"]),
-    "simulate": ("dspark_jax.scheduler.simulate", ["--costs", f"{NOPE}.json", "--synthetic-traces", "--out", f"{NOPE}/o"]),
-    "bench engine": ("dspark_jax.bench.__main__", ["engine", "--target", NOPE]),
-    "bench regen": ("dspark_jax.bench.__main__", ["regen", "--target", NOPE]),
+    "train": [f"{NOPE}.yaml"],
+    "train-plan": [f"{NOPE}.yaml"],
+    "regenerate": ["--target", NOPE, "--out", f"{NOPE}/out"],
+    "prepare": [f"{NOPE}.jsonl", "--out", f"{NOPE}/out"],
+    "eval": ["--target", NOPE, "--drafter", NOPE],
+    "calibrate": ["--traces", f"{NOPE}.npz", "--drafter", NOPE],
+    "convert": ["export", NOPE, f"{NOPE}/ref", "--target", NOPE],
+    "generate": ["--target", NOPE, "--prompts", f"{NOPE}.txt"],
+    "serve": ["--target", NOPE],
+    "gguf": ["import", f"{NOPE}.gguf", f"{NOPE}/out"],
+    "simulate": ["--costs", f"{NOPE}.json", "--synthetic-traces", "--out", f"{NOPE}/o"],
+    "bench": ["engine", "--target", NOPE],
+    "bench regen": ["regen", "--target", NOPE],
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_missing_path_is_one_line(name, capsys, monkeypatch):
     monkeypatch.delenv("DSPARK_JAX_TRACEBACK", raising=False)
-    module, argv = CASES[name]
-    module = "dspark_jax.data.regenerate" if module == "dspark_jax.regenerate_main" else module
     try:
-        rc = importlib.import_module(module).main(argv)
+        rc = main([name.split()[0], *CASES[name]])
     except SystemExit as e:  # argparse
         rc = e.code
     err = capsys.readouterr().err.strip()
@@ -43,25 +42,22 @@ def test_a_missing_path_is_one_line(name, capsys, monkeypatch):
 
 def test_debugging_shows_the_traceback(monkeypatch):
     from dspark_jax.config.loader import ConfigError
-    from dspark_jax.train.plan import main
-
     monkeypatch.setenv("DSPARK_JAX_TRACEBACK", "1")
     with pytest.raises(ConfigError):
-        main([f"{NOPE}.yaml"])
+        main(["train-plan", f"{NOPE}.yaml"])
 
 
-@pytest.mark.parametrize("module,old,new", [
-    ("dspark_jax.scheduler.simulate", "--drafter-dir", "--drafter"),
-    ("dspark_jax.scheduler.simulate", "--out-dir", "--out"),
-    ("dspark_jax.calibration.calibrate", "--drafter-dir", "--drafter"),
-    ("dspark_jax.eval.evaluate", "--traces-dir", "--traces"),
-    ("dspark_jax.data.regenerate", "--num", "--num-prompts"),
-    ("dspark_jax.data.regenerate", "--model", "--model-name"),
+@pytest.mark.parametrize("command,old,new", [
+    ("simulate", "--drafter-dir", "--drafter"),
+    ("simulate", "--out-dir", "--out"),
+    ("calibrate", "--drafter-dir", "--drafter"),
+    ("eval", "--traces-dir", "--traces"),
+    ("regenerate", "--num", "--num-prompts"),
+    ("regenerate", "--model", "--model-name"),
 ])
-def test_one_name_per_concept_old_spellings_still_parse(module, old, new, capsys):
-    mod = importlib.import_module(module)
+def test_one_name_per_concept_old_spellings_still_parse(command, old, new, capsys):
     with pytest.raises(SystemExit):
-        mod.main(["--help"])
+        main([command, "--help"])
     help_text = capsys.readouterr().out
     assert f"{new} " in help_text.replace(",", " ") and old in help_text
 

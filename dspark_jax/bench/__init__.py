@@ -11,5 +11,5 @@ SUBCOMMANDS = {
     "vs-torch": ("dspark_jax.bench.vs_torch", "target forward vs transformers; train step, draft, verify vs an older commit"),
     "sampling": ("dspark_jax.bench.sampling", "top-p / top-k cut by bisection vs a full vocabulary sort"),
     "serve": ("dspark_jax.bench.serve", "the HTTP server under load: throughput vs per-user speed, TTFT, ITL"),
-    "grid": ("dspark_jax.eval.grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
+    "grid": ("dspark_jax.bench.grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
 }

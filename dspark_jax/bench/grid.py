@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.drafter import registry
 from dspark_jax.cli import report_user_errors
+from dspark_jax.drafter import registry
 
 KIND_ORDER = tuple(registry.KINDS)
 KIND_COLOR = {k: f"C{i}" for i, k in enumerate(KIND_ORDER)}
@@ -319,7 +319,7 @@ def _evaluate_if_needed(name: str, drafter_dir: Path, evals: Path, eval_args: li
     if (dest / "results.json").is_file():
         print(f"[grid] {name}: cached {dest}")
         return dest
-    from dspark_jax.eval.evaluate import main as eval_main
+    from dspark_jax.commands.eval import main as eval_main
 
     print(f"[grid] {name}: evaluating {drafter_dir} -> {dest}")
     rc = eval_main(["--drafter", f"{name}={drafter_dir}", "--out", str(dest), *eval_args])

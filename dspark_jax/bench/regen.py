@@ -17,8 +17,8 @@ import numpy as np
 
 
 def _prompts(tok, template, n: int, prompt_len: int):
-    from dspark_jax.data.chat import render_prompt
     from dspark_jax.data.regenerate import default_prompts, prompt_messages
+    from dspark_jax.text.chat import render_prompt
 
     convs = default_prompts()
     toks = np.full((n, prompt_len), tok.pad_id, np.int32)
@@ -42,9 +42,9 @@ def _timed(fn, repeats: int):
 
 
 def main(argv=None) -> int:
-    from dspark_jax.target.generation import generate, generate_host_loop
+    from dspark_jax.data.regen_defaults import DEFAULT_SAMPLING
     from dspark_jax.io.hf import load_target
-    from dspark_jax.data.regenerate import DEFAULT_SAMPLING
+    from dspark_jax.target.generation import generate, generate_host_loop
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench regen", description=__doc__)
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")

@@ -57,12 +57,12 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up (default 10)")
     args = ap.parse_args(argv)
+    import tempfile
+
     from dspark_jax.config import from_cli
     from dspark_jax.data.pipeline import make_example
     from dspark_jax.train.run import prepare_target
     from dspark_jax.train.trainer import Trainer
-
-    import tempfile
 
     cfg = from_cli([args.config, *args.overrides, f"train.output_dir={tempfile.mkdtemp(prefix='bench_train_')}",
                     "train.checkpoint_every=0"])

@@ -1,4 +1,4 @@
-"""STS calibration from engine traces (spec 2.4): fit, report, save with the drafter.
+"""STS calibration from engine traces (docs/method.md §2.4): fit, report, save with the drafter.
 
     python -m dspark_jax calibrate --traces run.npz [more.npz ...] --drafter-dir ckpt/drafter \
         [--out-dir reports/calib] [--grid-size 256 --grid-min 0.05 --grid-max 20 --bins 20] [--holdout 0.5]
@@ -20,20 +20,27 @@ and the engine reads them with :func:`load_temperatures` (``Engine.generate(...,
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.calibration.sts import calibration_report, fit_sts, make_grid, prefix_labels, survival
-from dspark_jax.calibration.traces import (TraceSet, concat, load_traces, recorded_sampling, sampling_key,
-                                           synthetic_traces)
-from dspark_jax.cli import report_user_errors
+from dspark_jax.calibration.sts import (
+    calibration_report,
+    fit_sts,
+    make_grid,
+    prefix_labels,
+    survival,
+)
+from dspark_jax.calibration.traces import (
+    TraceSet,
+    load_traces,
+    recorded_sampling,
+    sampling_key,
+)
 
 __all__ = ["STS_FILE", "CalibrationMissingError", "make_grid", "split_by_request", "calibrate_traces",
-           "save_temperatures", "load_temperatures", "reliability_diagram", "report_table", "main"]
+           "save_temperatures", "load_temperatures", "reliability_diagram", "report_table"]
 
 STS_FILE = "sts.json"
 FORMAT = "dspark_sts/1"
@@ -181,32 +188,6 @@ def report_table(res: dict, extra: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-@report_user_errors
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")
-    ap.add_argument("--synthetic-traces", action="store_true", help="use the parametric model of traces.synthetic_traces")
-    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", required=True,
-                    help="where sts.json is written (the drafter checkpoint dir)")
-    ap.add_argument("--out", "--out-dir", dest="out_dir", default=None,
-                    help="report JSON/markdown and reliability PNGs (default: drafter dir)")
-    ap.add_argument("--grid-size", type=int, default=256)
-    ap.add_argument("--grid-min", type=float, default=0.05)
-    ap.add_argument("--grid-max", type=float, default=20.0)
-    ap.add_argument("--bins", type=int, default=20)
-    ap.add_argument("--holdout", type=float, default=0.5, help="fraction of requests held out for the report")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sampling", default=None, metavar="T[,TOP_K,TOP_P]",
-                    help="the sampling setting of trace files that record none (the engine's raw Traces.save "
-                         "output); files written by `python -m dspark_jax generate --traces F.npz` record theirs")
-    args = ap.parse_args(argv)
-    if not args.traces and not args.synthetic_traces:
-        ap.error("give --traces FILE ... or --synthetic-traces")
-    try:
-        return _run(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
 
 def parse_sampling(text: str) -> dict:
@@ -222,7 +203,7 @@ def parse_sampling(text: str) -> dict:
     return {"temperature": t, "top_k": k, "top_p": p}
 
 
-def _load(path, sampling: dict | None) -> TraceSet:
+def load_trace_file(path, sampling: dict | None) -> TraceSet:
     """A trace file with its sampling setting: the one it records, else --sampling; never a guess
     (an STS fit stored under the wrong temperature would be read by every later run at that one)."""
     if not Path(path).exists():
@@ -238,28 +219,3 @@ def _load(path, sampling: dict | None) -> TraceSet:
     return load_traces(path, meta=None if rec is not None else {"sampling": sampling})
 
 
-def _run(args) -> int:
-    sampling = parse_sampling(args.sampling) if args.sampling else None
-    sets = [_load(p, sampling) for p in args.traces] or [synthetic_traces(256, 64, 7, seed=args.seed)]
-    groups: dict[str, list[TraceSet]] = {}
-    for s in sets:
-        groups.setdefault(s.key, []).append(s)
-    out_dir = Path(args.out_dir or args.drafter_dir)
-    grid = make_grid(args.grid_size, args.grid_min, args.grid_max)
-    summary = {}
-    for key, group in groups.items():
-        ts = concat(group)
-        res = calibrate_traces(ts, grid=grid, n_bins=args.bins, holdout=args.holdout, seed=args.seed)
-        path = save_temperatures(args.drafter_dir, ts.sampling, res)
-        _, held = split_by_request(ts.full_gamma(), args.holdout, args.seed)
-        png = reliability_diagram(held.conf_logits, held.accepted, res["temperatures"], out_dir / f"reliability_{key}.png",
-                                  n_bins=args.bins, title=f"{ts.meta.get('drafter_kind')} {key} ({ts.meta.get('source')})"[:120])
-        summary[key] = res
-        print(f"## sampling {key}: {res['n_fit']} fit / {res['n_heldout']} held-out full-gamma rounds; "
-              f"source: {res['source']}\n{report_table(res)}\nsaved {path}; diagram {png}\n")
-    (out_dir / "calibration_report.json").write_text(json.dumps(summary, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.drafter.registry import get_kind
+
 __all__ = ["Traces", "TraceSet", "TraceError", "sampling_key", "save_traces", "load_traces", "recorded_sampling",
            "from_engine", "concat", "synthetic_traces", "SYNTHETIC_PRESETS"]
 
@@ -124,7 +126,6 @@ class TraceSet:
 
 class Traces:
     """The engine's per-round recorder (`Engine.generate(traces=True)`); `from_engine` makes a TraceSet of it."""
-
     def __init__(self, G: int):
         self.G = G
         self._rows: list[tuple] = []
@@ -240,7 +241,7 @@ def concat(sets) -> TraceSet:
 SYNTHETIC_PRESETS = {
     # conditional acceptance logit of slot j: mu0 - decay * j + u_request + tok_sd * eps
     "dspark": dict(mu0=2.0, decay=0.10),  # semi-autoregressive head: slow suffix decay
-    "dflash": dict(mu0=2.0, decay=0.35),  # parallel block: faster suffix decay (spec 1)
+    "dflash": dict(mu0=2.0, decay=0.35),  # parallel block: faster suffix decay (docs/method.md §1)
     "mtp1": dict(mu0=2.0, decay=0.0),
 }
 
@@ -265,7 +266,6 @@ def synthetic_traces(n_requests: int = 64, rounds_per_request: int = 64, gamma: 
     p = dict(SYNTHETIC_PRESETS[kind])
     mu0 = p["mu0"] if mu0 is None else mu0
     decay = p["decay"] if decay is None else decay
-    from dspark_jax.drafter.registry import get_kind
 
     gamma = min(gamma, get_kind(kind).max_gamma or gamma)
     rng = np.random.default_rng(seed)

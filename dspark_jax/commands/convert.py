@@ -8,6 +8,7 @@ import sys
 
 from dspark_jax.cli import add_mesh_argument, report_user_errors
 
+
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
@@ -36,7 +37,10 @@ def main(argv=None) -> int:
                        help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")
         add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
     args = ap.parse_args(argv)
-    from dspark_jax.io.reference import export_reference, import_reference  # jax: after --help
+    from dspark_jax.io.reference import (  # jax: after --help
+        export_reference,
+        import_reference,
+    )
     from dspark_jax.parallel.sharding import parse_mesh
 
     try:
@@ -51,7 +55,3 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

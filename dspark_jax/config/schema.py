@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_jax.config.loader import ConfigError, load_config, split_cli
+from dspark_jax.parallel.topology import parse_slice
 from dspark_jax.target.config import ModelConfig
 
 DrafterKind = Literal["dspark", "dflash", "eagle3", "mtp1"]
@@ -63,8 +64,6 @@ class MeshSection:
 
     def __post_init__(self):
         if self.slice is not None:
-            from dspark_jax.parallel.topology import parse_slice
-
             parse_slice(self.slice)  # an unknown name fails at load, listing the valid ones
 
 

@@ -30,6 +30,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from dspark_jax.data.formats import read_conversations
+
 Conversation = list[dict]
 
 # Top-level stdlib modules/packages reserved for evaluation. Fixed so that numbers are
@@ -412,6 +414,5 @@ def load_jsonl(path) -> list[Conversation]:
     """Conversations from any chat format users bring (per record: OpenAI ``messages``, role /
     content or ShareGPT ``conversations``, ``turns`` prompts; JSONL, JSON array, parquet, a saved
     ``datasets`` directory): see `dspark_jax.data.formats`. Errors name the file and line."""
-    from dspark_jax.data.formats import read_conversations
 
     return read_conversations(path)

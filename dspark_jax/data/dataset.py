@@ -32,6 +32,15 @@ def _partial_dir(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
+def recorded_info(path, key: str) -> dict | None:
+    """`info[key]` of the dataset at `path` or of its interrupted write (what a resumed run must match)."""
+    path = Path(path)
+    for f in (_partial_dir(path) / "meta.partial.json", path / "meta.json"):
+        if f.is_file():
+            return json.loads(f.read_text()).get("info", {}).get(key)
+    return None
+
+
 class DatasetWriter:
     """Append records, then ``close()`` to publish atomically.
 

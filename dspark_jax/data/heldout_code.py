@@ -24,7 +24,14 @@ import os
 import random
 from pathlib import Path
 
-from dspark_jax.data.corpora import _SKIP_DIRS, _assistant, _stdlib_items, _truncate, _user, parse_top_level
+from dspark_jax.data.corpora import (
+    _SKIP_DIRS,
+    _assistant,
+    _stdlib_items,
+    _truncate,
+    _user,
+    parse_top_level,
+)
 
 PACKAGES = ("numpy", "jax", "flax", "optax")
 MIN_LINES = 3  # one-liners make degenerate "write X" prompts

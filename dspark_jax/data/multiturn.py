@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.data.chat import END_OF_TURN, assistant_spans, render_text
+from dspark_jax.text.chat import END_OF_TURN, assistant_spans, render_text
 
 THINK_END = "</think>"
 

@@ -13,8 +13,8 @@ import grain
 import jax
 import numpy as np
 
-from dspark_jax.data.dataset import TokenDataset
 from dspark_jax.data.anchors import block_valid_mask, sample_anchors
+from dspark_jax.data.dataset import TokenDataset
 
 
 class NoAssistantTokensError(ValueError):

@@ -1,6 +1,6 @@
 """Regenerate the assistant turns of a prompt set with the target and write the training dataset.
 
-DSpark trains drafters on responses sampled from the target itself (spec section 4), at
+DSpark trains drafters on responses sampled from the target itself (docs/method.md §4), at
 the reference's settings by default: temperature 0.7, top-p 0.8, top-k 20. Every assistant
 turn of a chat is regenerated in order, each conditioned on the history with the target's
 own earlier answers (``data.multiturn``); the chat's own answers are dropped. Prompts are
@@ -20,30 +20,41 @@ the same records as an uninterrupted one.
 Through a server instead (``--server URL``): ``data.regen_server`` sends the same turns to any
 OpenAI-compatible chat endpoint (vLLM, SGLang, ``python -m dspark_jax serve``).
 
-CLI: ``python -m dspark_jax regenerate --out DIR [--target DIR] [--prompts FILE.jsonl] ...``
+The command: ``python -m dspark_jax regenerate`` (commands/regenerate.py).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
-import json
-import sys
+import logging
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from dspark_jax.console import progress_bar
+from dspark_jax.data.corpora import build_corpus
+from dspark_jax.data.dataset import DatasetWriter, recorded_info
+from dspark_jax.data.multiturn import (
+    encode_conversation,
+    history_answer,
+    left_truncate,
+    turn_prompts,
+)
+from dspark_jax.data.regen_defaults import DEFAULT_SAMPLING
 from dspark_jax.decoding.params import SamplingParams
-from dspark_jax.cli import report_user_errors
+from dspark_jax.io.hf import LoadedTarget, load_target
+from dspark_jax.target.generation import generate
+from dspark_jax.text.chat import END_OF_TURN, render_text
 
-DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
 _SETTINGS_KEYS = ("seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_len", "target_config_sha256",
                   "thinking")
 _SETTINGS_DEFAULTS = {"thinking": False}  # keys added later: what a dataset written before them was made with
 _TURN_STREAM = 1 << 20  # turn k > 0 of a chat draws from fold_in(key(seed), _TURN_STREAM + k)
-# Reference-like lengths (it regenerates up to 4096 tokens) where the target's context allows.
-DEFAULT_MAX_NEW, DEFAULT_MAX_PROMPT = 4096, 2048
+
+log = logging.getLogger(__name__)
 
 
 def prompt_messages(conv) -> list[dict]:
@@ -60,8 +71,6 @@ def prompt_messages(conv) -> list[dict]:
 
 def template_tail(template: str | None) -> str:
     """Text a chat template puts after an assistant message's end-of-turn token (ChatML: newline)."""
-    from dspark_jax.data.chat import END_OF_TURN, render_text
-
     mark = "\x00DSPARK\x00"
     text = render_text([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}], template)
     at = text.find(mark + END_OF_TURN)
@@ -79,23 +88,11 @@ def distinct_ngram_ratio(seqs, n: int = 4) -> float:
     return len(grams) / total if total else 1.0
 
 
-def _load(target, dtype: str = "float32", mesh=None):
-    from dspark_jax.io.hf import LoadedTarget, load_target
-
+def as_loaded(target, dtype: str = "float32", mesh=None) -> LoadedTarget:
+    """A target directory read (onto `mesh`), or an already loaded target as it is."""
     if isinstance(target, LoadedTarget):
         return target
-    if target is None:
-        from dspark_jax.embedded.target import embedded_target_dir
-
-        target = embedded_target_dir()
     return load_target(target, dtype=dtype, mesh=mesh)
-
-
-def _existing_settings(out: Path) -> dict | None:
-    for f in (out.with_name(out.name + ".partial") / "meta.partial.json", out / "meta.json"):
-        if f.is_file():
-            return json.loads(f.read_text()).get("info", {}).get("regenerate")
-    return None
 
 
 def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_size: int = 16,
@@ -105,22 +102,13 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                dtype: str = "float32", mesh=None, thinking: bool | None = None) -> dict:
     """Write ``num`` regenerated records to ``out_dir`` (a ``DatasetWriter`` dataset); returns stats.
 
-    ``target``: a directory, a ``LoadedTarget``, or None for the embedded default. With a
+    ``target``: a directory or a ``LoadedTarget``. With a
     ``mesh`` the target is read onto it and each batch's rows (and KV cache) are split over
     data x fsdp, KV heads over tensor.
     ``on_record(i, tokens, loss_mask)`` is called after each record is stored.
     ``thinking``: the chat template's ``enable_thinking`` (None: off, as ``chat.render_text``).
     """
-    import jax
-
-    from dspark_jax.train.metrics import progress_bar
-    from dspark_jax.data.dataset import DatasetWriter
-    from dspark_jax.data.multiturn import encode_conversation, history_answer, left_truncate, turn_prompts
-    from dspark_jax.target.generation import generate
-
-    import contextlib
-
-    lt = _load(target, dtype, mesh)
+    lt = as_loaded(target, dtype, mesh)
     on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
     tok = lt.require_tokenizer()
     template = lt.chat_template
@@ -132,8 +120,8 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
         raise ValueError("batch_size, max_new_tokens and max_prompt_len must be >= 1")
     ctx = lt.cfg.max_position_embeddings
     if max_prompt_len + max_new_tokens > ctx and verbose:
-        print(f"[regenerate] warning: max_prompt_len + max_new_tokens = {max_prompt_len + max_new_tokens} exceeds "
-              f"the target's max_position_embeddings ({ctx})", file=sys.stderr)
+        log.warning(f"max_prompt_len + max_new_tokens = {max_prompt_len + max_new_tokens} exceeds "
+                    f"the target's max_position_embeddings ({ctx})")
     out_dir = Path(out_dir)
     cfg_file = Path(lt.path) / "config.json"
     settings = {"seed": int(seed), "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
@@ -143,7 +131,7 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
                 "target": str(lt.path), "thinking": bool(thinking)}
     template_kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
     if resume:
-        old = _existing_settings(out_dir)
+        old = recorded_info(out_dir, "regenerate")
         if old is not None:
             diff = [k for k in _SETTINGS_KEYS if old.get(k, _SETTINGS_DEFAULTS.get(k)) != settings[k]]
             if diff:
@@ -217,102 +205,12 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     stats["tokens_per_s"] = stats["generated_tokens"] / max(stats["seconds"], 1e-9)
     stats["total_records"] = num
     if verbose:
-        print(f"[regenerate] {stats['records']} records ({stats['generated_tokens']} tokens, "
-              f"{stats['stopped']} ended by a stop token) in {stats['seconds']:.1f} s: "
-              f"{stats['tokens_per_s']:.1f} tokens/s (first batch includes compilation) -> {out_dir}")
+        log.info(f"{stats['records']} records ({stats['generated_tokens']} tokens, "
+                 f"{stats['stopped']} ended by a stop token) in {stats['seconds']:.1f} s: "
+                 f"{stats['tokens_per_s']:.1f} tokens/s (first batch includes compilation) -> {out_dir}")
     return stats
 
 
 def default_prompts(seed: int = 0) -> list:
     """Prompts of the embedded corpora's train split (the target's own training prompts)."""
-    from dspark_jax.data.corpora import build_corpus
-
     return build_corpus("train", seed, n_code=1000, n_math=1000, n_prose=1000)
-
-
-def default_lengths(context: int, max_new: int | None, max_prompt: int | None) -> tuple[int, int]:
-    """Unset lengths: the reference's (4096 new, 2048 prompt) cut to fit the target's context."""
-    if max_new is None:
-        max_new = min(DEFAULT_MAX_NEW, max(1, context // 2) if max_prompt is None else max(1, context - max_prompt))
-    if max_prompt is None:
-        max_prompt = min(DEFAULT_MAX_PROMPT, max(1, context - max_new))
-    return max_new, max_prompt
-
-
-@report_user_errors
-def main(argv=None) -> int:
-    from dspark_jax.cli import add_dtype_argument
-    from dspark_jax.cli import add_mesh_argument
-
-    ap = argparse.ArgumentParser(
-        prog="python -m dspark_jax regenerate",
-        description="Regenerate every assistant turn of a chat set with the target (in process, or through an "
-                    "OpenAI-compatible server) and write a training dataset.",
-        epilog="examples:\n  python -m dspark_jax regenerate --target DIR --prompts chats.jsonl --out data/train\n"
-               "  python -m dspark_jax regenerate --target DIR --prompts chats.jsonl --out data/train \\\n"
-               "      --server http://127.0.0.1:8000 --model-name Qwen/Qwen3-8B --concurrency 64   # vLLM / SGLang\n"
-               "Rerun with --resume after an interruption: no record is lost or written twice.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target); with "
-                                                   "--server only its tokenizer and chat template are read")
-    add_dtype_argument(ap)
-    add_mesh_argument(ap, "each batch's rows over data x fsdp, KV heads over tensor")
-    ap.add_argument("--prompts", default=None,
-                    help="chats in any format `data.prepare` reads (OpenAI messages, ShareGPT, turns; jsonl, json, "
-                         "parquet, a saved datasets directory; default: the embedded corpora's train split)")
-    ap.add_argument("--out", required=True, help="output dataset directory")
-    ap.add_argument("--num-prompts", "--num", dest="num", type=int, default=None, help="number of chats (default: all)")
-    ap.add_argument("--batch", type=int, default=16, help="chats per compiled batch (in process)")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"per answer (default {DEFAULT_MAX_NEW}, as the reference, or half the target's context)")
-    ap.add_argument("--max-prompt-len", type=int, default=None,
-                    help=f"prompt tokens kept, the last ones (in process; default {DEFAULT_MAX_PROMPT} or what the "
-                         "context leaves)")
-    ap.add_argument("--thinking", choices=("on", "off"), default="off",
-                    help="the chat template's enable_thinking (Qwen3); default off")
-    ap.add_argument("--temperature", type=float, default=DEFAULT_SAMPLING.temperature)
-    ap.add_argument("--top-k", type=int, default=DEFAULT_SAMPLING.top_k)
-    ap.add_argument("--top-p", type=float, default=DEFAULT_SAMPLING.top_p)
-    ap.add_argument("--seed", type=int, default=0)
-    srv = ap.add_argument_group("through a server")
-    srv.add_argument("--server", default=None, metavar="URL",
-                     help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax serve) serving the target")
-    srv.add_argument("--model-name", "--model", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
-    srv.add_argument("--concurrency", type=int, default=16, help="chats in flight at once (default 16)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true", help="continue an interrupted (or extend a finished) run")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    thinking = a.thinking == "on"
-    sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
-    try:
-        if a.prompts:
-            from dspark_jax.data.corpora import load_jsonl
-
-            convs = load_jsonl(a.prompts)
-        else:
-            convs = default_prompts(a.seed)
-        if a.server:
-            from dspark_jax.data.regen_server import regenerate_via_server
-
-            max_new = a.max_new_tokens or DEFAULT_MAX_NEW
-            regenerate_via_server(a.server, a.model, a.target, convs, a.out, num=a.num, concurrency=a.concurrency,
-                                  max_new_tokens=max_new, sampling=sampling, seed=a.seed, thinking=thinking,
-                                  resume=a.resume, overwrite=a.overwrite, progress=not a.no_progress)
-            return 0
-        from dspark_jax.parallel.sharding import parse_mesh
-        mesh = parse_mesh(a.mesh)
-        lt = _load(a.target, a.dtype, mesh)
-        max_new, max_prompt = default_lengths(lt.cfg.max_position_embeddings, a.max_new_tokens, a.max_prompt_len)
-        regenerate(lt, convs, a.out, num=a.num, batch_size=a.batch, max_new_tokens=max_new, max_prompt_len=max_prompt,
-                   sampling=sampling, seed=a.seed, resume=a.resume, overwrite=a.overwrite,
-                   progress=not a.no_progress, mesh=mesh, thinking=thinking)
-    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Both sides of speculative decoding go through :func:`sampling_probs`: the drafter's q_j is
 the exact distribution its tokens are sampled from, and the target's p_j receives the same
-transform, so rejection sampling (``dspark_jax.decoding.rejection``) stays exact (spec 2.2, 5).
+transform, so rejection sampling (``dspark_jax.decoding.rejection``) stays exact (docs/method.md §2.2, §5).
 
 Order of the transforms (all on fp32):
 
@@ -26,7 +26,6 @@ pytree: pass it into ``jax.jit`` and its fields are traced (no recompilation per
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -35,7 +34,6 @@ __all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "sampl
 
 
 from dspark_jax.decoding.params import SamplingParams  # noqa: E402  (defined without jax)
-
 
 # Top-k settings up to this many tokens take a path that sorts only the top TOPK_CAP logits.
 TOPK_CAP = 64

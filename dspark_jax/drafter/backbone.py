@@ -1,4 +1,4 @@
-"""The drafter's parallel backbone as pure functions over a params dict (spec 2.1).
+"""The drafter's parallel backbone as pure functions over a params dict (docs/method.md §2.1).
 
 `params` is `Drafter.arrays(dtype)`: {"embed" [V,H], "fc" [m*H,H], "hidden_norm" [H],
 "layers" {name: [L,...]} (DecoderStack names), "final_norm" [H], ...}; `cfg` is the
@@ -23,9 +23,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.target.config import ModelConfig
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.layers import (
+    MASK_VALUE,
+    apply_rope,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Confidence head (spec 2.3): z_j = Dense([h_j; W1[x_{p+j}]]) -> 1 (its soft label: losses/dspark.py).
+"""Confidence head (docs/method.md §2.3): z_j = Dense([h_j; W1[x_{p+j}]]) -> 1 (its soft label: drafter/losses.py).
 
 `c_j = sigmoid(z_j)` estimates P(draft token j accepted | slots < j accepted). Without a
 Markov head (markov_rank 0) the input is h_j alone. At inference x_{p+j} is the sampled

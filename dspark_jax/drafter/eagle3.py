@@ -1,4 +1,4 @@
-"""Eagle3 baseline in the DeepSpec reference's variant (method note section 6).
+"""Eagle3 baseline in the DeepSpec reference's variant (docs/method.md §6).
 
 Architecture: the m fused target layers `fc: mH -> H` (columns in layer-id order, no
 norm after it), ONE Qwen3 decoder layer whose q/k/v read
@@ -29,12 +29,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 from dspark_jax.drafter.frozen import Frozen, attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import apply_rope, attention, lm_head_logits, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import (
+    apply_rope,
+    attention,
+    lm_head_logits,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
-from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
 __all__ = [
     "Eagle3Drafter", "attach_target", "eagle3_layer_shapes", "ttt_mask", "eagle3_train_hidden",

@@ -12,10 +12,11 @@ import dataclasses
 import hashlib
 import json
 
-import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+
+from dspark_jax.parallel.sharding import host_arrays
 
 # Rows of the embedding hashed into the fingerprint (evenly spaced): cheap at 152k x 5k,
 # and any other target differs in them.
@@ -47,7 +48,6 @@ def target_fingerprint(target) -> str:
         cfg.pop(k, None)
     embed = target.embed[...]
     rows = np.unique(np.linspace(0, embed.shape[0] - 1, min(embed.shape[0], _FINGERPRINT_ROWS)).astype(np.int64))
-    from dspark_jax.parallel.sharding import host_arrays
 
     sample = host_arrays(embed[rows]).astype(np.float32).astype(ml_dtypes.bfloat16)
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())

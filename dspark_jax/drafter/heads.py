@@ -1,4 +1,4 @@
-"""Sequential heads on top of the backbone (spec 2.2), pure functions over the params dict.
+"""Sequential heads on top of the backbone (docs/method.md §2.2), pure functions over the params dict.
 
 `q_j = softmax(U_j + B_j)` with `U_j = lm_head(h_j)` and the head's bias B_j:
 - vanilla (Markov): `B_j = W2(W1[x_{p+j}])`;
@@ -15,8 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.sampling import (
+    SamplingParams,
+    exponential_noise,
+    probs_from_params,
+    sample_with_noise,
+)
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
-from dspark_jax.decoding.sampling import SamplingParams, exponential_noise, probs_from_params, sample_with_noise
 from dspark_jax.target.layers import lm_head_logits
 
 __all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]

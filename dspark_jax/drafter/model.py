@@ -124,18 +124,15 @@ def _normal(rngs: nnx.Rngs, shape, dtype):
 
 
 class Drafter(nnx.Module):
-    """DSpark / DFlash drafter: parallel backbone + optional sequential and confidence heads."""
+    """DSpark / DFlash drafter: parallel backbone + optional sequential and confidence heads.
+
+    Build one through `registry.build`, which applies the kind's rules to the config."""
 
     def __init__(self, target_cfg: ModelConfig, dcfg: DrafterSection, *, rngs: nnx.Rngs,
                  param_dtype=jnp.float32, dtype=None):
-        from dspark_jax.drafter.kinds.block import BlockKind
-        from dspark_jax.drafter.registry import get_kind
-
-        kind = get_kind(dcfg.kind)
-        if not isinstance(kind, BlockKind):
-            raise DrafterConfigError(f"drafter.kind '{dcfg.kind}' is not built by dspark_jax.drafter.Drafter "
-                                     "(build any kind with dspark_jax.drafter.registry.build)")
-        self.dcfg = kind.resolve(target_cfg, dcfg)  # the kind's adapter resolves (DFlash drops its heads)
+        # registry.build passes the config its kind resolved (DFlash without heads); resolving
+        # again is a no-op there and fills the derived fields for a config built by hand
+        self.dcfg = resolve_config(target_cfg, dcfg)
         self.target_cfg = target_cfg
         self.cfg = layer_config(target_cfg, self.dcfg.num_layers)
         self.dtype = dtype  # compute dtype; None = the parameters' dtype

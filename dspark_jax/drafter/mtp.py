@@ -1,4 +1,4 @@
-"""MTP-1 baseline, DeepSeek-V3 style (method note section 6).
+"""MTP-1 baseline, DeepSeek-V3 style (docs/method.md §6).
 
     x_t = Dense(2H -> H)([h_norm(h_t); e_norm(embed(x_{t+1}))])
     -> one causal decoder layer of the target's family (own KV cache at inference)
@@ -7,7 +7,7 @@
 `h_t` is the target's final hidden state at position t, *after* its final norm
 (`ForwardOut.hidden`), as in DeepSeek-V3 serving engines, where the main model hands
 its normed output to the MTP module, which normalises it again. Note the
-concatenation order: the method note writes `[h; e]`; the DeepSeek-V3 checkpoints'
+concatenation order: docs/method.md §6 writes `[h; e]`; the DeepSeek-V3 checkpoints'
 `eh_proj` takes `[e; h]`, so importing such weights would swap the two row blocks of
 `proj`.
 
@@ -25,14 +25,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.drafter.eagle3 import (_Layer, _cast, _frozen_head, _normal, _rope, cached_attention, commit_positions,
-                                       committed, create_cache)
+from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
+from dspark_jax.drafter.eagle3 import (
+    _cast,
+    _frozen_head,
+    _Layer,
+    _normal,
+    _rope,
+    cached_attention,
+    commit_positions,
+    committed,
+    create_cache,
+)
 from dspark_jax.drafter.frozen import attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import attention, lm_head_logits, rms_norm
 from dspark_jax.target.transformer import finish_layer, layer_param_shapes, project_qkv
-from dspark_jax.decoding.sampling import SamplingParams, probs_from_params, sample
 
 __all__ = ["MTPDrafter", "attach_target", "mtp_train_logits", "mtp_loss", "mtp_update", "mtp_prefill",
            "mtp_draft_logits", "mtp_draft", "create_cache"]

@@ -8,8 +8,15 @@ import time
 from pathlib import Path
 
 from dspark_jax.embedded.report import format_report, heldout_report
-from dspark_jax.embedded.target import (CACHE_ENV, PRESETS, _cache_name, cache_root, embedded_target_dir, get_preset,
-                                        verify_target_dir)
+from dspark_jax.embedded.target import (
+    PRESETS,
+    _cache_name,
+    embedded_target_dir,
+    get_preset,
+    verify_target_dir,
+)
+from dspark_jax.io.cache import CACHE_ENV, cache_root
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax embedded",

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from dspark_jax.embedded.target import DOMAINS, Preset, _corpora, encode_stream, get_preset
+from dspark_jax.embedded.target import (
+    DOMAINS,
+    Preset,
+    _corpora,
+    encode_stream,
+    get_preset,
+)
+from dspark_jax.io.hf import load_target
+from dspark_jax.text.chat import encode_chat
+
 
 class BigramKN:
     """Interpolated absolute-discount bigram with Kneser-Ney continuation unigram ("KN-lite").
@@ -40,10 +52,6 @@ class BigramKN:
 
 def _model_nll(model, seqs, masks, seq_len: int, batch: int = 8) -> tuple[float, int]:
     """Summed NLL of the masked next tokens (position t predicted from < t) and their count."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -75,12 +83,9 @@ def heldout_report(target_dir=None, *, model=None, tokenizer=None, preset: str |
     the full rendered conversation as context. The bigram is fit on the same training
     token stream the target was pretrained on (rebuilt from the recorded preset and seed).
     """
-    from dspark_jax.data.chat import encode_chat
 
     hf = {}
     if target_dir is not None:
-        from dspark_jax.io.hf import load_target
-
         lt = load_target(target_dir)
         model, tokenizer, hf = lt.model, lt.require_tokenizer(), lt.hf_config
     info = hf.get("dspark_embedded", {})

@@ -36,12 +36,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
+from dspark_jax.console import progress_bar
+from dspark_jax.data import corpora as C
+from dspark_jax.io.cache import cache_root
 from dspark_jax.io.files import sha256_file
+from dspark_jax.io.hf import build_from_pure, save_target
+from dspark_jax.parallel.sharding import create_model
+from dspark_jax.target import ModelConfig, RopeConfig, TargetModel
+from dspark_jax.target.lm_loss import lm_loss
+from dspark_jax.text.chat import CHATML_TEMPLATE, encode_chat, render_text
+from dspark_jax.text.tokenizer import ENDOFTEXT, IM_END, MASK, PAD, train_tokenizer
+from dspark_jax.toolkit.checkpoint import Checkpointer
+from dspark_jax.toolkit.metrics import MetricsLogger
+from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 
 BUILD_VERSION = 1
-CACHE_ENV = "DSPARK_JAX_CACHE"
 MANIFEST = "manifest.json"
 WEIGHT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 DOMAINS = ("code", "math", "prose")
@@ -94,12 +109,6 @@ def get_preset(preset: str | Preset = "full", small: bool = False) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown embedded preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def cache_root() -> Path:
-    """``$DSPARK_JAX_CACHE`` or ``~/.cache/dspark_jax``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark_jax"
 
 
 def _cache_name(preset: Preset, seed: int) -> str:
@@ -158,7 +167,6 @@ def _lock(path: Path):
 
 def _corpora(preset: Preset, seed: int):
     """(train conversations, {domain: heldout conversations})."""
-    from dspark_jax.data import corpora as C
 
     big = 10 ** 9
     train = C.build_corpus("train", seed, n_code=preset.n_code or big, n_math=preset.n_math,
@@ -169,7 +177,6 @@ def _corpora(preset: Preset, seed: int):
 
 
 def tokenizer_config(template: str, model_max_length: int) -> dict:
-    from dspark_jax.data.tokenizer import ENDOFTEXT, IM_END, MASK, PAD
 
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": IM_END,
             "pad_token": PAD, "mask_token": MASK, "unk_token": None, "endoftext_token": ENDOFTEXT,
@@ -178,8 +185,6 @@ def tokenizer_config(template: str, model_max_length: int) -> dict:
 
 def encode_stream(tokenizer, conversations, template=None) -> np.ndarray:
     """Chat-rendered conversations joined with <|endoftext|> into one int32 token stream."""
-    from dspark_jax.data.chat import encode_chat
-    from dspark_jax.data.tokenizer import ENDOFTEXT
 
     eot = tokenizer.token_to_id(ENDOFTEXT)
     parts = []
@@ -198,7 +203,6 @@ def _rows(stream: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def _model_config(preset: Preset, vocab_size: int, eos_id: int):
-    from dspark_jax.target import ModelConfig, RopeConfig
 
     return ModelConfig(arch="qwen3", vocab_size=vocab_size, hidden_size=preset.hidden_size,
                        intermediate_size=preset.intermediate_size, num_layers=preset.num_layers,
@@ -212,16 +216,7 @@ def _model_config(preset: Preset, vocab_size: int, eos_id: int):
 def _train(model_cfg, rows: np.ndarray, preset: Preset, seed: int, work: Path | None, progress: bool,
            log_path: Path | None, fingerprint: str):
     """AdamW pretraining; returns (pure param dict, last losses). Resumes from ``work`` checkpoints."""
-    import jax
-    import optax
-    from flax import nnx
 
-    from dspark_jax.losses.lm import lm_loss
-    from dspark_jax.parallel.sharding import create_model
-    from dspark_jax.target import TargetModel
-    from dspark_jax.train.checkpoint import Checkpointer
-    from dspark_jax.train.metrics import MetricsLogger, progress_bar
-    from dspark_jax.train.optim import adamw, warmup_cosine_schedule
 
     model = create_model(lambda: TargetModel(model_cfg, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(model)
@@ -298,12 +293,7 @@ def build_embedded_target(out_dir, *, preset: str | Preset = "full", small: bool
     ``small=True`` is shorthand for ``preset="tiny"``. ``work_dir`` keeps orbax checkpoints
     so an interrupted build resumes (default: ``<out_dir>.work``, removed on success).
     """
-    import jax.numpy as jnp
 
-    from dspark_jax.data import corpora as C
-    from dspark_jax.data.chat import CHATML_TEMPLATE, render_text
-    from dspark_jax.io.hf import build_from_pure, save_target
-    from dspark_jax.data.tokenizer import train_tokenizer
 
     p = get_preset(preset, small)
     out_dir = Path(out_dir)

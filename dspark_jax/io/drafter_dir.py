@@ -23,12 +23,18 @@ from flax import nnx
 
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.frozen import (
+    Frozen,
+    attach_target,
+    check_target,
+    trainable_state,
+)
 from dspark_jax.drafter.kinds.block import DSPARK
-from dspark_jax.drafter.frozen import Frozen, attach_target, check_target, trainable_state
 from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import read_json
 from dspark_jax.io.keymap import KeyRule, flatten, import_tensors
+from dspark_jax.parallel.sharding import state_shardings
 
 __all__ = ["FORMAT", "WEIGHTS_FILE", "CONFIG_FILE", "config_json", "read_config", "read_training", "save", "load",
            "param_shapes", "from_params"]
@@ -125,7 +131,6 @@ def from_params(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.floa
     """A drafter of `dcfg` for `target` with Params from a nested or dotted-flat dict of arrays
     (every missing / unexpected / mis-shaped entry reported at once) and the target's frozen
     weights attached. No random initialisation."""
-    from dspark_jax.parallel.sharding import state_shardings
 
     tmodel = _target_model(target)
     with nnx.use_eager_sharding(False):

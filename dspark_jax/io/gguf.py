@@ -12,10 +12,8 @@ is written next to OUT_DIR and renamed into place, so an interrupted import leav
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -23,10 +21,9 @@ import numpy as np
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import atomic_dir
-from dspark_jax.cli import report_user_errors
 
 __all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "SUPPORTED_QUANTIZATIONS", "read_gguf", "gguf_config",
-           "gguf_tensors", "gguf_tokenizer", "import_gguf", "main"]
+           "gguf_tensors", "gguf_tokenizer", "import_gguf"]
 
 # GGUF architecture -> (HF architecture, HF model_type, whether llama.cpp permuted q/k for its RoPE)
 SUPPORTED_ARCHITECTURES = {
@@ -184,7 +181,14 @@ def gguf_tensors(reader, cfg: dict, np_dtype=np.float32) -> dict[str, np.ndarray
 
 def gguf_tokenizer(reader):
     """(tokenizers.Tokenizer, tokenizer_config dict, generation_config dict) from the GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+    )
 
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
@@ -239,26 +243,3 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32") -> Path:
         (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return Path(out_dir)
-
-
-@report_user_errors
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax gguf",
-                                 description="Import a GGUF model as a Hugging Face checkpoint directory.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    imp = sub.add_parser("import", help="GGUF file -> HF directory (config, safetensors, tokenizer, chat template)")
-    imp.add_argument("gguf", help="the .gguf file")
-    imp.add_argument("out_dir", help="directory to write (replaced if it exists)")
-    imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    args = ap.parse_args(argv)
-    try:
-        out = import_gguf(args.gguf, args.out_dir, args.dtype)
-    except GGUFError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

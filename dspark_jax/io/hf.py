@@ -19,7 +19,13 @@ from flax import nnx
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import read_json
-from dspark_jax.io.keymap import KeyRule, export_tensors, flatten, import_tensors, set_path
+from dspark_jax.io.keymap import (
+    KeyRule,
+    export_tensors,
+    flatten,
+    import_tensors,
+    set_path,
+)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.transformer import TargetModel, layer_param_shapes
 
@@ -66,6 +72,9 @@ def checkpoint_dtype(path: str | Path) -> str:
 
 
 from dspark_jax.cli import add_dtype_argument  # noqa: E402,F401  (defined without jax, re-exported)
+from dspark_jax.parallel.sharding import state_shardings
+from dspark_jax.text.chat import load_chat_template
+from dspark_jax.text.tokenizer import Tokenizer
 
 
 def parse_dtype(dtype) -> jnp.dtype:
@@ -129,7 +138,6 @@ def build_from_pure(cfg: ModelConfig, pure: dict, dtype, mesh=None, model_dtype=
     if mesh is not None:
         # each device's block is read from the (memory-mapped) checkpoint on its own host: no host
         # holds the whole model, no chip receives more than its shard
-        from dspark_jax.parallel.sharding import state_shardings
 
         shardings = flatten(nnx.to_pure_dict(state_shardings(state, mesh)))
         placed: dict = {}
@@ -173,10 +181,7 @@ def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bo
     model = build_from_pure(cfg, pure, dt, mesh)
     tokenizer = None
     if load_tokenizer and (path / "tokenizer.json").is_file():
-        from dspark_jax.data.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.load(path)
-    from dspark_jax.data.chat import load_chat_template
 
     return LoadedTarget(model, cfg, hf, path, tokenizer, load_chat_template(path))
 

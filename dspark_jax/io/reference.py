@@ -1,4 +1,4 @@
-"""Convert drafters between DeepSpec's checkpoint layout (spec section 8) and ours.
+"""Convert drafters between DeepSpec's checkpoint layout (docs/method.md §8) and ours.
 
     python -m dspark_jax convert import REF_DIR OUT_DIR --target TARGET_DIR
     python -m dspark_jax convert export OUR_DIR REF_DIR --target TARGET_DIR [--dtype bfloat16] [--num-anchors N]
@@ -34,15 +34,26 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
-from dspark_jax.drafter.frozen import trainable_state
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.frozen import trainable_state
 from dspark_jax.drafter.kinds.block import DFLASH, DSPARK
-from dspark_jax.drafter.model import HEAD_TYPES, Drafter, DrafterConfigError, validate_layer_ids
+from dspark_jax.drafter.model import (
+    HEAD_TYPES,
+    Drafter,
+    DrafterConfigError,
+    validate_layer_ids,
+)
 from dspark_jax.io import drafter_dir as drafter_io
-from dspark_jax.io.hf import decoder_layer_rules
-from dspark_jax.io.keymap import CheckpointMismatchError, KeyRule, export_tensors, import_tensors
+from dspark_jax.io import safetensors_io
+from dspark_jax.io.hf import decoder_layer_rules, load_target, read_weights
+from dspark_jax.io.keymap import (
+    CheckpointMismatchError,
+    KeyRule,
+    export_tensors,
+    import_tensors,
+)
+from dspark_jax.parallel.sharding import host_arrays
 from dspark_jax.target.config import ModelConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -72,7 +83,7 @@ DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default, recorded in exported configs wh
 
 # Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
 # The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
-# label x_{p+j+1} (method note sections 2.1 and 4): the first draft token comes from the
+# label x_{p+j+1} (docs/method.md §2.1 and §4): the first draft token comes from the
 # drafter's own output at the anchor slot (slot 0), not from the target's logits at the
 # anchor position, and every one of the gamma slots is a draft token. That is the anchor-first
 # layout, `sample_from_anchor: true`. `false` is the DFlash fill-in layout: 1 + gamma query
@@ -185,8 +196,6 @@ class ConversionError(ValueError):
 
 def _target_model(target, mesh=None):
     if isinstance(target, (str, Path)):
-        from dspark_jax.io.hf import load_target
-
         # as stored (bf16 halves the memory); on a mesh each chip holds its share
         return load_target(target, dtype="auto", load_tokenizer=False, mesh=mesh).model
     return target if hasattr(target, "lm_head_weight") else target.model
@@ -345,7 +354,6 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=No
         raise FileNotFoundError(f"'{ref_dir}' has no config.json: pass a DeepSpec drafter directory (config.json + model.safetensors)")
     hf = json.loads(cfg_file.read_text())
     dcfg, with_markov = parse_reference_config(hf, tmodel.cfg, str(cfg_file))
-    from dspark_jax.io.hf import read_weights
 
     tensors = read_weights(ref_dir)
     expected = _expected(tmodel.cfg, dcfg, with_markov)
@@ -363,8 +371,6 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=No
 
 def reference_tensors(drafter: Drafter, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """Our drafter -> the reference layout's tensors (incl. embed_tokens / lm_head)."""
-    from dspark_jax.parallel.sharding import host_arrays
-
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     # arrays spread over several processes (a multi-host run's drafter) are gathered: a collective
     pure = host_arrays({**nnx.to_pure_dict(trainable_state(drafter)), "embed": drafter.embed[...],

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -64,6 +65,8 @@ def parse_mesh(text: str | None) -> Mesh | None:
     return make_mesh(d, f, t)
 
 
+from jax.experimental import mesh_utils
+
 from dspark_jax.cli import add_mesh_argument  # noqa: E402,F401  (defined without jax, re-exported)
 
 
@@ -71,7 +74,6 @@ def device_grid(shape: tuple[int, int, int], devices) -> np.ndarray:
     """Devices arranged as (data, fsdp, tensor) by jax's mesh utilities: on TPU the axes follow
     the chips' physical interconnect (ICI); over several slices (multislice) `data` spans the
     slices, the only axis whose traffic (one gradient all-reduce per step) suits the slower DCN."""
-    from jax.experimental import mesh_utils
 
     slices = sorted({getattr(d, "slice_index", 0) for d in devices})
     if len(slices) > 1:
@@ -111,7 +113,6 @@ def logical_to_pspec(names: Sequence[str | None] | None, shape: Sequence[int] | 
 
 def state_shardings(state, mesh: Mesh, rules=LOGICAL_AXIS_RULES, strict: bool = False):
     """NamedSharding per leaf of an NNX state, from each variable's `out_sharding` names."""
-
     def one(v):
         names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
         shape = getattr(v, "shape", None)

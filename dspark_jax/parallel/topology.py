@@ -15,6 +15,10 @@ import importlib.util
 import os
 import re
 
+from jax.experimental import topologies
+
+from dspark_jax.parallel.sharding import make_mesh
+
 __all__ = ["TpuSlice", "parse_slice", "slice_names", "slice_devices", "slice_mesh", "require_libtpu", "hbm_refusal", "HBM_GIB"]
 
 # HBM per chip (GiB), from Cloud TPU's system architecture pages
@@ -119,15 +123,12 @@ def slice_devices(slc: TpuSlice | str):
     # libtpu takes a machine-wide lock meant for processes that drive a TPU; compiling only, several
     # processes (a test's subprocesses, two plan commands) may load it at once
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
 
     return list(topologies.get_topology_desc(slc.topology, "tpu", chips_per_host_bounds=slc.chips_per_host).devices)
 
 
 def slice_mesh(slc: TpuSlice | str, data: int, fsdp: int, tensor: int):
     """A (data, fsdp, tensor) mesh over the slice's devices; its size must be the device count."""
-    from dspark_jax.parallel.sharding import make_mesh
-
     slc = parse_slice(slc) if isinstance(slc, str) else slc
     devices = slice_devices(slc)
     n = data * fsdp * tensor

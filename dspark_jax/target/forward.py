@@ -17,10 +17,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.attention import AttentionMetadata, cache_read, cache_written, layer_attention
+from dspark_jax.target.attention import (
+    AttentionMetadata,
+    cache_read,
+    cache_written,
+    layer_attention,
+)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import finish_layer, lm_head_logits, project_qkv, rms_norm, rope_cos_sin, rope_inv_freq
+from dspark_jax.target.layers import (
+    finish_layer,
+    lm_head_logits,
+    project_qkv,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from dspark_jax.target.paged_kv import PagedKVCache
 
 __all__ = ["ForwardOut", "forward", "check_feature_layers"]

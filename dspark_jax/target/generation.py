@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.decoding.sampling import SamplingParams, sample, sampling_probs
+from dspark_jax.target.kv_cache import KVCache
 
 __all__ = ["GenerateOut", "generate", "generate_host_loop", "row_keys"]
 

@@ -29,7 +29,12 @@ from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.kernels import choose_paged_kernel
 from dspark_jax.target.kv_cache import attend_before
 from dspark_jax.target.layers import attention
-from dspark_jax.target.paged_kernel import PAGE_AXES, attention_lse, merge_parts, paged_attention_lse
+from dspark_jax.target.paged_kernel import (
+    PAGE_AXES,
+    attention_lse,
+    merge_parts,
+    paged_attention_lse,
+)
 
 __all__ = ["NO_PAGE", "PAGE_AXES", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
 

@@ -5,7 +5,7 @@ nothing on the production path can select them.
 - `UnfilteredQ`: a DSpark kind whose drafts are verified against the unfiltered softmax of the
   drafter's logits instead of the (temperature / top-k / top-p) distribution they were sampled from.
 - `schedule_retroactive_lossy(_np)`: Algorithm 1 without its early stop (argmax over all
-  prefixes), which lets a draft's own value decide whether it is verified (spec 3, Appendix A).
+  prefixes), which lets a draft's own value decide whether it is verified (docs/method.md §3, the paper's Appendix A).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding import rejection
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.drafter import heads
 from dspark_jax.drafter.kinds.block import BlockKind
-from dspark_jax.decoding import rejection
 from dspark_jax.scheduler import prefix
 
 __all__ = ["verify_no_residual", "UnfilteredQ", "schedule_retroactive_lossy", "schedule_retroactive_lossy_np"]

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -96,7 +97,6 @@ def launch(args: list[str], *, num_processes: int = 2, devices_per_process: int 
 
 
 def _tmp_log(i: int) -> str:
-    import tempfile
 
     fd, path = tempfile.mkstemp(prefix=f"dspark_proc{i}_", suffix=".log")
     os.close(fd)

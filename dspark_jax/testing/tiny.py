@@ -15,11 +15,10 @@ from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.frozen import attach_target
-from dspark_jax.drafter.model import Drafter
 from dspark_jax.drafter.mtp import MTPDrafter
+from dspark_jax.parallel.sharding import create_model
 from dspark_jax.target import TargetModel
 from dspark_jax.target.config import ModelConfig
-from dspark_jax.parallel.sharding import create_model
 
 __all__ = ["tiny_config", "tiny_target", "tiny_drafter", "KINDS"]
 
@@ -59,7 +58,7 @@ def tiny_drafter(kind: str, target: TargetModel, *, gamma: int = 3, seed: int = 
         if dcfg is None:
             dcfg = DrafterSection(kind=kind, num_layers=1, gamma=gamma, target_layer_ids=(0,), num_target_features=1,
                                   markov_rank=8, head_type=head_type, mask_token_id=cfg.vocab_size - 1)
-        d = create_model(lambda: Drafter(cfg, dcfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
+        d = create_model(lambda: registry.build(cfg, dcfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
         if d.markov_w1 is not None:
             _scale(d.markov_w1, markov_scale)
             _scale(d.markov_w2, markov_scale)

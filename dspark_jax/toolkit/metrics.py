@@ -1,4 +1,4 @@
-"""What a person watching training sees: a progress bar, a JSONL log, TensorBoard scalars.
+"""What a person watching training keeps: a JSONL log and TensorBoard scalars (the bar: console.py).
 
 Only process 0 writes on multi-host runs (the others pass no path).
 """
@@ -8,44 +8,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsLogger", "progress_bar", "read_jsonl"]
-
-
-def progress_bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", enabled: bool = True,
-                 unit: str = "it", initial: int = 0):
-    """A tqdm bar, or a silent stand-in with the same `update` / `set_postfix` / `close` API."""
-    if enabled:
-        from tqdm.auto import tqdm
-
-        return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True, mininterval=1.0)
-    return _Silent(iterable)
-
-
-class _Silent:
-    def __init__(self, iterable=None):
-        self._it = iterable
-
-    def __iter__(self):
-        return iter(self._it if self._it is not None else ())
-
-    def update(self, n=1):
-        pass
-
-    def set_postfix(self, *a, **k):
-        pass
-
-    def close(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+__all__ = ["MetricsLogger", "read_jsonl"]
 
 
 class MetricsLogger:

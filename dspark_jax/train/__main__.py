@@ -7,6 +7,7 @@ and its regenerated training data first when the cache is empty.
 from __future__ import annotations
 
 import sys
+
 from dspark_jax.cli import report_user_errors
 
 USAGE = """usage: python -m dspark_jax.train [CONFIG.yaml] [section.key=value ...] [--print-config]

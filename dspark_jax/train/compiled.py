@@ -19,15 +19,23 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax.config import Config
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
-from dspark_jax.losses.dspark import LossCoefs
+from dspark_jax.drafter.losses import LossCoefs
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.topology import hbm_refusal
-from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
+from dspark_jax.train.step import (
+    TrainState,
+    make_eval_step,
+    make_loss_fn,
+    make_optimizer,
+    make_train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +77,6 @@ def compile_steps(cfg: Config, steps=("train", "eval"), mesh=None) -> dict[str, 
 def compile_programs(cfg: Config, steps=("train", "eval"), mesh=None) -> dict:
     """{"train": (compiled, seconds), "eval": ...}: the steps lowered with the trainer's shardings
     on `mesh` (default: the config's mesh over this host's devices) and compiled."""
-    from dspark_jax.train.plan import abstract_models
-
     if mesh is None:
         m = cfg.mesh
         n = m.data * m.fsdp * m.tensor

@@ -10,23 +10,27 @@ command exit with status 1.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cli import report_user_errors
-from dspark_jax.config import Config, from_cli
+from dspark_jax.config import Config
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
-from dspark_jax.losses.dspark import LossCoefs
+from dspark_jax.drafter.losses import LossCoefs
 from dspark_jax.parallel.sharding import logical_to_pspec
-from dspark_jax.target import TargetModel
-from dspark_jax.train.step import TrainState, make_loss_fn, make_optimizer, make_train_step
+from dspark_jax.parallel.topology import parse_slice, require_libtpu, slice_mesh
+from dspark_jax.train.compiled import peak
+from dspark_jax.train.step import (
+    TrainState,
+    make_loss_fn,
+    make_optimizer,
+    make_train_step,
+)
 
 GIB = 2**30
 
@@ -41,16 +45,6 @@ def mesh_shape(cfg: Config) -> dict[str, int]:
     if m.data < 1:
         raise ValueError("planning needs an explicit mesh.data (not -1)")
     return {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
-
-
-def abstract_models(cfg: Config):
-    tcfg = cfg.target.model
-    dt = jnp.bfloat16 if cfg.target.dtype == "bfloat16" else jnp.float32
-    with nnx.use_eager_sharding(False):
-        target = nnx.eval_shape(lambda: TargetModel(tcfg, rngs=nnx.Rngs(0), param_dtype=dt))
-        drafter = nnx.eval_shape(lambda: registry.build(tcfg, cfg.drafter, rngs=nnx.Rngs(0), ttt_steps=cfg.train.eagle3_steps))
-    target.attention = cfg.target.attention  # as the trainer sets it: the compiled step runs the same kernels
-    return target, drafter
 
 
 def shard_report(state, shape: dict, bytes_per: int | None = None) -> tuple[float, list[str]]:
@@ -143,7 +137,6 @@ def format_plan(name: str, p: dict) -> str:
 
 def format_compiled(mem: dict, estimate: float, hbm_gib: float | None = None, where: str | None = None) -> str:
     """`where`: what the steps were compiled for (default: fake CPU devices)."""
-    from dspark_jax.train.compiled import peak
 
     where = where or "fake CPU devices, XLA:CPU"
     lines = [f"compiled per-chip memory ({where}; memory_analysis of the step lowered with the trainer's shardings):"]
@@ -162,7 +155,6 @@ def format_compiled(mem: dict, estimate: float, hbm_gib: float | None = None, wh
 
 def misfits(mem: dict, hbm_gib: float, where: str = "a device") -> list[str]:
     """One line per compiled step whose peak exceeds `hbm_gib`."""
-    from dspark_jax.train.compiled import peak
 
     return [f"the {step} step needs {peak(m) / GIB:.2f} GiB per device, more than the {hbm_gib:g} GiB of HBM of "
             f"{where}: raise train.grad_accum, set train.remat=drafter_layers or shard wider (mesh.fsdp / mesh.tensor)"
@@ -178,7 +170,6 @@ def topology_mesh(cfg: Config, name: str):
     """(slice, mesh) of the config's data x fsdp x tensor over the named slice's compile-only
     devices; ValueError naming the problem for an unknown slice, a mesh of the wrong size or a
     missing libtpu."""
-    from dspark_jax.parallel.topology import parse_slice, require_libtpu, slice_mesh
 
     slc = parse_slice(name)
     require_libtpu()
@@ -187,83 +178,3 @@ def topology_mesh(cfg: Config, name: str):
         jax.config.update("jax_platforms", "cpu")
     m = cfg.mesh
     return slc, slice_mesh(slc, m.data, m.fsdp, m.tensor)
-
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    """Remove `flag VALUE` from argv and return VALUE (None when absent)."""
-    if flag not in argv:
-        return None
-    i = argv.index(flag)
-    if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-        raise ValueError(f"{flag} needs a value")
-    value = argv[i + 1]
-    del argv[i:i + 2]
-    return value
-
-
-USAGE = """usage: python -m dspark_jax train-plan CONFIG.yaml [section.key=value ...] [--compile] [--topology SLICE] [--hbm-gib N]
-Checks sharding divisibility on the config's mesh, traces the step abstractly and prints a
-per-device memory estimate.
-  --compile         also compile the real train and eval steps for the mesh and print their
-                    per-chip memory (memory_analysis) and compile time: for the preset's Cloud TPU
-                    slice (mesh.slice) with the TPU compiler (libtpu; no TPU needed), else on fake
-                    CPU devices (mesh.slice=null forces that)
-  --topology SLICE  compile for this slice instead (v5e-32, v6e-8, v6e-32, v5p-32, v4-8, v7x-8, ...;
-                    implies --compile); its device count must equal mesh.data x fsdp x tensor
-  --hbm-gib N       HBM per device for the fit (default: the slice's; v5e 16, v6e 32, v5p 95)
-Exit status 1 when a compiled step does not fit the HBM or a dimension does not divide the mesh."""
-
-
-@report_user_errors
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    topology = _flag_value(argv, "--topology")
-    hbm_text = _flag_value(argv, "--hbm-gib")
-    try:
-        hbm = float(hbm_text) if hbm_text is not None else None
-    except ValueError:
-        raise ValueError(f"--hbm-gib {hbm_text!r}: give a number of GiB, e.g. 32") from None
-    compile_ = "--compile" in argv or topology is not None
-    argv = [a for a in argv if a != "--compile"]
-    cfg = from_cli(argv)
-    slc = mesh = None
-    if compile_:
-        name = topology or cfg.mesh.slice
-        if name:
-            try:
-                slc, mesh = topology_mesh(cfg, name)
-            except ValueError as e:
-                if topology:
-                    raise
-                raise ValueError(f"{e} (the preset names mesh.slice={name}; mesh.slice=null compiles on fake CPU "
-                                 "devices instead)") from e
-            if cfg.mesh.data == -1:  # filled from the slice's device count
-                cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=int(mesh.shape["data"])))
-            hbm = hbm or device_hbm_gib(slc, mesh.devices.size)
-        else:
-            from dspark_jax.train.compiled import use_fake_devices
-
-            use_fake_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
-    p = plan(cfg)
-    check_step_shapes(cfg)
-    print(format_plan(argv[0], p))
-    if p["problems"]:
-        return 1
-    if compile_:
-        from dspark_jax.train.compiled import compile_steps
-
-        mem = compile_steps(cfg, mesh=mesh)
-        where = f"{slc.name}, {mesh.devices.size} devices, XLA:TPU" if slc else None
-        print(format_compiled(mem, p["total"], hbm, where))
-        bad = misfits(mem, hbm, f"a {slc.name} device" if slc else "a device") if hbm else []
-        for line in bad:
-            print(f"error: {line}", file=sys.stderr)
-        return 1 if bad else 0
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

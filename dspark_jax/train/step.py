@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dspark_jax.train.optim import adamw, warmup_cosine_schedule
-from dspark_jax.losses.dspark import LossCoefs
+from dspark_jax.config.loader import ConfigError
+from dspark_jax.drafter.losses import LossCoefs
+from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 
 
 class TrainState(NamedTuple):
@@ -41,8 +42,6 @@ def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, com
     are held-out acceptance statistics (LossSums) for the block drafters and None otherwise."""
 
     if remat != "none" and not kind.supports_remat:
-        from dspark_jax.config.loader import ConfigError
-
         raise ConfigError(f"train.remat={remat} is not available for {kind.name} drafters (only for block drafters: "
                           "dspark, dflash); set train.remat=none")
 

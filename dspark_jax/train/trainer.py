@@ -16,19 +16,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax.config import Config
 from dspark_jax.config.loader import to_dict
-from dspark_jax.drafter.frozen import Frozen, attach_target
+from dspark_jax.console import progress_bar
+from dspark_jax.data.pipeline import (
+    RecordSpec,
+    check_dataset,
+    heldout_batches,
+    make_pipeline,
+)
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.frozen import Frozen, attach_target
+from dspark_jax.drafter.losses import LossCoefs
+from dspark_jax.eval.evaluate import bootstrap_tau
 from dspark_jax.io import drafter_dir as drafter_io
-from dspark_jax.parallel.sharding import create_model, host_arrays, make_mesh, state_shardings
-from dspark_jax.train.checkpoint import Checkpointer, PreemptionFlag
-from dspark_jax.train.metrics import MetricsLogger, progress_bar
-from dspark_jax.data.pipeline import RecordSpec, check_dataset, heldout_batches, make_pipeline
-from dspark_jax.losses.dspark import LossCoefs
-from dspark_jax.train.step import TrainState, make_eval_step, make_loss_fn, make_optimizer, make_train_step
+from dspark_jax.io.reference import write_reference
+from dspark_jax.parallel.sharding import (
+    create_model,
+    host_arrays,
+    make_mesh,
+    state_shardings,
+)
+from dspark_jax.toolkit.checkpoint import Checkpointer, PreemptionFlag
+from dspark_jax.toolkit.metrics import MetricsLogger
+from dspark_jax.train.step import (
+    TrainState,
+    make_eval_step,
+    make_loss_fn,
+    make_optimizer,
+    make_train_step,
+)
 
 
 class TrainingError(RuntimeError):
@@ -37,7 +58,6 @@ class TrainingError(RuntimeError):
 
 class Phases:
     """Wall time per phase, for the final summary table."""
-
     def __init__(self):
         self.times: dict[str, float] = {}
 
@@ -123,7 +143,6 @@ class LogMirror:
 def bootstrap_ratio(pairs: list[tuple[float, float]], n: int = 2000, seed: int = 0) -> list[float]:
     """95 % percentile interval of sum(a) / sum(b) resampling the (a, b) pairs (held-out batches):
     `eval.bootstrap_tau` with a = accepted + rounds, b = rounds."""
-    from dspark_jax.eval.evaluate import bootstrap_tau
 
     if len(pairs) < 2:
         return [float("nan"), float("nan")]
@@ -153,7 +172,6 @@ def model_signature(drafter, target_cfg) -> dict:
 
 class Trainer:
     """Holds the sharded target, drafter and optimiser; `fit` runs the loop."""
-
     def __init__(self, cfg: Config, target, train_ds, heldout_ds=None, *, log=print, progress: bool = True,
                  phases: Phases | None = None, mesh=None):
         self.cfg = cfg
@@ -323,7 +341,6 @@ class Trainer:
             if is_remote(self.out):
                 copy_tree(local_export, export)
         if registry.kind_of(drafter).has_reference_layout:  # what vLLM / SGLang load (docs/serving.md)
-            from dspark_jax.io.reference import write_reference
 
             local_ref = self.local_out / "drafter_reference"
             write_reference(drafter, local_ref, "bfloat16", int(self.cfg.data.num_anchors),
@@ -331,8 +348,6 @@ class Trainer:
             if jax.process_index() == 0 and is_remote(self.out):
                 copy_tree(local_ref, self.out / "drafter_reference")
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("dspark_jax drafter export")
         return export, drafter
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dspark_jax.eval import grid
+from dspark_jax.bench import grid
 from dspark_jax.bench.__main__ import main as bench_main
 
 
@@ -77,7 +77,7 @@ def test_explicit_cells_and_eval_cache(fake_grid, tmp_path, monkeypatch):
     (drafter_dir / "drafter_config.json").write_text("{}")
     evals = tmp_path / "cache"
     _write(evals, "mine_g7_d2", "dspark", 7, 2, 2.0)
-    import dspark_jax.eval.evaluate as ev
+    import dspark_jax.commands.eval as ev
 
     monkeypatch.setattr(ev, "main", lambda argv: pytest.fail("cached eval must not be re-run"))
     out = tmp_path / "o"

@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.calibration.calibrate import (CalibrationMissingError, calibrate_traces, load_temperatures, main, make_grid,
+from dspark_jax.commands.calibrate import main
+from dspark_jax.calibration.calibrate import (CalibrationMissingError, calibrate_traces, load_temperatures, make_grid,
                                   save_temperatures, split_by_request)
 from dspark_jax.calibration.traces import TraceSet, save_traces, synthetic_traces
 
@@ -98,7 +99,7 @@ def test_report_table_extra_columns(synth):
 
 
 def test_missing_traces_are_one_line_and_flags_match_other_commands(tmp_path, capsys):
-    from dspark_jax.calibration.calibrate import main
+    from dspark_jax.commands.calibrate import main
 
     assert main(["--traces", str(tmp_path / "missing.npz"), "--drafter", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.data.chat import END_OF_TURN, encode_chat
+from dspark_jax.text.chat import END_OF_TURN, encode_chat
 from dspark_jax.data.multiturn import encode_conversation, history_answer, left_truncate, turn_prompts
 
 
@@ -33,7 +33,7 @@ def test_history_answer_drops_the_reasoning_block():
 
 @pytest.fixture(scope="module")
 def tok(embedded_tiny_dir):
-    from dspark_jax.data.tokenizer import Tokenizer
+    from dspark_jax.text.tokenizer import Tokenizer
 
     return Tokenizer.load(embedded_tiny_dir)
 

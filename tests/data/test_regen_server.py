@@ -10,7 +10,8 @@ import pytest
 
 from dspark_jax.data.dataset import TokenDataset
 from dspark_jax.data.regen_server import ServerError, regenerate_via_server
-from dspark_jax.data.regenerate import main, regenerate
+from dspark_jax.commands.regenerate import main
+from dspark_jax.data.regenerate import regenerate
 from dspark_jax.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)

@@ -12,7 +12,8 @@ from flax import nnx
 
 from dspark_jax.data.corpora import code_conversations, math_conversations, prose_conversations
 from dspark_jax.data.dataset import TokenDataset
-from dspark_jax.data.regenerate import distinct_ngram_ratio, main, prompt_messages, regenerate, template_tail
+from dspark_jax.commands.regenerate import main
+from dspark_jax.data.regenerate import distinct_ngram_ratio, prompt_messages, regenerate, template_tail
 from dspark_jax.decoding.sampling import SamplingParams
 
 MAX_NEW, MAX_PROMPT = 24, 64
@@ -64,7 +65,7 @@ def _argmax_reference(model, prompt, stop_ids):
 
 
 def test_greedy_regeneration_equals_no_cache_argmax(tiny, prompts, tmp_path):
-    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.text.chat import render_prompt
 
     tok = tiny.tokenizer
     out = tmp_path / "greedy"

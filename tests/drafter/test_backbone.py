@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import Drafter, attach_target
+from dspark_jax.drafter import registry
+from dspark_jax.drafter import attach_target
 from dspark_jax.drafter.backbone import backbone_train, draft_hidden, fuse_context, training_mask, update_context
 from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from dspark_jax.parallel.sharding import create_model
@@ -44,7 +45,7 @@ def test_training_mask_structure(window):
 
 @pytest.fixture(scope="module")
 def setup(micro_cfg, micro_target):
-    drafter = create_model(lambda: Drafter(micro_cfg.target.model, micro_cfg.drafter, rngs=nnx.Rngs(3)))
+    drafter = create_model(lambda: registry.build(micro_cfg.target.model, micro_cfg.drafter, rngs=nnx.Rngs(3)))
     attach_target(drafter, micro_target)
     rng = np.random.default_rng(0)
     B, S = 2, 24

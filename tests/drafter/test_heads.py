@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import Drafter, confidence_logits, head_bias_train, sample_block
-from dspark_jax.losses.dspark import soft_label
+from dspark_jax.drafter import registry
+from dspark_jax.drafter import confidence_logits, head_bias_train, sample_block
+from dspark_jax.drafter.losses import soft_label
 from dspark_jax.drafter.heads import base_logits
 from dspark_jax.decoding.sampling import SamplingParams, sample, sampling_probs
 from dspark_jax.parallel.sharding import create_model
@@ -28,7 +29,7 @@ def params(micro_cfg):
     out = {}
     for i, (kind, head) in enumerate([("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "vanilla")]):
         dcfg = dataclasses.replace(micro_cfg.drafter, kind=kind, head_type=head)
-        d = create_model(lambda: Drafter(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(i)))
+        d = create_model(lambda: registry.build(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(i)))
         p = jax.tree.map(np.asarray, d.arrays())
         rng = np.random.default_rng(i)
         for k in ("gate_bias", "joint_bias", "conf_bias"):

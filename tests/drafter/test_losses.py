@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.losses.dspark import LossCoefs, bce_with_logits, combine, dspark_loss_sums, soft_label
+from dspark_jax.drafter.losses import LossCoefs, bce_with_logits, combine, dspark_loss_sums, soft_label
 
 
 def _np_softmax(x):

@@ -11,10 +11,11 @@ import optax
 import pytest
 from flax import nnx
 
+from dspark_jax.drafter import registry
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter import (
-    Drafter, DrafterConfigError, Frozen, TargetMismatchError, attach_target, default_layer_ids, drafter_checkpoint_state,
+    DrafterConfigError, Frozen, TargetMismatchError, attach_target, default_layer_ids, drafter_checkpoint_state,
     resolve_layer_ids, trainable_state,
 )
 from dspark_jax.io.drafter_dir import load as load_drafter
@@ -29,7 +30,7 @@ V, H, r = 512, 64, 16
 
 def make(micro_cfg, rngs=0, **kw):
     dcfg = dataclasses.replace(micro_cfg.drafter, **kw)
-    return create_model(lambda: Drafter(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(rngs)))
+    return create_model(lambda: registry.build(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(rngs)))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,6 @@ def test_default_layer_ids():
     (dict(mask_token_id=512), "mask_token_id 512 is outside"),
     (dict(mask_token_id=None), "mask_token_id is not set"),
     (dict(head_type="lstm"), "unknown drafter.head_type 'lstm'"),
-    (dict(kind="eagle3"), "not built by"),
 ])
 def test_config_errors(micro_cfg, kw, match):
     with pytest.raises(DrafterConfigError, match=match):
@@ -170,7 +170,7 @@ def test_load_reports_all_key_problems(drafters, micro_target, tmp_path):
 
 def test_bfloat16_parameters_roundtrip(micro_cfg, micro_target, tmp_path):
     dcfg = dataclasses.replace(micro_cfg.drafter, head_type="rnn")
-    d = create_model(lambda: Drafter(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
+    d = create_model(lambda: registry.build(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
     attach_target(d, micro_target)
     assert d.fc[...].dtype == jnp.bfloat16
     assert d.embed[...] is micro_target.embed[...]  # the target's own array is shared, not copied

@@ -73,7 +73,7 @@ def test_bigram_kn_is_a_distribution():
 
 def _cached_copy(src, root, monkeypatch):
     """A copy of the tiny target at the place the cache looks for it, under a temp cache root."""
-    monkeypatch.setenv(E.CACHE_ENV, str(root))
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(root))
     d = root / E._cache_name(E.get_preset("tiny"), 0)
     shutil.copytree(src, d)
     return d

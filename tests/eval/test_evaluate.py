@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.eval.evaluate import (bootstrap_tau, conditional_acceptance, conditional_support, main, sts_before_after,
+from dspark_jax.commands.eval import main
+
+from dspark_jax.eval.evaluate import (bootstrap_tau, conditional_acceptance, conditional_support, sts_before_after,
                              tau_by_group, threshold_sweep)
 
 

@@ -11,9 +11,9 @@ from flax import nnx
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.config import DrafterSection
-from dspark_jax.io.convert import main
+from dspark_jax.commands.convert import main
 from dspark_jax.io.reference import ConversionError, read_reference, reference_tensors
-from dspark_jax.drafter import Drafter, attach_target
+from dspark_jax.drafter import attach_target, registry
 from dspark_jax.io.drafter_dir import load as load_drafter
 from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.drafter.backbone import fuse_context
@@ -140,7 +140,7 @@ def test_export_import_bit_identical(target, tmp_path, kw):
                           mask_token_id=7, **{k: v for k, v in kw.items() if k != "markov_rank"})
     if "markov_rank" in kw:
         dcfg = DrafterSection(**{**dcfg.__dict__, "markov_rank": kw["markov_rank"]})
-    d = create_model(lambda: Drafter(TCFG, dcfg, rngs=nnx.Rngs(5)))
+    d = create_model(lambda: registry.build(TCFG, dcfg, rngs=nnx.Rngs(5)))
     attach_target(d, model)
     save_drafter(d, tmp_path / "ours")
     assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir), "--dtype", "float32"]) == 0
@@ -240,7 +240,7 @@ def test_export_of_a_kind_without_reference_layout_is_refused(target, tmp_path, 
 def _dspark(model, **kw):
     dcfg = DrafterSection(num_layers=2, gamma=5, target_layer_ids=(0, 2), num_target_features=2, markov_rank=R,
                           mask_token_id=7, **kw)
-    d = create_model(lambda: Drafter(TCFG, dcfg, rngs=nnx.Rngs(5)))
+    d = create_model(lambda: registry.build(TCFG, dcfg, rngs=nnx.Rngs(5)))
     attach_target(d, model)
     return d
 

@@ -10,9 +10,9 @@ CODE = r"""
 import hashlib, json, sys
 from pathlib import Path
 import jax
-from dspark_jax.eval.evaluate import main as eval_main
-from dspark_jax.data.regenerate import main as regen_main
-from dspark_jax.io.convert import main as convert_main
+from dspark_jax.commands.eval import main as eval_main
+from dspark_jax.commands.regenerate import main as regen_main
+from dspark_jax.commands.convert import main as convert_main
 from dspark_jax.data.dataset import TokenDataset
 
 import dspark_jax.io.hf as hf

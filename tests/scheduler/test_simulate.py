@@ -118,7 +118,7 @@ def test_matched_throughput_interpolates():
 
 
 def test_cli_synthetic(tmp_path):
-    from dspark_jax.scheduler.simulate import main
+    from dspark_jax.commands.simulate import main
 
     cost = tmp_path / "c.json"
     cost.write_text(json.dumps(roofline_table()))

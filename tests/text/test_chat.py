@@ -5,9 +5,9 @@ import pytest
 from jinja2.exceptions import TemplateError
 
 from dspark_jax.data import corpora as C
-from dspark_jax.data.chat import (CHATML_TEMPLATE, encode_chat, load_chat_template, render_prompt,
+from dspark_jax.text.chat import (CHATML_TEMPLATE, encode_chat, load_chat_template, render_prompt,
                                   render_text)
-from dspark_jax.data.tokenizer import train_tokenizer
+from dspark_jax.text.tokenizer import train_tokenizer
 
 # A realistic Qwen3 chat template (tools branch trimmed to its shape).
 QWEN3_TEMPLATE = """{%- if tools %}

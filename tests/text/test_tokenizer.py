@@ -1,7 +1,7 @@
 import pytest
 
 from dspark_jax.data import corpora as C
-from dspark_jax.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from dspark_jax.text.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from dspark_jax.losses.lm import lm_loss
-from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.metrics import MetricsLogger, progress_bar, read_jsonl
-from dspark_jax.train.optim import adamw, warmup_cosine_schedule
+from dspark_jax.target.lm_loss import lm_loss
+from dspark_jax.toolkit.checkpoint import Checkpointer
+from dspark_jax.console import progress_bar
+from dspark_jax.toolkit.metrics import MetricsLogger, read_jsonl
+from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 
 
 def test_schedule_is_linear_warmup_then_cosine_to_zero():

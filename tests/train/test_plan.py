@@ -110,7 +110,7 @@ def test_mesh_slice_is_checked_when_the_config_loads():
 
 
 def test_plan_help_names_the_topology_flag(capsys):
-    from dspark_jax.train.plan import main
+    from dspark_jax.commands.train_plan import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

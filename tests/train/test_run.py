@@ -241,7 +241,7 @@ def test_gradient_accumulation_equals_the_whole_batch_update(datasets, tmp_path)
 
     from dspark_jax.data.dataset import TokenDataset
     from dspark_jax.drafter import registry
-    from dspark_jax.losses.dspark import LossCoefs
+    from dspark_jax.drafter.losses import LossCoefs
     from dspark_jax.train.run import prepare_target
     from dspark_jax.train.step import TrainState, make_loss_fn, make_train_step, split_micro
     from dspark_jax.train.trainer import Trainer
@@ -300,7 +300,7 @@ def test_remat_of_drafter_layers_keeps_the_gradient(datasets, tmp_path):
     from dspark_jax.config.loader import ConfigError
     from dspark_jax.data.dataset import TokenDataset
     from dspark_jax.drafter import registry
-    from dspark_jax.losses.dspark import LossCoefs
+    from dspark_jax.drafter.losses import LossCoefs
     from dspark_jax.train.run import prepare_target
     from dspark_jax.train.step import make_loss_fn
     from dspark_jax.train.trainer import Trainer

@@ -7,6 +7,7 @@ answers: the fit line, and bad input (unknown slice, wrong mesh size, no libtpu,
 
 import pytest
 
+from dspark_jax.commands.train_plan import main as plan_command
 from dspark_jax.config import from_cli
 from dspark_jax.train import compiled as C
 from dspark_jax.train import plan as train_plan
@@ -64,14 +65,14 @@ def test_plan_prints_the_tpu_figures_and_the_fit(programs, capsys, monkeypatch):
         return _memory(progs)
 
     monkeypatch.setattr(C, "compile_steps", fake_compile)
-    code = train_plan.main([*REDUCED, "--compile"])
+    code = plan_command([*REDUCED, "--compile"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert seen["mesh"].devices.flat[0].platform == "tpu" and seen["mesh"].devices.size == 4
     assert "v5e-4, 4 devices, XLA:TPU" in out.out and "16 GiB HBM: margin" in out.out and "compiled in" in out.out
     assert "Mosaic kernel call(s)" in out.out
 
-    code = train_plan.main([*REDUCED, "--compile", "--hbm-gib", "0.01"])
+    code = plan_command([*REDUCED, "--compile", "--hbm-gib", "0.01"])
     out = capsys.readouterr()
     assert code == 1
     lines = out.err.strip().splitlines()
@@ -81,7 +82,7 @@ def test_plan_prints_the_tpu_figures_and_the_fit(programs, capsys, monkeypatch):
 
 
 def _main(capsys, *argv):
-    code = train_plan.main([*REDUCED, *argv])
+    code = plan_command([*REDUCED, *argv])
     return code, capsys.readouterr()
 
 

@@ -1,5 +1,5 @@
 """DSpark and DFlash: the parallel block backbone, with (DSpark) or without (DFlash) the
-sequential Markov head and the confidence head (method note sections 2 and 6)."""
+sequential Markov head and the confidence head (docs/method.md §2 and §6)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.drafter import backbone, heads
-from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
+from dspark_jax.drafter.losses import combine, dspark_chunked_sums
 from dspark_jax.drafter.model import Drafter, resolve_config
-from dspark_jax.losses.dspark import combine, dspark_chunked_sums
 
 
 class BlockKind(DrafterKind):

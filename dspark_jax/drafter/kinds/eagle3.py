@@ -1,4 +1,4 @@
-"""Eagle3 (DeepSpec's variant, method note section 6): one layer over fused target features,
+"""Eagle3 (DeepSpec's variant, docs/method.md §6): one layer over fused target features,
 drafting token by token with its own KV cache; trained with the training-time test."""
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ import jax.numpy as jnp
 from dspark_jax.drafter import eagle3 as e3
 from dspark_jax.drafter.kinds.base import DraftShape
 from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
-from dspark_jax.drafter.model import default_layer_ids, resolve_layer_ids, validate_layer_ids
+from dspark_jax.drafter.model import (
+    default_layer_ids,
+    resolve_layer_ids,
+    validate_layer_ids,
+)
 
 DEFAULT_GAMMA = 7
 

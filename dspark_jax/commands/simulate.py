@@ -1,0 +1,112 @@
+"""`python -m dspark_jax simulate`: serving simulation of the schedulers under concurrency, round
+times from a cost table, acceptance from traces (the model: dspark_jax/scheduler/simulate.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dspark_jax.cli import report_user_errors
+
+
+def _load_temps(args, ts):
+    import numpy as np
+
+    from dspark_jax.calibration.calibrate import load_temperatures
+    from dspark_jax.calibration.sts import fit_sts
+
+    if args.drafter_dir:
+        return np.asarray(load_temperatures(args.drafter_dir, ts.sampling, ts.gamma)), f"sts.json in {args.drafter_dir}"
+    if args.no_calibration:
+        return None, "none (T = 1)"
+    full = ts.full_gamma()
+    return fit_sts(full.conf_logits, full.accepted), "fitted on the simulation's own traces"
+
+
+@report_user_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--costs", required=True, help="cost table JSON (dspark_jax.scheduler.costs)")
+    ap.add_argument("--traces", default=None, help="DSpark trace file (.npz); the default acceptance source")
+    ap.add_argument("--dflash-traces", default=None)
+    ap.add_argument("--mtp-traces", default=None)
+    ap.add_argument("--synthetic-traces", action="store_true", help="parametric traces (traces.synthetic_traces)")
+    ap.add_argument("--mtp-accept", type=float, default=0.85,
+                    help="MTP-1 acceptance when no MTP traces (DeepSeek-V3 reports 85-90 %%)")
+    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", default=None, help="read STS temperatures from <dir>/sts.json")
+    ap.add_argument("--no-calibration", action="store_true")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--skip", default="known", choices=["none", "known", "best_case", "stale"],
+                    help="when the scheduled variants skip drafting (module doc); 'known' is the engine's default")
+    ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: first probe interval (rounds)")
+    ap.add_argument("--probe-max", type=int, default=64,
+                    help="'known' rule: the interval doubles up to this while probes say drafting does not pay")
+    ap.add_argument("--theta", default="latency", choices=["latency", "sps"])
+    ap.add_argument("--charge", default="step", choices=["step", "interp"])
+    ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", "--out-dir", dest="out_dir", required=True, help="output directory")
+    args = ap.parse_args(argv)
+    from dspark_jax.calibration.traces import load_traces, synthetic_traces
+    from dspark_jax.scheduler.costs import load_cost_file
+    from dspark_jax.scheduler.simulate import (
+        SCHEDULED,
+        default_methods,
+        headline,
+        matched_throughput,
+        run_sweep,
+        write_outputs,
+    )
+
+    cost = load_cost_file(args.costs)
+    if args.traces:
+        traces = {"dspark": load_traces(args.traces).full_gamma()}
+        for k, p in (("dflash", args.dflash_traces), ("mtp1", args.mtp_traces)):
+            if p:
+                traces[k] = load_traces(p).full_gamma()
+        source = f"real traces: {args.traces}" + "".join(f", {k}: {p}" for k, p in (
+            ("dflash", args.dflash_traces), ("mtp1", args.mtp_traces)) if p)
+    elif args.synthetic_traces:
+        traces = {k: synthetic_traces(256, 64, 7, kind=k, seed=args.seed + i)
+                  for i, k in enumerate(("dspark", "dflash", "mtp1"))}
+        source = "SYNTHETIC traces (traces.synthetic_traces presets: " + "; ".join(
+            f"{k}: tau {t.tau():.2f}" for k, t in traces.items()) + ")"
+    else:
+        ap.error("give --traces FILE (real) or --synthetic-traces")
+    temps, temps_src = _load_temps(args, traces["dspark"])
+    conc = [int(c) for c in args.concurrency.split(",")]
+    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
+    results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
+                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
+                        probe_every=args.probe_every, probe_max=args.probe_max)
+    files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
+    hl = headline(results)
+    matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
+    summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
+               "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
+               "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "probe_max", "theta", "charge", "turnover", "seed")},
+               "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
+    Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")
+    print(f"{'method':28s} " + " ".join(f"{'R=' + str(c):>9s}" for c in conc) + "   (total tokens/s)")
+    for m in methods:
+        row = {r.concurrency: r for r in results if r.method == m.name}
+        print(f"{m.name:28s} " + " ".join(f"{row[c].total_tps:9.0f}" for c in conc))
+    print("budget (1 + l) per request:")
+    for m in methods:
+        row = {r.concurrency: r for r in results if r.method == m.name}
+        print(f"{m.name:28s} " + " ".join(f"{row[c].budget:9.2f}" for c in conc))
+    print("throughput / target-only at max concurrency: " + ", ".join(
+        f"{m}: {v:.3f}" for m, v in hl["at_max_concurrency"].items()))
+    print("min over concurrency of throughput / target-only: " + ", ".join(
+        f"{m}: {v:.3f}" for m, v in hl["min_over_concurrency"].items()))
+    for name, pts in matched.items():
+        if pts:
+            print(f"{name} vs MTP-1 at matched total throughput: per-user gain " + ", ".join(
+                f"R_mtp={p['baseline_concurrency']}: {100 * p['gain']:+.0f} %" for p in pts))
+    print(f"wrote {files['csv']}, {', '.join(files['png'])}, summary.json")
+    return 0
