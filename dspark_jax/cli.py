@@ -86,5 +86,6 @@ def parse_kv_pages(text: str) -> tuple[int, int]:
     return num, size
 
 
-# The drafter kinds (drafter.registry.KINDS; equal, tests/test_cli_errors.py), for parsers built without jax.
+# The drafter kinds, listed once: the config schema's `drafter.kind`, the commands' choices (built
+# without jax) and drafter.registry.KINDS (one adapter per name; equal, tests/test_cli_errors.py).
 KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")

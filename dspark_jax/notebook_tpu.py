@@ -29,6 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.config.loader import ConfigError
+from dspark_jax.engine.plan import peak_bytes, plan
+from dspark_jax.io.hf import read_config
+from dspark_jax.parallel.slices import parse_slice
+from dspark_jax.parallel.topology import require_libtpu, slice_mesh
+from dspark_jax.text.tokenizer import Tokenizer
+from dspark_jax.train.compiled import compile_steps, peak
+
 __all__ = [
     "COLAB_CHIPS",
     "acceptance_by_position",
@@ -59,8 +67,6 @@ def with_checkpoint_model(cfg, path=None, *, fallback_mask_token_id: int | None 
     `cfg.target.path`) and `drafter.mask_token_id`, when unset, from its tokenizer's <|mask|> token,
     else `fallback_mask_token_id` (Qwen3's tokenizer has none: the reference uses the unused
     embedding row 151669)."""
-    from dspark_jax.config.loader import ConfigError
-    from dspark_jax.io.hf import read_config
 
     path = Path(path or cfg.target.path)
     _, model = read_config(path)
@@ -69,8 +75,6 @@ def with_checkpoint_model(cfg, path=None, *, fallback_mask_token_id: int | None 
     if drafter.mask_token_id is None:
         mask = None
         if (path / "tokenizer.json").is_file():
-            from dspark_jax.text.tokenizer import Tokenizer
-
             mask = Tokenizer.load(path).mask_id
         if mask is None:
             mask = fallback_mask_token_id
@@ -130,9 +134,6 @@ def chip_memory(cfg, chips=COLAB_CHIPS, *, slots: int, context: int, train_mesh=
     the slice) and of the engine's round for `slots` x `context` tokens on `serve_mesh` (default
     1,1,1: one chip), compiled by XLA:TPU for that slice. `cfg.target.model` must be set
     (`with_checkpoint_model`). Needs libtpu (`tpu_compiler_available`)."""
-    from dspark_jax.engine.plan import peak_bytes, plan
-    from dspark_jax.parallel.topology import parse_slice, require_libtpu, slice_mesh
-    from dspark_jax.train.compiled import compile_steps, peak
 
     if cfg.target.model is None:
         raise ValueError("cfg.target.model is not set: the programs compile from shapes; fill it from the "
@@ -299,7 +300,6 @@ def scrub_paths(text) -> str:
 
 class _Lines(io.TextIOBase):
     """A write-through stream: complete lines go to `out` scrubbed, progress-bar refreshes are dropped."""
-
     def __init__(self, out):
         self.out, self.buf = out, ""
 

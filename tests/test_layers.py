@@ -109,6 +109,12 @@ def _is_command(module: str) -> bool:
     return _package(module) in COMMAND_PACKAGES or module.endswith(".__main__")
 
 
+def _is_lazy_package_init(module: str) -> bool:
+    """A package's `__init__` may load its public names on first use (PEP 562), so that importing
+    the package for a command's --help does not start JAX."""
+    return MODULES[module].name == "__init__.py"
+
+
 def test_every_package_has_a_floor():
     assert {_package(m) for m in MODULES} - {"__init__"} <= set(LAYERS)
 
@@ -152,7 +158,7 @@ def test_no_module_cycles():
 
 
 def test_library_code_imports_at_module_level():
-    late = sorted(f"{a}: {b}" for a, b in INNER if not _is_command(a))
+    late = sorted(f"{a}: {b}" for a, b in INNER if not _is_command(a) and not _is_lazy_package_init(a))
     assert not late, "imports inside functions of library modules:\n" + "\n".join(late)
 
 

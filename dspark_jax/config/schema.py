@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dspark_jax.cli import KIND_NAMES
 from dspark_jax.config.loader import ConfigError, load_config, split_cli
-from dspark_jax.parallel.topology import parse_slice
+from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.target.config import ModelConfig
 
-DrafterKind = Literal["dspark", "dflash", "eagle3", "mtp1"]
+DrafterKind = Literal[KIND_NAMES]
 HeadType = Literal["vanilla", "gated", "rnn"]
 
 

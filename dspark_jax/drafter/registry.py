@@ -2,8 +2,8 @@
 
 Everything that depends on the kind (building, the training loss, the engine's prefill /
 draft / update, memory planning) goes through the adapter found here; adding a kind is a
-new file under `drafter/kinds/` and one entry in `KINDS` (plus its name in the config
-schema's `DrafterKind`).
+new file under `drafter/kinds/` and one entry in `KINDS` (plus its name in `cli.KIND_NAMES`, which
+the config schema and the commands read without importing jax).
 """
 
 from __future__ import annotations

@@ -18,6 +18,14 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+)
 
 from dspark_jax.io import safetensors_io
 from dspark_jax.io.files import atomic_dir
@@ -181,15 +189,6 @@ def gguf_tensors(reader, cfg: dict, np_dtype=np.float32) -> dict[str, np.ndarray
 
 def gguf_tokenizer(reader):
     """(tokenizers.Tokenizer, tokenizer_config dict, generation_config dict) from the GGUF metadata."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-    )
-
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise GGUFError(f"the GGUF tokenizer model is {model!r}; dspark_jax rebuilds byte-level BPE tokenizers "

@@ -48,6 +48,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.kernels import PAGED_KERNELS as PAGED_ATTENTION_IMPLS
@@ -76,8 +79,6 @@ def _precision(dtype):
 
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_size: int, pages: int, group: int,
             block_rows: int, heads: int, scale: float):
-    from jax.experimental import pallas as pl
-
     k_refs, v_refs = refs[:pages], refs[pages: 2 * pages]
     o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages:]
     r, qb, b = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -141,9 +142,6 @@ def _tiling(rows: int, nkv: int, m: int, page_size: int) -> tuple[int, int, int,
 
 def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret: bool):
     """The kernel on one shard: q [R, T, Nq, D], pool [L, P, Nkv, ps, D], layer [1]."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
     r, t, nq, d = q.shape
     _, _, nkv, ps, _ = k_pages.shape
     g = nq // nkv
@@ -208,7 +206,6 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(layer, q, k_pages, v_pages, page_table, kv_len, q_start)
-    from jax.sharding import PartitionSpec as P
 
     pool = logical_to_pspec(PAGE_AXES, k_pages.shape, mesh)
     rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]

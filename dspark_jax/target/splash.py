@@ -18,6 +18,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as sk,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask as sm,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import (
+    SegmentIds,
+)
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.kernels import SPLASH_BLOCK as BLOCK
@@ -25,12 +34,6 @@ from dspark_jax.target.kernels import pallas_interpret
 
 
 def _build_kernel(group: int, seq_len: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as sk,
-    )
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_mask as sm,
-    )
 
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(group)])
     blocks = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK)
@@ -51,10 +54,6 @@ def _kernel(group: int, seq_len: int, interpret: bool):
 
 def _local(q, k, v, key_valid, interpret: bool):
     """q [B, T, Nkv, G, D]; k, v [B, T, Nkv, D]; key_valid [B, T] -> [B, T, Nkv, G, D]."""
-    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import (
-        SegmentIds,
-    )
-
     b, t, nkv, g, d = q.shape
     kernel = _kernel(g, t, interpret)
     qh = jnp.transpose(q * jnp.asarray(1.0 / math.sqrt(d), q.dtype), (0, 2, 3, 1, 4))  # [B, Nkv, G, T, D]

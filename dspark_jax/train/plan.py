@@ -23,7 +23,8 @@ from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.drafter.losses import LossCoefs
 from dspark_jax.parallel.sharding import logical_to_pspec
-from dspark_jax.parallel.topology import parse_slice, require_libtpu, slice_mesh
+from dspark_jax.parallel.slices import parse_slice
+from dspark_jax.parallel.topology import require_libtpu, slice_mesh
 from dspark_jax.train.compiled import peak
 from dspark_jax.train.step import (
     TrainState,

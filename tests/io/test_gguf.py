@@ -164,7 +164,7 @@ def test_bad_gguf_gets_one_clear_error(tmp_path, kw, match):
 
 
 def test_truncated_gguf(tmp_path, capsys):
-    from dspark_jax.io.gguf import main
+    from dspark_jax.commands.gguf import main
 
     write_tiny_gguf(tmp_path / "m.gguf")
     data = (tmp_path / "m.gguf").read_bytes()

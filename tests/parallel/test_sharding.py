@@ -5,8 +5,8 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.conftest import run_multidevice
 from dspark_jax.parallel.sharding import logical_to_pspec
+from tests.conftest import run_multidevice
 
 
 def test_rules_table():
@@ -17,9 +17,6 @@ def test_rules_table():
 
 
 def test_indivisible_dimension_is_replicated_or_rejected():
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
 
     class FakeMesh:  # only .shape is read
         shape = {"data": 1, "fsdp": 2, "tensor": 4}
@@ -72,7 +69,6 @@ def test_device_grid_keeps_cpu_order_and_puts_data_across_slices():
     from types import SimpleNamespace
 
     import jax
-    import numpy as np
     import pytest
 
     from dspark_jax.parallel.sharding import device_grid

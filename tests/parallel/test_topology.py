@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from dspark_jax.parallel import platform
-from dspark_jax.parallel.topology import parse_slice, slice_names
+from dspark_jax.parallel.slices import parse_slice, slice_names
 
 
 @pytest.mark.parametrize("name,topology,chips,hosts", [

@@ -93,7 +93,7 @@ SLICES = {"qwen3_4b_dspark": "v5p-32", "qwen3_8b_dspark": "v5p-64", "qwen3_14b_d
 def test_presets_name_the_slice_their_mesh_fills(preset):
     """`plan --compile` compiles a preset for the slice it names: its mesh must use every device
     (v5e / v6e / v5p: one device per chip)."""
-    from dspark_jax.parallel.topology import parse_slice
+    from dspark_jax.parallel.slices import parse_slice
 
     m = from_cli([preset]).mesh
     assert m.slice == SLICES[preset]
