@@ -6,6 +6,7 @@ traced controls hold them (int32 / float32). `Engine.validate_request` is the on
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -47,6 +48,16 @@ def reach(prompt_len: int, max_new: int, G: int, max_len: int) -> int:
     return min(int(prompt_len) + int(max_new) + int(G), int(max_len))
 
 
+def _token(x) -> int | None:
+    """An integer scalar of any array library as an int (bools and floats are not token ids)."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def _integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -71,9 +82,10 @@ def check_request(lim: Limits, prompt, max_new, *, sampling=None, stop_ids=(), s
     "max_new", "stop", "seed" to the caller's names for them). `fit_context`: the prompt and all
     of max_new must fit the context (else generation may end early with reason "context")."""
     names = {"prompt": "prompt", "max_new": "max_new", "stop": "stop", "seed": "seed", **(names or {})}
-    if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(_integer(x) for x in prompt):
+    p = None if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") else [_token(x) for x in prompt]
+    if p is None or None in p:
         raise InvalidRequest(f"{prompt_name} must be a list of token ids", names["prompt"])
-    p, n = [int(x) for x in prompt], len(prompt)
+    n = len(p)
     if n < lim.min_prompt:
         raise InvalidRequest(f"{prompt_name} has {n} tokens; {lim.mode} needs at least {lim.min_prompt}",
                              names["prompt"])
@@ -89,8 +101,9 @@ def check_request(lim: Limits, prompt, max_new, *, sampling=None, stop_ids=(), s
         raise InvalidRequest(f"{prompt_name} has token ids outside the vocabulary 0..{lim.vocab_size - 1}",
                              names["prompt"])
     budget = names["max_new"]
-    if not _integer(max_new) or not 1 <= max_new <= INT32_MAX:
+    if _token(max_new) is None or not 1 <= _token(max_new) <= INT32_MAX:
         raise InvalidRequest(f"{budget} must be an integer >= 1, got {max_new!r}", budget)
+    max_new = _token(max_new)
     if fit_context and n + max_new > lim.room:
         raise InvalidRequest(f"{budget} {max_new} + the {n} prompt tokens exceed the context of {lim.room} tokens: "
                              f"ask for at most {lim.room - n}", budget)
@@ -102,14 +115,14 @@ def check_request(lim: Limits, prompt, max_new, *, sampling=None, stop_ids=(), s
                                f"{lim.pages.page_size} tokens, more than the whole pool of {lim.pages.num_pages}: ask "
                                f"for at most {max(fit, 0)}, or give the page pool more pages (kv_pages=(num_pages, "
                                "page_size); --kv-pages NUM,SIZE on the command line)", budget)
-    stops = tuple(stop_ids)
-    if len(stops) > MAX_STOP_IDS or not all(_integer(x) and 0 <= x < lim.vocab_size for x in stops):
+    stops = tuple(_token(x) for x in stop_ids)
+    if len(stops) > MAX_STOP_IDS or not all(x is not None and 0 <= x < lim.vocab_size for x in stops):
         raise InvalidRequest(f"at most {MAX_STOP_IDS} stop ids in the vocabulary 0..{lim.vocab_size - 1}, got "
-                             f"{list(stops)[:MAX_STOP_IDS + 1]}", names["stop"])
-    if not _integer(seed):
+                             f"{list(stop_ids)[:MAX_STOP_IDS + 1]}", names["stop"])
+    if _token(seed) is None:
         raise InvalidRequest(f"the seed must be an integer, got {seed!r}", names["seed"])
     s = sampling or SamplingParams()
-    return Checked(p, int(max_new), engine_sampling(*s, lim.vocab_size), tuple(int(x) for x in stops), int(seed))
+    return Checked(p, max_new, engine_sampling(*s, lim.vocab_size), stops, _token(seed))
 
 
 def stop_row(stop_ids) -> np.ndarray:
