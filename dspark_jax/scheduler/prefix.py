@@ -1,8 +1,8 @@
 """Hardware-aware prefix scheduler (docs/method.md §3 and §3.1).
 
-Every scheduler exists twice with the same signature: a plain-loop numpy version
-(``*_np``, the readable reference, host-side) and a jit-compiled JAX version (static
-shapes ``[R, G]``; mode / cost are static strings, everything else traced).
+Every scheduler is a jit-compiled JAX function (static shapes ``[R, G]``; mode / cost are
+static strings, everything else traced). The tests compare each with a plain-loop numpy
+reference of the same signature (``tests/scheduler/prefix_reference.py``).
 
 Conventions
 -----------
@@ -35,17 +35,9 @@ import numpy as np
 
 __all__ = [
     "CostTable", "make_table", "save_table", "load_table",
-    "prefix_survival", "prefix_survival_np",
-    "verify_time", "verify_time_np", "theta", "theta_np", "bucket_index", "bucket_index_np",
-    "greedy_rank", "greedy_rank_np",
-    "schedule_early_stop", "schedule_early_stop_np",
-    "schedule_static", "schedule_static_np",
-    "capacity_from_stale", "capacity_from_stale_np",
-    "schedule_production", "schedule_production_np",
-    "schedule_threshold", "schedule_threshold_np",
-    "schedule_fixed", "schedule_fixed_np",
-    "speculation_pays", "speculation_pays_np",
-    "known_speculation_pays", "known_speculation_pays_np",
+    "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
+    "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
+    "schedule_threshold", "schedule_fixed", "speculation_pays", "known_speculation_pays",
 ]
 
 
@@ -96,25 +88,11 @@ def prefix_survival(conf_logits, temperatures=None):
     return jnp.cumprod(jax.nn.sigmoid(z), axis=-1)
 
 
-def prefix_survival_np(conf_logits, temperatures=None):
-    z = np.asarray(conf_logits, np.float64)
-    if temperatures is not None:
-        z = z / np.asarray(temperatures, np.float64)
-    return np.cumprod(1.0 / (1.0 + np.exp(-z)), axis=-1)
-
-
 def bucket_index(B, table: CostTable):
     """Index of the smallest bucket >= B (clipped to the last bucket)."""
     nb = table.buckets.shape[0]
     idx = jnp.searchsorted(table.buckets, jnp.asarray(B, table.buckets.dtype), side="left")
     return jnp.minimum(idx, nb - 1).astype(jnp.int32)
-
-
-def bucket_index_np(B, table: CostTable):
-    for i, b in enumerate(np.asarray(table.buckets)):
-        if B <= b:
-            return i
-    return len(table.buckets) - 1
 
 
 def verify_time(B, table: CostTable, cost: str = "interp"):
@@ -130,22 +108,6 @@ def verify_time(B, table: CostTable, cost: str = "interp"):
     return jnp.where(b > bk[-1], jnp.inf, t)
 
 
-def verify_time_np(B, table: CostTable, cost: str = "interp"):
-    bk = np.asarray(table.buckets, np.float64)
-    tv = np.asarray(table.t_verify, np.float64)
-    if B > bk[-1]:
-        return np.inf
-    if cost == "step":
-        return tv[bucket_index_np(B, table)]
-    if cost != "interp":
-        raise ValueError(f"unknown cost {cost!r}")
-    if B <= bk[0]:
-        return tv[0]
-    i = int(np.searchsorted(bk, B, side="left"))  # bk[i-1] < B <= bk[i]
-    w = (B - bk[i - 1]) / (bk[i] - bk[i - 1])
-    return tv[i - 1] + w * (tv[i] - tv[i - 1])
-
-
 def theta(tau, B, table: CostTable, mode: str = "sps", cost: str = "interp"):
     """Expected throughput of a verification batch of B tokens with tau expected tokens."""
     tv = verify_time(B, table, cost)
@@ -154,15 +116,6 @@ def theta(tau, B, table: CostTable, mode: str = "sps", cost: str = "interp"):
         return tau / tv
     if mode == "latency":
         return tau / (jnp.asarray(table.t_draft, jnp.float32) + tv)
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def theta_np(tau, B, table: CostTable, mode: str = "sps", cost: str = "interp"):
-    tv = verify_time_np(B, table, cost)
-    if mode == "sps":
-        return tau / tv
-    if mode == "latency":
-        return tau / (float(table.t_draft) + tv)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -220,24 +173,6 @@ def greedy_rank(a, active):
     return _order(a, cand)[2]
 
 
-def _cands_np(a, active):
-    a = np.clip(np.asarray(a, np.float64), 0.0, 1.0)
-    a = np.minimum.accumulate(a, axis=1)
-    R, G = a.shape
-    c = [(-a[r, j], j, r) for r in range(R) for j in range(G) if active[r] and a[r, j] > 0]
-    c.sort()
-    return a, c
-
-
-def greedy_rank_np(a, active):
-    a, c = _cands_np(a, active)
-    R, G = a.shape
-    rank = np.full((R, G), R * G, np.int64)
-    for i, (_, j, r) in enumerate(c):
-        rank[r, j] = i
-    return rank
-
-
 # ----------------------------------------------------------------------------------------
 # Algorithm 1 (early stop); its lossy retroactive variant is in dspark_jax.testing.broken
 # ----------------------------------------------------------------------------------------
@@ -249,35 +184,6 @@ def schedule_early_stop(a, active, table: CostTable, mode="sps", cost="interp"):
     sorted_a, n_cand, rank = _order(a, cand)
     n_act = jnp.sum(active).astype(jnp.int32)
     return _lengths(rank, cand, _early_stop_n(sorted_a, n_cand, n_act, table, mode, cost))
-
-
-def _early_stop_np(a, active, table, mode, cost, retro=False):
-    """`retro`: argmax over all prefixes (the lossy variant, testing.broken) instead of the early stop."""
-    a, c = _cands_np(a, active)
-    n_act = int(np.sum(np.asarray(active, bool)))
-    B, tau = n_act, float(n_act)
-    th = theta_np(tau, B, table, mode, cost)
-    best_n, best_th, n = 0, th, 0
-    for (na, _, _) in c:
-        B, tau = B + 1, tau - na
-        th1 = theta_np(tau, B, table, mode, cost)
-        n += 1
-        if retro:
-            if th1 > best_th:
-                best_n, best_th = n, th1
-        else:
-            if th1 <= th:
-                break
-            best_n = n
-        th = th1
-    l = np.zeros(a.shape[0], np.int64)
-    for (_, _, r) in c[:best_n]:
-        l[r] += 1
-    return l, c, n_act, best_n
-
-
-def schedule_early_stop_np(a, active, table: CostTable, mode="sps", cost="interp"):
-    return _early_stop_np(a, active, table, mode, cost)[0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -299,16 +205,6 @@ def schedule_static(a, active, table: CostTable, mode="sps"):
     return _lengths(rank, cand, n_total), b_idx
 
 
-def schedule_static_np(a, active, table: CostTable, mode="sps"):
-    _, c, n_act, n = _early_stop_np(a, active, table, mode, "interp")
-    b_idx = bucket_index_np(n_act + n, table)
-    n_total = int(np.clip(int(np.asarray(table.buckets)[b_idx]) - n_act, 0, len(c)))
-    l = np.zeros(np.asarray(a).shape[0], np.int64)
-    for (_, _, r) in c[:n_total]:
-        l[r] += 1
-    return l, b_idx
-
-
 # ----------------------------------------------------------------------------------------
 # production variant: capacity from stale survivals, then top-K by current survival
 # ----------------------------------------------------------------------------------------
@@ -321,10 +217,6 @@ def capacity_from_stale(a_stale, active, table: CostTable, mode="sps", cost="ste
     sorted_a, n_cand, _ = _order(a, cand)
     n_act = jnp.sum(active).astype(jnp.int32)
     return _global_n(sorted_a, n_cand, n_act, table, mode, cost)
-
-
-def capacity_from_stale_np(a_stale, active, table: CostTable, mode="sps", cost="step"):
-    return _early_stop_np(a_stale, active, table, mode, cost, retro=True)[3]
 
 
 @partial(jax.jit, static_argnames=("mode", "cost"))
@@ -344,18 +236,6 @@ def schedule_production(a, active, a_stale, stale_valid, table: CostTable, defau
     return l, bucket_index(n_act + jnp.sum(l), table), k
 
 
-def schedule_production_np(a, active, a_stale, stale_valid, table: CostTable, default_k,
-                           mode="sps", cost="step"):
-    _, c = _cands_np(a, active)
-    n_act = int(np.sum(np.asarray(active, bool)))
-    k = capacity_from_stale_np(a_stale, active, table, mode, cost) if stale_valid else int(default_k)
-    k = int(np.clip(k, 0, max(int(np.asarray(table.buckets)[-1]) - n_act, 0)))
-    l = np.zeros(np.asarray(a).shape[0], np.int64)
-    for (_, _, r) in c[:k]:
-        l[r] += 1
-    return l, bucket_index_np(n_act + int(l.sum()), table), k
-
-
 # ----------------------------------------------------------------------------------------
 # static threshold, fixed gamma, skip drafting
 # ----------------------------------------------------------------------------------------
@@ -368,25 +248,11 @@ def schedule_threshold(a, active, threshold):
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def schedule_threshold_np(a, active, threshold):
-    a = np.asarray(a)
-    l = np.zeros(a.shape[0], np.int64)
-    for r in range(a.shape[0]):
-        if active[r]:
-            while l[r] < a.shape[1] and a[r, l[r]] >= threshold:
-                l[r] += 1
-    return l
-
-
 @partial(jax.jit, static_argnames=("G",))
 def schedule_fixed(active, gamma, G):
     """Fixed-gamma verification: l_r = min(gamma, G) for active rows."""
     g = jnp.clip(jnp.asarray(gamma, jnp.int32), 0, G)
     return jnp.where(jnp.asarray(active, bool), g, 0).astype(jnp.int32)
-
-
-def schedule_fixed_np(active, gamma, G):
-    return np.where(np.asarray(active, bool), min(max(int(gamma), 0), G), 0)
 
 
 @partial(jax.jit, static_argnames=("max_tokens", "mode", "cost"))
@@ -398,12 +264,6 @@ def speculation_pays(n_active, table: CostTable, max_tokens, mode="sps", cost="i
     th0 = n / verify_time(n, table, cost)
     k = jnp.arange(1, max_tokens + 1, dtype=jnp.float32)
     return jnp.any(theta(n + k, n + k, table, mode, cost) > th0)
-
-
-def speculation_pays_np(n_active, table: CostTable, max_tokens, mode="sps", cost="interp"):
-    th0 = n_active / verify_time_np(n_active, table, cost)
-    return any(theta_np(n_active + k, n_active + k, table, mode, cost) > th0
-               for k in range(1, max_tokens + 1))
 
 
 @partial(jax.jit, static_argnames=("mode", "cost"))
@@ -419,13 +279,3 @@ def known_speculation_pays(a_known, active, table: CostTable, mode="latency", co
     n = n_act.astype(jnp.float32)
     return jnp.max(th) > n / verify_time(n, table, cost)
 
-
-def known_speculation_pays_np(a_known, active, table: CostTable, mode="latency", cost="step"):
-    a, c = _cands_np(a_known, active)
-    n = int(np.sum(np.asarray(active, bool)))
-    th0 = n / verify_time_np(n, table, cost)
-    tau, best = float(n), -np.inf
-    for i, (na, _, _) in enumerate(c, start=1):
-        tau -= na
-        best = max(best, theta_np(tau, n + i, table, mode, cost))
-    return bool(best > th0)

@@ -150,6 +150,14 @@ def _stale_skip(a_stale, R, table_np, t_draft, charge, mode="latency"):
     return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
 
 
+def _best_case_pays(R, table_np, t_draft, max_tokens, mode="latency"):
+    """The engine's best-case rule (``scheduler.speculation_pays`` on the interpolated table): some
+    K in 1..max_tokens draft tokens, each surviving, beats target-only (no draft time)."""
+    B = R + np.arange(1, max_tokens + 1)
+    th = B / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, "interp"))
+    return bool(np.any(th > R / _verify_cost(R, table_np, "interp")))
+
+
 def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency"):
     """The engine's "known" rule, round by round: skip unless the best case pays and either the
     survivals of the last round that drafted say some admission count beats target-only, or
@@ -171,15 +179,14 @@ def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, pr
     return skip
 
 
-def _skip_rounds(rule, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every, probe_max):
+def _skip_rounds(rule, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_every, probe_max):
     """[T] bool: rounds in which a scheduled method does not draft, by `rule` (module doc)."""
     T = a.shape[0]
     if rule == "none":
         return np.zeros(T, bool)
     if rule == "stale":
         return _stale_skip(a_stale, R, table_np, t_draft, charge, mode)
-    tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft, as_numpy=True)
-    best = scheduler.speculation_pays_np(R, tab, R * G, mode=mode, cost="interp")
+    best = _best_case_pays(R, table_np, t_draft, R * G, mode)
     if rule == "best_case":
         return np.full(T, not best)
     if rule == "known":
@@ -233,7 +240,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
             l = np.cumprod(a >= method.threshold, axis=-1).sum(-1)
         elif method.kind in SCHEDULED:
 
-            skip = _skip_rounds(method.skip, a, a_stale, R, cost, t_draft, table_np, G, mode, charge, probe_every,
+            skip = _skip_rounds(method.skip, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_every,
                                 probe_max)
             if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
                 a_stale = _carried_stale(a_all, skip)

@@ -4,8 +4,9 @@ nothing on the production path can select them.
 - `verify_no_residual`: after a rejection, resample from p instead of norm(max(p - q, 0)).
 - `UnfilteredQ`: a DSpark kind whose drafts are verified against the unfiltered softmax of the
   drafter's logits instead of the (temperature / top-k / top-p) distribution they were sampled from.
-- `schedule_retroactive_lossy(_np)`: Algorithm 1 without its early stop (argmax over all
-  prefixes), which lets a draft's own value decide whether it is verified (docs/method.md §3, the paper's Appendix A).
+- `schedule_retroactive_lossy`: Algorithm 1 without its early stop (argmax over all
+  prefixes), which lets a draft's own value decide whether it is verified (docs/method.md §3, the paper's Appendix A);
+  its numpy reference is `schedule_retroactive_lossy_np` in tests/scheduler/prefix_reference.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dspark_jax.drafter import heads
 from dspark_jax.drafter.kinds.block import BlockKind
 from dspark_jax.scheduler import prefix
 
-__all__ = ["verify_no_residual", "UnfilteredQ", "schedule_retroactive_lossy", "schedule_retroactive_lossy_np"]
+__all__ = ["verify_no_residual", "UnfilteredQ", "schedule_retroactive_lossy"]
 
 
 def verify_no_residual(key, d, q, p, l):
@@ -61,7 +62,3 @@ def schedule_retroactive_lossy(a, active, table: prefix.CostTable, mode="sps", c
     sorted_a, n_cand, rank = prefix._order(a, cand)
     n_act = jnp.sum(active).astype(jnp.int32)
     return prefix._lengths(rank, cand, prefix._global_n(sorted_a, n_cand, n_act, table, mode, cost))
-
-
-def schedule_retroactive_lossy_np(a, active, table: prefix.CostTable, mode="sps", cost="interp"):
-    return prefix._early_stop_np(a, active, table, mode, cost, retro=True)[0]

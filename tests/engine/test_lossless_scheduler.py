@@ -35,12 +35,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.round import draft, round_step
+from dspark_jax.scheduler import prefix as scheduler
 from dspark_jax.testing import broken
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
-from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
+from tests.scheduler import prefix_reference as numpy_ref
 
 V, G, R = 2, 2, 3
 N, CHUNK = 200_000, 50_000
@@ -79,13 +80,13 @@ def numpy_lengths(name, a, a_stale, stale_valid, default_k):
     active = np.ones(R, bool)
     tab = table(name, as_numpy=True)
     if name == "early_stop":
-        return scheduler.schedule_early_stop_np(a, active, tab, mode="sps", cost="interp")
+        return numpy_ref.schedule_early_stop_np(a, active, tab, mode="sps", cost="interp")
     if name == "static":
-        return scheduler.schedule_static_np(a, active, tab, mode="sps")[0]
+        return numpy_ref.schedule_static_np(a, active, tab, mode="sps")[0]
     if name == "production":
-        return scheduler.schedule_production_np(a, active, a_stale, stale_valid, tab, default_k,
+        return numpy_ref.schedule_production_np(a, active, a_stale, stale_valid, tab, default_k,
                                                 mode="sps", cost="interp")[0]
-    return broken.schedule_retroactive_lossy_np(a, active, tab, mode="sps", cost="interp")
+    return numpy_ref.schedule_retroactive_lossy_np(a, active, tab, mode="sps", cost="interp")
 
 
 # ------------------------------------------------------------------ models and engines
@@ -217,7 +218,7 @@ def enumerate_round(name, tabs, a_stale, stale_valid, default_k):
     for d in itertools.product(itertools.product(range(V), repeat=G), repeat=R):
         prob = np.prod([q0[r, d[r][0]] * q1[r, d[r][0], d[r][1]] for r in range(R)])
         z = np.asarray([[z0[r], z1[r, d[r][0]]] for r in range(R)])
-        a = scheduler.prefix_survival_np(z, STS)
+        a = numpy_ref.prefix_survival_np(z, STS)
         l = numpy_lengths(name, a, a_stale, stale_valid, default_k)
         term = prob
         for r in range(R):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+from tests.scheduler import prefix_reference as numpy_ref
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 BUCKETS = (3, 6, 12)
@@ -35,8 +36,8 @@ def setup():
 def _reference_lengths(policy, a, table):
     active = np.ones(a.shape[0], bool)
     if policy == "early_stop":
-        return scheduler.schedule_early_stop_np(a, active, table, mode="latency")
-    return scheduler.schedule_static_np(a, active, table, mode="latency")[0]
+        return numpy_ref.schedule_early_stop_np(a, active, table, mode="latency")
+    return numpy_ref.schedule_static_np(a, active, table, mode="latency")[0]
 
 
 @pytest.mark.parametrize("policy", ["early_stop", "static", "production"])
@@ -62,7 +63,7 @@ def test_scheduler_in_compiled_round(setup, policy):
     checked = 0
     for rnd in np.unique(tr["round"]):
         rows = tr["round"] == rnd
-        a = scheduler.prefix_survival_np(tr["conf_logits"][rows])
+        a = numpy_ref.prefix_survival_np(tr["conf_logits"][rows])
         np.testing.assert_array_equal(tr["length"][rows], _reference_lengths(policy, a, table_np), err_msg=f"round {rnd}")
         checked += 1
     assert checked >= 5
@@ -85,8 +86,8 @@ def test_scheduler_objective_is_configurable(setup):
         tr = res.traces.arrays()
         for rnd in np.unique(tr["round"]):
             rows = tr["round"] == rnd
-            a = scheduler.prefix_survival_np(tr["conf_logits"][rows])
-            ref = scheduler.schedule_early_stop_np(a, np.ones(rows.sum(), bool), table_np, mode=theta)
+            a = numpy_ref.prefix_survival_np(tr["conf_logits"][rows])
+            ref = numpy_ref.schedule_early_stop_np(a, np.ones(rows.sum(), bool), table_np, mode=theta)
             np.testing.assert_array_equal(tr["length"][rows], ref, err_msg=f"{theta} round {rnd}")
         lengths[theta] = tr["length"]
     # under "latency" the (large) draft time is paid whatever is verified, so extra tokens are relatively cheaper
@@ -143,9 +144,9 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
         st, ro = eng.step(st, eng.control(GREEDY, table=never))
         assert (np.asarray(ro.lengths) == 0).all()
     st, ro = eng.step(st, eng.control(GREEDY, table=pays, default_k=5))
-    a = scheduler.prefix_survival_np(np.asarray(ro.z))
+    a = numpy_ref.prefix_survival_np(np.asarray(ro.z))
     tab = scheduler.make_table(**TABLE, as_numpy=True)
-    ref = scheduler.schedule_production_np(a, np.ones(3, bool), None, False, tab, 5, mode="latency")[0]
+    ref = numpy_ref.schedule_production_np(a, np.ones(3, bool), None, False, tab, 5, mode="latency")[0]
     np.testing.assert_array_equal(np.asarray(ro.lengths), ref)
     assert ref.sum() == 5  # the default capacity, where stale zeros would have given 0
 
@@ -160,7 +161,7 @@ def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     d = tiny_drafter("dspark", target, gamma=3)
     table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
     tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
-    assert scheduler.speculation_pays_np(3, tab_np, 9, mode="latency")
+    assert numpy_ref.speculation_pays_np(3, tab_np, 9, mode="latency")
     drafted = {}
     for rule in ("best_case", "known"):
         eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
@@ -187,7 +188,7 @@ def test_known_speculation_pays_matches_numpy():
         a = np.cumprod(rng.uniform(0, 1, (3, 3)) ** rng.uniform(0.2, 3), axis=1)
         act = rng.random(3) < 0.8
         for mode in ("sps", "latency"):
-            want = scheduler.known_speculation_pays_np(a, act, tab_np, mode=mode)
+            want = numpy_ref.known_speculation_pays_np(a, act, tab_np, mode=mode)
             assert bool(scheduler.known_speculation_pays(a, act, tab, mode=mode)) == want
             seen.add(want)
     assert seen == {True, False}

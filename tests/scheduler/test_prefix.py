@@ -10,6 +10,7 @@ import pytest
 from dspark_jax.scheduler import prefix as S
 from dspark_jax.testing import broken
 from tests._reference import all_seqs, extend_with_target, verify_law
+from tests.scheduler import prefix_reference as numpy_ref
 
 # ------------------------------------------------------------------ shared compiled fns
 _in_t = S.CostTable(0, 0, 0)
@@ -54,10 +55,10 @@ def test_appendix_a_early_stop_picks_zero():
     a = np.array([[0.8, 0.8 * 0.9]])
     for c1 in (0.9, 0.0, 1.0):
         a = np.array([[0.8, 0.8 * c1]])
-        assert S.schedule_early_stop_np(a, [True], APP_A).tolist() == [0]
+        assert numpy_ref.schedule_early_stop_np(a, [True], APP_A).tolist() == [0]
         assert np.asarray(S.schedule_early_stop(jnp.asarray(a, jnp.float32), jnp.asarray([True]), APP_A)).tolist() == [0]
-    assert broken.schedule_retroactive_lossy_np(np.array([[0.8, 0.72]]), [True], APP_A).tolist() == [2]
-    assert broken.schedule_retroactive_lossy_np(np.array([[0.8, 0.0]]), [True], APP_A).tolist() == [0]
+    assert numpy_ref.schedule_retroactive_lossy_np(np.array([[0.8, 0.72]]), [True], APP_A).tolist() == [2]
+    assert numpy_ref.schedule_retroactive_lossy_np(np.array([[0.8, 0.0]]), [True], APP_A).tolist() == [0]
     np.testing.assert_allclose(float(S.theta(2.52, 3, S.make_table([1, 2, 3], sps=[1.0, 0.5, 0.45]))), 1.134, rtol=1e-6)
 
 
@@ -214,16 +215,16 @@ def test_jax_matches_numpy(rand_instances):
     for i in range(N_RAND):
         t, ai, ac = tables[i], a[i], act[i]
         for m in V_EARLY:
-            assert early[m][i].tolist() == S.schedule_early_stop_np(ai, ac, t, m).tolist(), (i, m)
-        assert early_step[i].tolist() == S.schedule_early_stop_np(ai, ac, t, "sps", "step").tolist(), i
-        assert retro[i].tolist() == broken.schedule_retroactive_lossy_np(ai, ac, t, "latency").tolist(), i
-        l, b = S.schedule_static_np(ai, ac, t, "latency")
+            assert early[m][i].tolist() == numpy_ref.schedule_early_stop_np(ai, ac, t, m).tolist(), (i, m)
+        assert early_step[i].tolist() == numpy_ref.schedule_early_stop_np(ai, ac, t, "sps", "step").tolist(), i
+        assert retro[i].tolist() == numpy_ref.schedule_retroactive_lossy_np(ai, ac, t, "latency").tolist(), i
+        l, b = numpy_ref.schedule_static_np(ai, ac, t, "latency")
         assert st_l[i].tolist() == l.tolist() and st_b[i] == b, i
-        l, b, k = S.schedule_production_np(ai, ac, stale[i], bool(sv[i]), t, int(dk[i]), "latency", "step")
+        l, b, k = numpy_ref.schedule_production_np(ai, ac, stale[i], bool(sv[i]), t, int(dk[i]), "latency", "step")
         assert pr_l[i].tolist() == l.tolist() and pr_b[i] == b and pr_k[i] == k, i
         thr_i = np.float32(np.round(np.linspace(0, 1, N_RAND), 2)[i])
-        assert thr[i].tolist() == S.schedule_threshold_np(ai.astype(np.float32), ac, thr_i).tolist(), i
-        ref_rank = S.greedy_rank_np(ai, ac)
+        assert thr[i].tolist() == numpy_ref.schedule_threshold_np(ai.astype(np.float32), ac, thr_i).tolist(), i
+        ref_rank = numpy_ref.greedy_rank_np(ai, ac)
         is_cand = ref_rank < R_ * G_  # non-candidates: any rank after all candidates
         assert np.array_equal(ranks[i][is_cand], ref_rank[is_cand]) and np.all(ranks[i][~is_cand] >= is_cand.sum()), i
     assert sum(int(e.sum() > 0) for e in early["latency"]) > N_RAND // 4  # non-trivial instances
@@ -253,7 +254,7 @@ def test_properties(rand_instances):
     # inactive rows contribute nothing: dropping them gives the same lengths for the rest
     i = int(np.flatnonzero(~act.all(1) & (early.sum(1) > 0))[0])
     keep = act[i]
-    sub = S.schedule_early_stop_np(a[i][keep], np.ones(keep.sum(), bool), tables[i], "latency")
+    sub = numpy_ref.schedule_early_stop_np(a[i][keep], np.ones(keep.sum(), bool), tables[i], "latency")
     assert early[i][keep].tolist() == sub.tolist()
 
 
@@ -290,7 +291,7 @@ def test_threshold_fixed_skip_and_table_io(tmp_path):
                                (flat, 64, "sps", False)]:
         assert bool(S.speculation_pays(n, tab, 12, mode)) == want
         tnp = S.make_table(np.asarray(tab.buckets), t_verify=np.asarray(tab.t_verify), t_draft=float(tab.t_draft), as_numpy=True)
-        assert S.speculation_pays_np(n, tnp, 12, mode) == want
+        assert numpy_ref.speculation_pays_np(n, tnp, 12, mode) == want
     S.save_table(tmp_path / "t.json", flat)
     back = S.load_table(tmp_path / "t.json")
     np.testing.assert_allclose(np.asarray(back.t_verify), np.asarray(flat.t_verify))

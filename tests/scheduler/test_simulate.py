@@ -5,10 +5,19 @@ import numpy as np
 import pytest
 
 from dspark_jax.calibration.sts import fit_sts
-from dspark_jax.scheduler.costs import load_cost_file, roofline_table
-from dspark_jax.scheduler.simulate import (Method, SimResult, default_methods, headline, matched_throughput, replay_rows,
-                                 run_sweep, simulate_method)
 from dspark_jax.calibration.traces import TraceSet, synthetic_traces
+from dspark_jax.scheduler.costs import load_cost_file, roofline_table
+from dspark_jax.scheduler.simulate import (
+    Method,
+    SimResult,
+    default_methods,
+    headline,
+    matched_throughput,
+    replay_rows,
+    run_sweep,
+    simulate_method,
+)
+from tests.scheduler import prefix_reference as numpy_ref
 
 G = 7
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,12 +152,25 @@ def test_known_skip_probes_and_matches_the_engine_rule():
         a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
         for mode in ("latency", "sps"):
             assert bool(_stale_skip(a[None], 8, tab, 0.5, "step", mode)[0]) == (
-                not scheduler.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
+                not numpy_ref.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
     hopeless = np.full((200, 8, G), 0.01)
     skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=4, probe_max=32)
     assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
     assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
     assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()
+
+
+def test_best_case_rule_matches_the_scheduler():
+    """The simulator's best-case rule is scheduler.speculation_pays (numpy reference) on the interpolated table."""
+    from dspark_jax.scheduler import prefix as scheduler
+    from dspark_jax.scheduler.simulate import _best_case_pays
+
+    for tv, t_draft in (((1.0, 1.0, 1.05, 1.2), 0.1), ((1.0, 8.0, 16.0, 64.0), 0.0), ((1.0, 1.0, 1.0, 1.0), 5.0)):
+        for mode in ("latency", "sps"):
+            tab = scheduler.make_table([1, 8, 16, 64], t_verify=tv, t_draft=t_draft, as_numpy=True)
+            for R in (1, 4, 8, 60):
+                want = numpy_ref.speculation_pays_np(R, tab, R * G, mode=mode, cost="interp")
+                assert _best_case_pays(R, tab, t_draft, R * G, mode) == want, (tv, mode, R)
 
 
 def test_carried_stale_is_the_engines_a_hist():
