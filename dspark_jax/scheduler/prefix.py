@@ -174,7 +174,8 @@ def greedy_rank(a, active):
 
 
 # ----------------------------------------------------------------------------------------
-# Algorithm 1 (early stop); its lossy retroactive variant is in dspark_jax.testing.broken
+# Algorithm 1 (early stop). Its lossy variant, the argmax over all prefix throughputs instead of the
+# early stop, lets a draft's own value decide whether it is verified; the tests keep it in tests/broken.py.
 # ----------------------------------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("mode", "cost"))

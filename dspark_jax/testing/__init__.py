@@ -1,2 +1,2 @@
-"""Test tools, never used on the production path: tiny random targets and drafters (tiny.py)
-and deliberately broken verifiers and schedulers that the tests must catch (broken.py)."""
+"""Tiny random targets and drafters (tiny.py), for the tests and the smoke benchmarks; never
+used on the production path."""

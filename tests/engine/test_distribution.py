@@ -13,16 +13,15 @@ fail the same test.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
-from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.testing import broken
-from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+from tests import broken
 
 N = 50_000
 ALPHA = 1e-4

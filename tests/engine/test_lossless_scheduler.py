@@ -39,8 +39,8 @@ from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.round import draft, round_step
 from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.testing import broken
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+from tests import broken
 from tests.scheduler import prefix_reference as numpy_ref
 
 V, G, R = 2, 2, 3
@@ -60,7 +60,7 @@ WARM_KEY = 100  # after two rounds the anchors are (0, 1, 1): the stale capacity
 
 
 def retroactive(a, active, ctl, a_stale, stale_valid):
-    """The lossy variant (testing.broken.schedule_retroactive_lossy) as an engine policy."""
+    """The lossy variant (tests/broken.py's schedule_retroactive_lossy) as an engine policy."""
     return broken.schedule_retroactive_lossy(a, active, ctl.table, mode="sps", cost="interp")
 
 

@@ -10,8 +10,8 @@ import pytest
 from dspark_jax import load_target
 from dspark_jax.io.hf import NotACheckpointError, save_target
 from dspark_jax.io.keymap import CheckpointMismatchError
-from dspark_jax.target.config import UnsupportedModelError
 from dspark_jax.io.safetensors_io import CorruptCheckpointError
+from dspark_jax.target.config import UnsupportedModelError
 
 
 def _hf_forward(model, ids):
@@ -242,8 +242,8 @@ print(json.dumps({"process": jax.process_index(), "processes": jax.process_count
 def test_target_loads_onto_a_mesh_spanning_two_processes(hf_checkpoints):
     """Two processes x 4 devices (`jax.distributed` on 127.0.0.1), one 4 x 2 mesh over all 8: each
     process reads only the blocks its own devices hold, and they equal the file's values."""
-    from dspark_jax.testing.multiprocess import launch
     from tests.conftest import REPO
+    from tests.multiprocess import launch
 
     path, _ = hf_checkpoints["qwen3_bf16"]
     res = launch(["-c", MULTIPROCESS_LOAD.replace("COUNT_READS", COUNT_READS).replace("PATH", repr(str(path)))], num_processes=2, devices_per_process=4,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.scheduler import prefix as S
-from dspark_jax.testing import broken
+from tests import broken
 from tests._reference import all_seqs, extend_with_target, verify_law
 from tests.scheduler import prefix_reference as numpy_ref
 

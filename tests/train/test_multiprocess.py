@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from dspark_jax.testing.multiprocess import launch
 from tests.conftest import fake_devices_env
+from tests.multiprocess import launch
 from tests.train.test_run import _write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
