@@ -1,8 +1,8 @@
 """STS calibration from engine traces (docs/method.md §2.4): fit, report, save with the drafter.
 
-    python -m dspark_jax calibrate --traces run.npz [more.npz ...] --drafter-dir ckpt/drafter \
-        [--out-dir reports/calib] [--grid-size 256 --grid-min 0.05 --grid-max 20 --bins 20] [--holdout 0.5]
-    python -m dspark_jax calibrate --synthetic-traces --drafter-dir /tmp/d      # standalone demo
+    python -m dspark_jax calibrate --traces run.npz [more.npz ...] --drafter ckpt/drafter \
+        [--out reports/calib] [--grid-size 256 --grid-min 0.05 --grid-max 20 --bins 20] [--holdout 0.5]
+    python -m dspark_jax calibrate --synthetic-traces --drafter /tmp/d          # standalone demo
 
 Only rounds verified at full gamma are used (shorter rounds censor the labels). Traces are
 grouped by sampling setting (the soft label is defined at one temperature, so the fit is
@@ -110,7 +110,7 @@ def load_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.nda
     Raises CalibrationMissingError (naming the file, the setting and the fix) when absent."""
     path = Path(drafter_dir) / STS_FILE
     key = sampling_key(sampling)
-    fix = (f"run `python -m dspark_jax calibrate --traces <full-gamma traces at {key}> --drafter-dir {drafter_dir}`, "
+    fix = (f"run `python -m dspark_jax calibrate --traces <full-gamma traces at {key}> --drafter {drafter_dir}`, "
            "or run without calibration (sts=None)")
     if not path.exists():
         raise CalibrationMissingError(f"no STS temperatures for this drafter: {path} does not exist; {fix}")

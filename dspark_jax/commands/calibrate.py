@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")
     ap.add_argument("--synthetic-traces", action="store_true", help="use the parametric model of traces.synthetic_traces")
-    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", required=True,
+    ap.add_argument("--drafter", dest="drafter_dir", required=True,
                     help="where sts.json is written (the drafter checkpoint dir)")
-    ap.add_argument("--out", "--out-dir", dest="out_dir", default=None,
+    ap.add_argument("--out", dest="out_dir", default=None,
                     help="report JSON/markdown and reliability PNGs (default: drafter dir)")
     ap.add_argument("--grid-size", type=int, default=256)
     ap.add_argument("--grid-min", type=float, default=0.05)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
                      help="tensor dtype written (default bfloat16, as DeepSpec ships; float32 keeps our master weights)")
     exp.add_argument("--num-anchors", type=int, default=None,
                      help="num_anchors recorded in config.json (default: the training run's data.num_anchors, "
-                          "else DeepSpec's default)")
+                          "which training records in drafter_config.json)")
     for p in (imp, exp):
         p.add_argument("--target", required=True, metavar="TARGET_DIR",
                        help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                          "(drafters with a confidence head; default on)")
     ap.add_argument("--sts-min-rounds", type=int, default=50,
                     help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
-    ap.add_argument("--traces", "--traces-dir", dest="traces_dir", default=None,
+    ap.add_argument("--traces", dest="traces_dir", default=None,
                     help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
         CalibrationMissingError,
         load_temperatures,
     )
+    from dspark_jax.commands.generate import load_models
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter.frozen import TargetMismatchError
-    from dspark_jax.engine.generate import load_models
     from dspark_jax.eval.evaluate import (
         EvalError,
         evaluate_drafter,

@@ -22,6 +22,7 @@ from dspark_jax.decoding.params import SamplingParams
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dspark_jax regenerate",
+        allow_abbrev=False,  # --num / --model are not taken for --num-prompts / --model-name
         description="Regenerate every assistant turn of a chat set with the target (in process, or through an "
                     "OpenAI-compatible server) and write a training dataset.",
         epilog="examples:\n  python -m dspark_jax regenerate --target DIR --prompts chats.jsonl --out data/train\n"
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
                     help="chats in any format `data.prepare` reads (OpenAI messages, ShareGPT, turns; jsonl, json, "
                          "parquet, a saved datasets directory; default: the embedded corpora's train split)")
     ap.add_argument("--out", required=True, help="output dataset directory")
-    ap.add_argument("--num-prompts", "--num", dest="num", type=int, default=None, help="number of chats (default: all)")
+    ap.add_argument("--num-prompts", dest="num", type=int, default=None, help="number of chats (default: all)")
     ap.add_argument("--batch", type=int, default=16, help="chats per compiled batch (in process)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"per answer (default {DEFAULT_MAX_NEW}, as the reference, or half the target's context)")
@@ -53,14 +54,14 @@ def main(argv=None) -> int:
     srv = ap.add_argument_group("through a server")
     srv.add_argument("--server", default=None, metavar="URL",
                      help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax serve) serving the target")
-    srv.add_argument("--model-name", "--model", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
+    srv.add_argument("--model-name", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
     srv.add_argument("--concurrency", type=int, default=16, help="chats in flight at once (default 16)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue an interrupted (or extend a finished) run")
     g.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    from dspark_jax.data.corpora import load_jsonl
+    from dspark_jax.data.formats import read_conversations
     from dspark_jax.data.regen_server import regenerate_via_server
     from dspark_jax.data.regenerate import as_loaded, default_prompts, regenerate
     from dspark_jax.embedded.target import embedded_target_dir
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     try:
         target = a.target or embedded_target_dir()
         if a.prompts:
-            convs = load_jsonl(a.prompts)
+            convs = read_conversations(a.prompts)
         else:
             convs = default_prompts(a.seed)
         if a.server:

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-traces", action="store_true", help="parametric traces (traces.synthetic_traces)")
     ap.add_argument("--mtp-accept", type=float, default=0.85,
                     help="MTP-1 acceptance when no MTP traces (DeepSeek-V3 reports 85-90 %%)")
-    ap.add_argument("--drafter", "--drafter-dir", dest="drafter_dir", default=None, help="read STS temperatures from <dir>/sts.json")
+    ap.add_argument("--drafter", dest="drafter_dir", default=None, help="read STS temperatures from <dir>/sts.json")
     ap.add_argument("--no-calibration", action="store_true")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rounds", type=int, default=300)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--charge", default="step", choices=["step", "interp"])
     ap.add_argument("--turnover", type=int, default=64, help="rounds before a slot replays a new request")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", "--out-dir", dest="out_dir", required=True, help="output directory")
+    ap.add_argument("--out", dest="out_dir", required=True, help="output directory")
     args = ap.parse_args(argv)
     from dspark_jax.calibration.traces import load_traces, synthetic_traces
     from dspark_jax.scheduler.costs import load_cost_file

@@ -352,67 +352,7 @@ def conversation_text(conv: Conversation) -> str:
 
 # -------------------------------------------------------------------------- loaders
 
-_ROLES = ("system", "user", "assistant", "tool")
-
-
-def _parse_lines(path):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def _validate_conversation(conv, where: str) -> Conversation:
-    if not isinstance(conv, list) or not conv:
-        raise ValueError(f"{where}: \"conversations\" must be a non-empty list")
-    for j, m in enumerate(conv):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{where}: message {j} needs \"role\" and \"content\"")
-        if m["role"] not in _ROLES:
-            raise ValueError(f"{where}: message {j} has unknown role {m['role']!r}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"{where}: message {j} content must be a string")
-    return [{"role": m["role"], "content": m["content"]} for m in conv]
-
-
-def load_conversations_jsonl(path) -> list[Conversation]:
-    """Read ``{"conversations": [{"role":..., "content":...}, ...]}`` per line."""
-    out = []
-    for lineno, obj in _parse_lines(path):
-        where = f"{path}:{lineno}"
-        if "conversations" not in obj:
-            raise ValueError(f"{where}: missing \"conversations\"")
-        out.append(_validate_conversation(obj["conversations"], where))
-    return out
-
-
-def load_turns_jsonl(path) -> list[Conversation]:
-    """Read the reference prompt format ``{"turns": ["..."]}``; the first turn is the user message."""
-    out = []
-    for lineno, obj in _parse_lines(path):
-        where = f"{path}:{lineno}"
-        if "turns" not in obj:
-            raise ValueError(f"{where}: missing \"turns\"")
-        turns = obj["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise ValueError(f"{where}: \"turns\" must be a non-empty list of strings")
-        out.append([_user(turns[0])])
-    return out
-
-
 def load_jsonl(path) -> list[Conversation]:
-    """Conversations from any chat format users bring (per record: OpenAI ``messages``, role /
-    content or ShareGPT ``conversations``, ``turns`` prompts; JSONL, JSON array, parquet, a saved
-    ``datasets`` directory): see `dspark_jax.data.formats`. Errors name the file and line."""
-
+    """`dspark_jax.data.formats.read_conversations` (every chat format users bring), under the
+    name engine/generate.py and bench/ import."""
     return read_conversations(path)

@@ -76,7 +76,8 @@ def served_model(base: str, timeout: float = 30.0) -> str:
         with urllib.request.urlopen(f"{base}/v1/models", timeout=timeout) as r:
             return json.loads(r.read())["data"][0]["id"]
     except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, IndexError, ValueError) as e:
-        raise ServerError(f"cannot list the models of {base} ({e}): is the server up? pass --model NAME") from None
+        raise ServerError(f"cannot list the models of {base} ({e}): is the server up? "
+                          "pass --model-name NAME") from None
 
 
 def answer_chat(base: str, model: str, turns, *, max_new_tokens: int, sampling: SamplingParams, seed: int,
@@ -117,7 +118,8 @@ def regenerate_via_server(server: str, model: str | None, target, conversations,
     n_avail = len(conversations)
     num = n_avail if num is None else int(num)
     if not 0 <= num <= n_avail:
-        raise ValueError(f"num={num} but only {n_avail} prompts are available: pass --num <= {n_avail} or more prompts")
+        raise ValueError(f"num={num} but only {n_avail} prompts are available: "
+                         f"pass --num-prompts <= {n_avail} or more prompts")
     if concurrency < 1 or max_new_tokens < 1:
         raise ValueError("concurrency and max_new_tokens must be >= 1")
     kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}

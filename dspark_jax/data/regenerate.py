@@ -51,7 +51,6 @@ from dspark_jax.text.chat import END_OF_TURN, render_text
 
 _SETTINGS_KEYS = ("seed", "temperature", "top_k", "top_p", "max_new_tokens", "max_prompt_len", "target_config_sha256",
                   "thinking")
-_SETTINGS_DEFAULTS = {"thinking": False}  # keys added later: what a dataset written before them was made with
 _TURN_STREAM = 1 << 20  # turn k > 0 of a chat draws from fold_in(key(seed), _TURN_STREAM + k)
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,8 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     n_avail = len(conversations)
     num = n_avail if num is None else int(num)
     if not 0 <= num <= n_avail:
-        raise ValueError(f"num={num} but only {n_avail} prompts are available: pass --num <= {n_avail} or more prompts")
+        raise ValueError(f"num={num} but only {n_avail} prompts are available: "
+                         f"pass --num-prompts <= {n_avail} or more prompts")
     if batch_size < 1 or max_new_tokens < 1 or max_prompt_len < 1:
         raise ValueError("batch_size, max_new_tokens and max_prompt_len must be >= 1")
     ctx = lt.cfg.max_position_embeddings
@@ -133,7 +133,11 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     if resume:
         old = recorded_info(out_dir, "regenerate")
         if old is not None:
-            diff = [k for k in _SETTINGS_KEYS if old.get(k, _SETTINGS_DEFAULTS.get(k)) != settings[k]]
+            missing = [k for k in _SETTINGS_KEYS if k not in old]
+            if missing:
+                raise ValueError(f"cannot resume {out_dir}: its meta.json records no {missing} (an older dataset); "
+                                 "rerun with --overwrite")
+            diff = [k for k in _SETTINGS_KEYS if old[k] != settings[k]]
             if diff:
                 raise ValueError(f"cannot resume {out_dir}: settings {diff} differ from the interrupted run "
                                  f"({ {k: old.get(k) for k in diff} }); rerun with the same settings or --overwrite")

@@ -18,7 +18,8 @@ from dspark_jax.calibration.calibrate import (
 from dspark_jax.calibration.sts import calibration_report, prefix_labels, survival
 from dspark_jax.calibration.traces import TraceSet, from_engine, save_traces
 from dspark_jax.data import heldout_code
-from dspark_jax.data.corpora import HELDOUT_MODULES, build_corpus, load_jsonl
+from dspark_jax.data.corpora import HELDOUT_MODULES, build_corpus
+from dspark_jax.data.formats import read_conversations
 from dspark_jax.data.regenerate import prompt_messages
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.text.chat import render_prompt
@@ -120,7 +121,7 @@ def load_prompt_sets(paths, tokenizer, template, num: int, info: dict | None = N
             path = Path(p)
             if not path.is_file():
                 raise EvalError(f"prompt set '{p}' does not exist: pass a jsonl file of {{\"turns\": [...]}} lines")
-            convs = load_jsonl(path)
+            convs = read_conversations(path)
             sets[path.stem] = convs[:num]
             groups[path.stem] = [path.stem] * len(sets[path.stem])
             prov[path.stem] = {"file": str(path), path.stem: len(sets[path.stem])}

@@ -84,8 +84,8 @@ def read_config(path: str | Path) -> tuple[DrafterSection, str | None]:
 
 
 def read_training(path: str | Path) -> dict:
-    """The `training` record of a drafter directory ({} when it has none, e.g. written before
-    drafters recorded it)."""
+    """The `training` record of a drafter directory ({} when it has none: a drafter no training
+    run wrote)."""
     data = read_json(Path(path) / CONFIG_FILE, DrafterConfigError)
     training = data.get("training") if isinstance(data, dict) else None
     return dict(training) if isinstance(training, dict) else {}

@@ -14,7 +14,7 @@ Export writes bfloat16 tensors by default (what DeepSpec trains and ships; `--dt
 float32` keeps our float32 master weights) and a config.json that vLLM's and SGLang's
 DSpark loaders read without falling back to a default: `ENGINE_FIELDS` below lists each
 field, what we write and where each engine reads it. `num_anchors` is the training run's
-`data.num_anchors` (recorded in drafter_config.json by training; see `recorded_num_anchors`).
+`data.num_anchors`, recorded in drafter_config.json by training (`recorded_num_anchors`), or `--num-anchors`.
 
 A reference confidence head without the Markov input (`confidence_head_with_markov`
 false while markov_rank > 0) is imported with zero weights on the W1[x] part: the same
@@ -79,7 +79,7 @@ IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 # Width fields that must equal the target's (the drafter shares its embedding and LM head).
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default, recorded in exported configs when the run recorded none
+DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default: what reference_config writes when given no value
 
 # Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
 # The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
@@ -185,7 +185,7 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
     EngineField("dtype", "bfloat16 by default (also written as torch_dtype)",
                 "the draft ModelConfig takes the target's dtype (vllm/config/speculative.py); the value documents the file",
                 "-"),
-    EngineField("num_anchors", "the run's data.num_anchors (recorded_num_anchors)",
+    EngineField("num_anchors", "the run's data.num_anchors (recorded_num_anchors) or --num-anchors",
                 "- (training-only; DeepSpec deepspec/modeling/dspark/qwen3/config.py build_draft_config writes it)", "-"),
 )
 
@@ -401,33 +401,14 @@ def import_reference(ref_dir, out_dir, target, mesh=None) -> Drafter:
     return drafter
 
 
-def recorded_num_anchors(our_dir) -> tuple[int | None, str]:
-    """(data.num_anchors of the run that trained the drafter in `our_dir`, where it was read),
-    or (None, "") when nothing records it.
-
-    Training records it in drafter_config.json (`training.num_anchors`). Drafters written
-    before that are found through the run's checkpoint metadata beside the drafter
-    (`OUT/checkpoints/<step>/meta/metadata`, orbax's JSON, `config.data.num_anchors`), used
-    only when that checkpoint's drafter config is this drafter's."""
-    our_dir = Path(our_dir)
+def recorded_num_anchors(our_dir) -> int:
+    """data.num_anchors of the run that trained the drafter in `our_dir` (`training.num_anchors` in
+    its drafter_config.json, which training writes); ConversionError when it records none."""
     n = drafter_io.read_training(our_dir).get("num_anchors")
-    if isinstance(n, int):
-        return n, str(our_dir / drafter_io.CONFIG_FILE)
-    ours = json.loads((our_dir / drafter_io.CONFIG_FILE).read_text())
-    ckpts = our_dir.parent / "checkpoints"
-    steps = sorted((int(p.name), p) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
-    for _, step_dir in reversed(steps):
-        meta_file = step_dir / "meta" / "metadata"
-        try:
-            meta = json.loads(meta_file.read_text())
-            n = meta["config"]["data"]["num_anchors"]
-            theirs = meta["drafter_config"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        same = all(theirs.get(k) == v for k, v in ours.items() if k not in ("param_dtype", "training"))
-        if same and isinstance(n, int):
-            return n, str(meta_file)
-    return None, ""
+    if not isinstance(n, int):
+        raise ConversionError(f"{Path(our_dir) / drafter_io.CONFIG_FILE} records no training num_anchors "
+                              "(training.num_anchors): pass --num-anchors N, the run's data.num_anchors")
+    return n
 
 
 def _refusal(kind: str) -> str:
@@ -445,7 +426,7 @@ def _refusal(kind: str) -> str:
 def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anchors: int | None = None,
                      mesh=None, log=None) -> Drafter:
     """Write `our_dir`'s drafter in the reference layout. `num_anchors` None: the run's
-    recorded value (`recorded_num_anchors`), else DEFAULT_NUM_ANCHORS with a note to `log`."""
+    recorded value (`recorded_num_anchors`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     dcfg, _ = drafter_io.read_config(our_dir)
     kind = registry.get_kind(dcfg.kind)
@@ -454,13 +435,8 @@ def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anch
                               f"only {', '.join(k for k, a in registry.KINDS.items() if a.has_reference_layout)} "
                               f"drafters export: {_refusal(kind.name)}")
     if num_anchors is None:
-        num_anchors, source = recorded_num_anchors(our_dir)
-        if num_anchors is None:
-            num_anchors = DEFAULT_NUM_ANCHORS
-            log(f"note: {our_dir} records no training num_anchors (drafters trained before it was recorded); "
-                f"config.json gets DeepSpec's default {DEFAULT_NUM_ANCHORS} (pass --num-anchors N to set it)")
-        else:
-            log(f"num_anchors {num_anchors} (read from {source})")
+        num_anchors = recorded_num_anchors(our_dir)
+        log(f"num_anchors {num_anchors} (read from {Path(our_dir) / drafter_io.CONFIG_FILE})")
     drafter = drafter_io.load(our_dir, _target_model(target, mesh), mesh=mesh)
     for note in engine_notes(drafter.dcfg):
         log(f"note: {note}")

@@ -1,9 +1,9 @@
 """Serving simulation: many concurrent requests, round times from a cost table, acceptance from traces.
 
     python -m dspark_jax simulate --costs configs/costs/accelerator_synthetic.json --synthetic-traces \
-        --out-dir docs/figures/sim_accel
+        --out docs/figures/sim_accel
     python -m dspark_jax simulate --costs T.json --traces dspark.npz --dflash-traces dflash.npz \
-        --mtp-traces mtp.npz --drafter-dir ckpt/drafter --out-dir out/
+        --mtp-traces mtp.npz --drafter ckpt/drafter --out out/
 
 Model (steady state, every slot busy). At concurrency R each simulated request replays a
 recorded request's full-gamma rounds in order (starting at a random round, wrapping), so

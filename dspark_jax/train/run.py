@@ -15,8 +15,9 @@ from flax import nnx
 
 from dspark_jax.config import Config
 from dspark_jax.config.loader import ConfigError
-from dspark_jax.data.corpora import build_corpus, load_jsonl
+from dspark_jax.data.corpora import build_corpus
 from dspark_jax.data.dataset import TokenDataset
+from dspark_jax.data.formats import read_conversations
 from dspark_jax.data.pipeline import NoAssistantTokensError
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.decoding.sampling import SamplingParams
@@ -111,7 +112,7 @@ def regenerate_split(cfg: Config, target: LoadedTarget, split: str, n: int, key:
         if len(ds) >= n:
             return ds
     if d.prompts:
-        convs = load_jsonl(d.prompts)
+        convs = read_conversations(d.prompts)
         n_held = min(d.num_heldout_prompts, max(len(convs) // 10, 1))
         convs = convs[:n_held] if split == "heldout" else convs[n_held:]
     else:

@@ -3,10 +3,16 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.commands.calibrate import main
-from dspark_jax.calibration.calibrate import (CalibrationMissingError, calibrate_traces, load_temperatures, make_grid,
-                                  save_temperatures, split_by_request)
+from dspark_jax.calibration.calibrate import (
+    CalibrationMissingError,
+    calibrate_traces,
+    load_temperatures,
+    make_grid,
+    save_temperatures,
+    split_by_request,
+)
 from dspark_jax.calibration.traces import TraceSet, save_traces, synthetic_traces
+from dspark_jax.commands.calibrate import main
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +83,8 @@ def test_save_load_and_missing(tmp_path, synth):
 def test_cli_writes_temperatures_report_and_diagram(tmp_path):
     tr = synthetic_traces(40, 30, 3, seed=5, sampling={"temperature": 0.7, "top_k": 20, "top_p": 0.8})
     save_traces(tmp_path / "a.npz", tr)
-    assert main(["--traces", str(tmp_path / "a.npz"), "--drafter-dir", str(tmp_path / "d"), "--grid-size", "32",
-                 "--bins", "10", "--out-dir", str(tmp_path / "out")]) == 0
+    assert main(["--traces", str(tmp_path / "a.npz"), "--drafter", str(tmp_path / "d"), "--grid-size", "32",
+                 "--bins", "10", "--out", str(tmp_path / "out")]) == 0
     t = load_temperatures(tmp_path / "d", tr.sampling, gamma=3)
     assert np.all(t > 1.0)  # over-confident synthetic logits => T > 1
     png = tmp_path / "out" / "reliability_T0.7_k20_p0.8.png"
@@ -115,16 +121,16 @@ def test_sampling_of_a_trace_file_is_read_never_guessed(tmp_path, capsys):
     np.savez(raw, conf_logits=tr.conf_logits, length=tr.verify_len, accepted=tr.accepted, full=tr.full,
              request=tr.request, round=tr.round, cut=np.zeros(len(tr), bool))
     d = tmp_path / "d"
-    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--grid-size", "16"]) == 2
+    assert main(["--traces", str(raw), "--drafter", str(d), "--grid-size", "16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "does not record the sampling setting" in err and "--sampling" in err
     assert not (d / "sts.json").exists()
-    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--grid-size", "16", "--sampling", "0"]) == 0
+    assert main(["--traces", str(raw), "--drafter", str(d), "--grid-size", "16", "--sampling", "0"]) == 0
     data = json.loads((d / "sts.json").read_text())
     assert set(data["settings"]) == {"T0_k0_p1"}
     recorded = tmp_path / "rec.npz"
     save_traces(recorded, synthetic_traces(40, 30, 3, seed=5, sampling={"temperature": 0.7, "top_k": 0, "top_p": 1.0}))
-    assert main(["--traces", str(recorded), "--drafter-dir", str(d), "--sampling", "0"]) == 2
+    assert main(["--traces", str(recorded), "--drafter", str(d), "--sampling", "0"]) == 2
     assert "records sampling T0.7_k0_p1 but --sampling says T0_k0_p1" in capsys.readouterr().err
-    assert main(["--traces", str(raw), "--drafter-dir", str(d), "--sampling", "0,x"]) == 2
+    assert main(["--traces", str(raw), "--drafter", str(d), "--sampling", "0,x"]) == 2
     assert "give T or T,TOP_K,TOP_P" in capsys.readouterr().err

@@ -1,4 +1,3 @@
-import json
 import re
 import sys
 
@@ -78,39 +77,3 @@ def test_math_problems_correct_disjoint_unique():
     assert C.math_conversations("train", 0, 50) != C.math_conversations("train", 1, 50)
     with pytest.raises(ValueError):
         C.math_conversations("test", 0, 5)
-
-
-def test_load_user_jsonl(tmp_path):
-    p = tmp_path / "conv.jsonl"
-    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    p.write_text(json.dumps({"conversations": conv}) + "\n\n" + json.dumps({"conversations": conv}) + "\n")
-    assert C.load_conversations_jsonl(p) == [conv, conv]
-    assert C.load_jsonl(p) == [conv, conv]
-    q = tmp_path / "prompts.jsonl"
-    q.write_text(json.dumps({"turns": ["what is 2+2?", "and 3+3?"]}) + "\n")
-    assert C.load_turns_jsonl(q) == [[{"role": "user", "content": "what is 2+2?"}]]
-    assert C.load_jsonl(q) == C.load_turns_jsonl(q)
-
-
-@pytest.mark.parametrize("bad,needle", [
-    ('{"prompt": "x"}', 'missing "turns"'),
-    ('{"turns": "x"}', '"turns" must be'),
-    ('{"turns": ["x"', "invalid JSON"),
-])
-def test_malformed_turns_line_reports_file_and_line(tmp_path, bad, needle):
-    p = tmp_path / "prompts.jsonl"
-    p.write_text('{"turns": ["a"]}\n\n' + bad + "\n" + '{"turns": ["b"]}\n')
-    with pytest.raises(ValueError) as e:
-        C.load_turns_jsonl(p)
-    assert f"{p}:3:" in str(e.value) and needle in str(e.value)
-
-
-def test_malformed_conversation_line(tmp_path):
-    p = tmp_path / "c.jsonl"
-    good = json.dumps({"conversations": [{"role": "user", "content": "x"}]})
-    p.write_text(good + "\n" + json.dumps({"conversations": [{"role": "bot", "content": "x"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"c\.jsonl:2: .*unknown role 'bot'"):
-        C.load_conversations_jsonl(p)
-    p.write_text(good + "\n" + good + "\n" + json.dumps({"turns": ["x"]}) + "\n")
-    with pytest.raises(ValueError, match=r"c\.jsonl:3: missing \"conversations\""):
-        C.load_conversations_jsonl(p)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dspark_jax.commands.regenerate import main
 from dspark_jax.data.dataset import TokenDataset
 from dspark_jax.data.regen_server import ServerError, regenerate_via_server
-from dspark_jax.commands.regenerate import main
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.decoding.sampling import SamplingParams
 
@@ -102,7 +102,7 @@ def test_cli_without_a_server_is_one_line(embedded_tiny_dir, tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     rc = main(["--target", str(embedded_tiny_dir), "--out", str(tmp_path / "x"), "--server", f"http://127.0.0.1:{port}",
-               "--num", "1", "--no-progress"])
+               "--num-prompts", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: cannot list the models") and err.count("\n") == 1
 

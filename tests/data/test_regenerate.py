@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.commands.regenerate import main
 from dspark_jax.data.corpora import code_conversations, math_conversations, prose_conversations
 from dspark_jax.data.dataset import TokenDataset
-from dspark_jax.commands.regenerate import main
 from dspark_jax.data.regenerate import distinct_ngram_ratio, prompt_messages, regenerate, template_tail
 from dspark_jax.decoding.sampling import SamplingParams
 
@@ -123,6 +123,14 @@ def test_resume_refuses_other_settings(tiny, prompts, tmp_path):
     with pytest.raises(ValueError, match="seed"):
         regenerate(tiny, prompts, out, batch_size=2, max_new_tokens=4, max_prompt_len=MAX_PROMPT, seed=2,
                    resume=True, progress=False, verbose=False)
+    # a dataset whose meta.json lacks a setting is refused by name, not resumed under a guessed default
+    meta = out.with_name(out.name + ".partial") / "meta.partial.json"
+    m = json.loads(meta.read_text())
+    del m["info"]["regenerate"]["thinking"]
+    meta.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"records no \['thinking'\].*--overwrite"):
+        regenerate(tiny, prompts, out, batch_size=2, max_new_tokens=4, max_prompt_len=MAX_PROMPT, seed=1,
+                   resume=True, progress=False, verbose=False)
 
 
 def test_sampled_text_is_not_degenerate(sampled):
@@ -139,7 +147,7 @@ def test_cli_writes_dataset_from_turns_jsonl(tiny, tmp_path, capsys):
     p = tmp_path / "prompts.jsonl"
     p.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("What is 2 + 3?", "Write a loop.")) + "\n")
     out = tmp_path / "cli"
-    main(["--target", str(tiny.path), "--prompts", str(p), "--out", str(out), "--num", "2", "--batch", "2",
+    main(["--target", str(tiny.path), "--prompts", str(p), "--out", str(out), "--num-prompts", "2", "--batch", "2",
           "--max-new-tokens", "4", "--max-prompt-len", str(MAX_PROMPT), "--no-progress"])
     assert "tokens/s" in capsys.readouterr().out
     ds = TokenDataset(out)
@@ -148,7 +156,7 @@ def test_cli_writes_dataset_from_turns_jsonl(tiny, tmp_path, capsys):
 
 
 def test_bad_num_is_named(tiny, prompts, tmp_path):
-    with pytest.raises(ValueError, match="--num"):
+    with pytest.raises(ValueError, match="--num-prompts"):
         regenerate(tiny, prompts, tmp_path / "x", num=len(prompts) + 1, progress=False, verbose=False)
 
 

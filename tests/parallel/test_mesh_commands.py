@@ -35,11 +35,11 @@ for name, extra in (("one", []), ("mesh", ["--mesh", "2,1,2"])):
                       "--temperature", "0", "--no-sts-split", "--out", str(out / "eval"), *extra]) == 0
     r = json.loads((out / "eval" / "results.json").read_text())["results"]
     res[name + "_tau"] = {s: v["dspark"]["tau"] for s, v in r.items()}
-    assert regen_main(["--target", target, "--out", str(out / "regen"), "--num", "4", "--batch", "4",
+    assert regen_main(["--target", target, "--out", str(out / "regen"), "--num-prompts", "4", "--batch", "4",
                        "--max-new-tokens", "8", "--max-prompt-len", "64", "--temperature", "0", "--no-progress", *extra]) == 0
     ds = TokenDataset(out / "regen")
     res[name + "_records"] = [ds[i]["tokens"].tolist() for i in range(len(ds))]
-    assert convert_main(["export", drafter, str(out / "ref"), "--target", target, *extra]) == 0
+    assert convert_main(["export", drafter, str(out / "ref"), "--target", target, "--num-anchors", "512", *extra]) == 0
     res[name + "_export"] = hashlib.sha256((out / "ref" / "model.safetensors").read_bytes()).hexdigest()
     res[name + "_devices"], devices = devices, []
 print(json.dumps(res))

@@ -132,7 +132,7 @@ def test_cli_synthetic(tmp_path):
     cost = tmp_path / "c.json"
     cost.write_text(json.dumps(roofline_table()))
     assert main(["--costs", str(cost), "--synthetic-traces", "--concurrency", "1,256", "--rounds", "8",
-                 "--out-dir", str(tmp_path / "o")]) == 0
+                 "--out", str(tmp_path / "o")]) == 0
     s = json.loads((tmp_path / "o/summary.json").read_text())
     assert "SYNTHETIC" in s["traces"] and s["concurrency"] == [1, 256]
     for f in ("sweep.csv", "throughput_vs_per_user.png", "budget_vs_concurrency.png"):
