@@ -89,3 +89,8 @@ def parse_kv_pages(text: str) -> tuple[int, int]:
 # The drafter kinds, listed once: the config schema's `drafter.kind`, the commands' choices (built
 # without jax) and drafter.registry.KINDS (one adapter per name; equal, tests/test_cli_errors.py).
 KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")
+
+# The engine's verification-length policies as the planner compiles them, and the programs it can
+# compile (engine/plan.py; listed here so that parsers need no jax).
+ENGINE_POLICIES = ("fixed", "scheduled")
+PLAN_PROGRAMS = ("round", "prefill", "admit")

@@ -375,7 +375,7 @@ def bench_skip(target, drafter, prompts, args, out):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_jax.engine.generate import load_models
+    from dspark_jax.commands.generate import load_models
     from dspark_jax.io.drafter_dir import load as load_drafter
 
     target, drafter, _ = load_models(args.target, args.drafter, None, args.dtype)

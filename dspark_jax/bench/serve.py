@@ -73,7 +73,7 @@ def run_level(client, model, prompts, concurrency: int, requests: int, max_secon
 
 def warm_up(client, served, prompts, temperature) -> None:
     """One short request per prefill bucket the prompts fall in, so no compilation is timed."""
-    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.text.chat import render_prompt
 
     eng = served.loop.engine
     by_bucket = {}
@@ -154,7 +154,12 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
-    from dspark_jax.cli import SERVE_PREFILL_CHUNK, add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
+    from dspark_jax.cli import (
+        SERVE_PREFILL_CHUNK,
+        add_kv_pages_argument,
+        add_prefill_chunk_argument,
+        prefill_chunk,
+    )
 
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)

@@ -53,7 +53,8 @@ def entries(configs: Path, what: str) -> list[dict]:
 
 def _train_worker(preset: str, configs: Path) -> dict:
     from dspark_jax.config import from_cli
-    from dspark_jax.parallel.topology import parse_slice, slice_mesh
+    from dspark_jax.parallel.slices import parse_slice
+    from dspark_jax.parallel.topology import slice_mesh
     from dspark_jax.train.compiled import compile_steps, peak
 
     cfg = from_cli([str(configs / f"{preset}.yaml")])
@@ -74,7 +75,8 @@ def _train_worker(preset: str, configs: Path) -> dict:
 def _serve_worker(preset: str, slc_name: str, paged: bool, configs: Path) -> dict:
     from dspark_jax.config import from_cli
     from dspark_jax.engine.plan import device_hbm_gib, peak_bytes, plan
-    from dspark_jax.parallel.topology import parse_slice, slice_devices
+    from dspark_jax.parallel.slices import parse_slice
+    from dspark_jax.parallel.topology import slice_devices
 
     cfg = from_cli([str(configs / f"{preset}.yaml")])
     n = len(slice_devices(parse_slice(slc_name)))

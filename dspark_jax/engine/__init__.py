@@ -13,12 +13,12 @@
 - requests.py: one request checked against the engine's ranges (Engine.validate_request).
 - engine.py: the Engine class (slots, controls, compiled calls), measure_accepted_length.
 - batcher.py: continuous batching (Engine.generate, the server, the benchmarks); results.py.
-- generate.py: `python -m dspark_jax generate`.
+- plan.py: per-chip serving memory (`python -m dspark_jax engine-plan`).
 """
 
 import importlib
 
-# Loaded on first use (PEP 562), so `python -m dspark_jax generate --help` and the planner's
+# Loaded on first use (PEP 562), so importing the package for a command's --help and the planner's
 # --help do not import jax.
 _EXPORTS = {"Traces": "dspark_jax.calibration.traces", "Engine": "dspark_jax.engine.engine",
             "EngineConfig": "dspark_jax.engine.config", "EngineError": "dspark_jax.engine.errors",

@@ -1,42 +1,38 @@
-"""`python -m dspark_jax engine-plan`: per-chip serving memory of the engine for a target preset,
-R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the compiled programs.
-
-    python -m dspark_jax engine-plan configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
-
-Weights and caches are exact (their shapes and the rules table's shardings). With `--compile` the
-engine's programs are lowered for those shardings and compiled: the round (draft, verification
-over every bucket, rejection, cache update) and the prefill of the largest prompt bucket (and,
-with `--prefill-chunk`, the admission of prompts into the rounds), the set the server compiles.
-`--topology NAME` (a Cloud TPU slice: v5e-8, v6e-8, v5p-8, v7x-8, ...) compiles them with the TPU
-compiler for that slice on this machine, no TPU needed (parallel/topology.py); without it they
-compile for fake CPU devices. XLA's `memory_analysis()` gives one chip's arguments, outputs and
-temporaries. Dense caches hold `[L, R, context, kv_heads, head_dim]` whatever the slots use; with
-`--kv-pages NUM,SIZE` target and drafter caches are pools of NUM pages of SIZE tokens (the
-engine's `kv_pages`), sized for the tokens the slots hold at once, e.g. 128 slots averaging 2048
-tokens: `--kv-pages 16384,16`. A program whose peak does not fit the chip's HBM (`--hbm-gib`, or
-the slice's) makes the command exit with status 1.
-"""
+"""Per-chip serving memory of the engine for a target preset, R slots x a context, on a
+(data, fsdp, tensor) mesh: exact weights and caches from the shapes and the rules table's
+shardings, and the compiler's figures for the programs the server compiles (the command:
+`python -m dspark_jax engine-plan`, commands/engine_plan.py)."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from dspark_jax.cli import (
-    add_kv_pages_argument,
-    add_prefill_chunk_argument,
-    prefill_chunk,
-    report_user_errors,
+    ENGINE_POLICIES,
+    PLAN_PROGRAMS,
 )
+from dspark_jax.drafter.abstract import abstract_models
+from dspark_jax.drafter.frozen import Frozen
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.engine.layout import decode_shardings
+from dspark_jax.engine.round import admit, round_step
+from dspark_jax.engine.verify import target_arrays
+from dspark_jax.parallel.sharding import make_mesh, state_shardings
+from dspark_jax.parallel.slices import parse_slice
+from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh
+from dspark_jax.scheduler import prefix as scheduler
 
 GIB = 1024 ** 3
-POLICIES = ("fixed", "scheduled")
-PROGRAMS = ("round", "prefill", "admit")
+POLICIES, PROGRAMS = ENGINE_POLICIES, PLAN_PROGRAMS
 
 
 def _chip_bytes(x, sharding) -> int:
-    import numpy as np
 
     return int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
 
@@ -53,17 +49,13 @@ def _memory(compiled) -> dict:
 
 
 def _out_of_memory(err) -> str | None:
-    from dspark_jax.parallel.topology import hbm_refusal
 
     return hbm_refusal(err)
 
 
 def plan_mesh(mesh_shape: tuple[int, int, int], topology: str | None = None):
     """The mesh the programs compile for: the slice's devices (TPU compiler), else this host's."""
-    import jax
 
-    from dspark_jax.parallel.sharding import make_mesh
-    from dspark_jax.parallel.topology import slice_mesh
 
     d, f, t = mesh_shape
     if topology:
@@ -84,18 +76,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     "prefill", "admit"; the round's also at the top level), with its compile time.
     `policy` "scheduled": the production scheduler with the skip rule (a cost table of the
     engine's buckets); `drafter=False`: the target-only engine."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from dspark_jax.drafter.abstract import abstract_models
-    from dspark_jax.drafter.frozen import Frozen
-    from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.engine.layout import decode_shardings
-    from dspark_jax.engine.verify import target_arrays
-    from dspark_jax.parallel.sharding import state_shardings
-    from dspark_jax.scheduler import prefix as scheduler
 
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -141,7 +122,6 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     rep = NamedSharding(mesh, P())
     darrays = (lambda dp, dfz: nnx.merge(dg, dp, dfz).arrays()) if drafter else (lambda dp, dfz: {})
     spec = eng.spec
-    from dspark_jax.engine.round import admit, round_step
 
     def one_round(ts, dp, dfz, s, ctl):
         return round_step(spec, target_arrays(nnx.merge(tg, ts)), darrays(dp, dfz), s, ctl)
@@ -250,71 +230,6 @@ def misfits(res: dict, hbm_gib: float | None) -> list[str]:
 
 def device_hbm_gib(topology: str) -> float:
     """HBM of one device of the slice (v4 and v7x topologies expose two devices per chip)."""
-    from dspark_jax.parallel.topology import parse_slice, slice_devices
 
     slc = parse_slice(topology)
     return slc.hbm_gib * slc.chips / len(slice_devices(slc))
-
-
-@report_user_errors
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax engine-plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("config", help="a preset naming target.model (and the drafter), e.g. configs/qwen3_8b_dspark.yaml")
-    ap.add_argument("--slots", type=int, default=128)
-    ap.add_argument("--context", type=int, default=8192, help="tokens per slot (prompt + completion)")
-    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
-                    help="default 1,1,N: tensor parallel over the N devices of --topology (else 1,1,8)")
-    ap.add_argument("--topology", default=None, metavar="SLICE",
-                    help="compile with the TPU compiler for this Cloud TPU slice (v5e-8, v6e-8, v5p-8, v7x-8, ...); "
-                         "needs libtpu (pip install -e '.[aot]'), no TPU")
-    ap.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
-    ap.add_argument("--policy", default="fixed", choices=POLICIES,
-                    help="fixed gamma, or the production scheduler with its skip rule (compiles the cond and the "
-                         "bucket switch it adds)")
-    ap.add_argument("--target-only", action="store_true", help="the engine without a drafter")
-    ap.add_argument("--hbm-gib", type=float, default=None,
-                    help="HBM per chip for the fit line (default: the slice's with --topology; v5e 16, v6e 32, v5p 95)")
-    ap.add_argument("--compile", action="store_true",
-                    help="also compile the round and the prefill and report the compiler's per-chip memory")
-    ap.add_argument("--programs", default="round,prefill", help=f"with --compile: which of {','.join(PROGRAMS)}")
-    add_kv_pages_argument(ap)
-    add_prefill_chunk_argument(ap, None)
-    args = ap.parse_args(argv)
-    import jax
-
-    from dspark_jax.parallel.topology import parse_slice, slice_devices
-
-    hbm = args.hbm_gib
-    if args.topology:
-        slc = parse_slice(args.topology)
-        n = len(slice_devices(slc))
-        hbm = hbm or device_hbm_gib(args.topology)
-    else:
-        n = 8
-    text = args.mesh or f"1,1,{n}"
-    try:
-        mesh_shape = tuple(int(x) for x in text.split(","))
-        assert len(mesh_shape) == 3
-    except (ValueError, AssertionError):
-        raise ValueError(f"--mesh {text!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8") from None
-    if not args.topology:
-        jax.config.update("jax_num_cpu_devices", mesh_shape[0] * mesh_shape[1] * mesh_shape[2])
-        jax.config.update("jax_platforms", "cpu")
-    from dspark_jax.config import ConfigError, from_cli
-
-    cfg = from_cli([args.config])
-    if cfg.target.model is None:
-        raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-    res = plan(cfg, args.slots, args.context, mesh_shape, args.gamma, args.compile, args.kv_pages,
-               prefill_chunk(args.prefill_chunk), topology=args.topology, policy=args.policy,
-               drafter=not args.target_only, programs=tuple(p for p in args.programs.split(",") if p))
-    print(format_plan(args.config, args.slots, args.context, mesh_shape, res, hbm))
-    bad = misfits(res, hbm)
-    for line in bad:
-        print(f"error: {line}", file=sys.stderr)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

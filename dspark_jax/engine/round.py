@@ -16,7 +16,14 @@ import jax.numpy as jnp
 from dspark_jax.decoding.rejection import PackedProbs
 from dspark_jax.decoding.sampling import sample, sampling_path, sampling_probs
 from dspark_jax.engine.spec import Spec
-from dspark_jax.engine.state import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Control, DecodeState, RoundOut
+from dspark_jax.engine.state import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Control,
+    DecodeState,
+    RoundOut,
+)
 from dspark_jax.engine.verify import Chunk, verify_forward, write_block
 from dspark_jax.scheduler import prefix as scheduler
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dspark_jax.decoding import rejection
-from dspark_jax.drafter.kinds.base import DraftShape, DrafterKind
+from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
 from dspark_jax.target.config import ModelConfig
 
 __all__ = ["Spec"]

@@ -113,9 +113,9 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
     `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
     import jax.numpy as jnp
 
+    from dspark_jax.commands.generate import load_models
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.engine.generate import load_models
     from dspark_jax.serve.app import Access, Limits, Served, make_app
     from dspark_jax.serve.loop import EngineLoop
     from dspark_jax.serve.metrics import ServerMetrics

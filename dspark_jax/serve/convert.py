@@ -12,6 +12,7 @@ from dspark_jax.engine.errors import InvalidRequest
 from dspark_jax.serve.body import parse_json
 from dspark_jax.serve.errors import BadRequest
 from dspark_jax.serve.schema import validate
+from dspark_jax.text.chat import render_text
 
 _TEMPLATE_OWNED = {"messages", "add_generation_prompt", "tokenizer", "template"}
 
@@ -42,7 +43,6 @@ def _chars(n: int, limit: int, what: str) -> None:
 
 
 def _chat_ids(served, req) -> list[int]:
-    from dspark_jax.text.chat import render_text
 
     limit = served.limits.max_prompt_chars
     _chars(sum(len(m.content or "") for m in req.messages), limit, "messages")

@@ -78,7 +78,7 @@ def test_prompt_longer_than_context(engine):
 
 
 def test_malformed_prompts_jsonl(tmp_path, capsys):
-    from dspark_jax.engine.generate import main
+    from dspark_jax.commands.generate import main
 
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"turns": ["hi"]}) + "\n" + "{not json\n")

@@ -5,6 +5,7 @@ by the Pallas kernel, on a data 2 x tensor 2 mesh; and the plan command's answer
 import pytest
 
 from dspark_jax.config import from_cli
+from dspark_jax.commands.engine_plan import main as plan_command
 from dspark_jax.engine import plan as engine_plan
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
@@ -34,7 +35,7 @@ def test_engine_programs_compile_for_tpu_with_paged_kernel(micro, policy, drafte
 
 
 def _main(capsys, *argv):
-    code = engine_plan.main(["configs/micro.yaml", "--slots", "4", "--context", "64", *argv])
+    code = plan_command(["configs/micro.yaml", "--slots", "4", "--context", "64", *argv])
     return code, capsys.readouterr()
 
 

@@ -207,7 +207,7 @@ def test_auto_dtype_follows_the_stored_weights(hf_checkpoints, capsys):
     ap = argparse.ArgumentParser()
     add_dtype_argument(ap)
     assert ap.parse_args([]).dtype == "auto"
-    for cmd in ("dspark_jax.engine.generate", "dspark_jax.data.regenerate", "dspark_jax.eval.evaluate"):
+    for cmd in ("dspark_jax.commands.generate", "dspark_jax.commands.regenerate", "dspark_jax.commands.eval"):
         import importlib
 
         mod = importlib.import_module(cmd)

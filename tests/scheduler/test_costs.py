@@ -3,9 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.scheduler.costs import (MEASURED_ON, CostTableError, MeasureError, bucket_plan, draft_time_at, draft_time_for,
-                              load_cost_file, load_cost_table, measure_engine, measure_table, roofline_table,
-                              save_cost_file, time_call, verify_gamma_policy)
+from dspark_jax.engine.timing import measure_engine, verify_gamma_policy
+from dspark_jax.scheduler.costs import (MEASURED_ON, CostTableError, MeasureError, bucket_plan, draft_time_at,
+                                        draft_time_for, load_cost_file, load_cost_table, measure_table, roofline_table,
+                                        save_cost_file, time_call)
 
 BK = [4, 8, 16]
 
@@ -170,7 +171,7 @@ def test_measure_cli_on_the_engine(tmp_path):
     """End to end, target-only (G = 0: rounds of k slots x 1 token, no draft): JSON from the compiled round."""
     import jax
 
-    from dspark_jax.scheduler.costs import main
+    from dspark_jax.commands.costs import main
 
     out = tmp_path / "m.json"
     assert main(["measure", "--model", "tiny", "--drafter", "none", "--num-slots", "2", "--max-len", "16",
@@ -184,7 +185,7 @@ def test_measure_cli_on_the_engine(tmp_path):
 
 def test_plot_before_and_after(tmp_path):
     """`costs plot`: one line per table, before* dashed in its after*'s colour; a PNG is written."""
-    from dspark_jax.scheduler.costs import main
+    from dspark_jax.commands.costs import main
 
     for name, tv in (("before_R4", [1e-3, 1.1e-3, 1.2e-3]), ("after_R4", [0.7e-3, 0.9e-3, 1.2e-3])):
         save_cost_file(tmp_path / f"{name}.json", BK, tv, 5e-4, backend="cpu", device_kind="cpu", provenance="test")
@@ -203,7 +204,7 @@ def test_measure_builds_the_presets_drafter_in_its_dtype():
 
     import jax.numpy as jnp
 
-    from dspark_jax.scheduler.costs import _build_engine
+    from dspark_jax.commands.costs import _build_engine
 
     args = argparse.Namespace(model="micro", drafter="dspark", gamma=3, dtype="bfloat16", num_slots=1,
                               max_len=32, buckets=None)
@@ -221,7 +222,7 @@ def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_di
     gamma and shape), recorded as such; a trained drafter with a config target is refused by name."""
     import jax
 
-    from dspark_jax.scheduler.costs import main
+    from dspark_jax.commands.costs import main
 
     out = tmp_path / "c.json"
     assert main(["measure", "--target", str(embedded_tiny_dir), "--drafter", str(tiny_dspark_drafter_dir),
@@ -233,7 +234,7 @@ def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_di
     with pytest.raises(SystemExit):
         main(["measure", "--drafter", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "x.json")])
     with pytest.raises(ValueError, match="trained drafter: give --target the checkpoint directory"):
-        from dspark_jax.scheduler.costs import _build_engine
+        from dspark_jax.commands.costs import _build_engine
         import argparse
 
         _build_engine(argparse.Namespace(model="micro", drafter=str(tiny_dspark_drafter_dir), gamma=4,

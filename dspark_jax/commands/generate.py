@@ -214,7 +214,3 @@ def main(argv=None) -> int:
                       "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
                       "round_calls": res.round_calls}), file=sys.stderr if args.json else sys.stdout)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

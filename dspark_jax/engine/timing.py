@@ -1,0 +1,106 @@
+"""The engine's compiled round and draft timed per verification bucket: the measured cost tables
+of scheduler/costs.py (`python -m dspark_jax costs measure`)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.scheduler.costs import MeasureError, bucket_plan, measure_table, time_stat
+
+__all__ = ["verify_gamma_policy", "engine_draft_timer", "engine_round_timer", "measure_engine", "draft_time"]
+
+
+def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
+    """Measurement policy: every active slot verifies ``ctl.gamma`` drafts, so a round with k
+    active slots packs exactly k * (1 + gamma) tokens and lands in a bucket chosen by (k, gamma)."""
+
+    return jnp.where(active, ctl.gamma, 0).astype(jnp.int32)
+
+
+def _prefilled(engine, k: int, seed: int = 0):
+    """The engine's state with requests in slots 0..k-1, their next round mid-cache."""
+
+    S, G, V = engine.S, engine.G, engine.target.cfg.vocab_size
+    n = max(min(S // 2 - G, S - G - 2), 1 if engine.kind is None else engine.kind.min_prompt_len)
+    prompts = [[(7 * i + 3 * j + 1) % V for j in range(n)] for i in range(k)]
+    kd = jax.random.key_data(jax.random.split(jax.random.key(seed), k))
+    return engine.prefill_slots(engine.init_state(), list(range(k)), prompts, kd, [S] * k)
+
+
+def engine_draft_timer(engine, sampling=None):
+    """``draft_fn() -> seconds`` (one call): the round's draft part, i.e. the engine's own draft
+    function (`Engine.draft`: the call the compiled round makes first, jitted alone) on a state with all R
+    slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
+    one number per round is exact; timing it apart (rather than as the difference of two rounds)
+    keeps it from absorbing the round's other bucket-independent work, which `measure_table`
+    charges to verification instead (``t_draft + t_verify(b)`` stays the measured round). All
+    inputs are traced arguments, as in the round: as closure constants XLA folds the per-row
+    sampling branches and the draft times several times faster than inside the round."""
+    if not engine.G:
+        return lambda: 0.0
+
+    st, ctl = _prefilled(engine, engine.R), engine.control(sampling)
+
+    def draft_fn() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(engine.draft(st, ctl))
+        return time.perf_counter() - t0
+
+    return draft_fn
+
+
+def engine_round_timer(engine, sampling=None):
+    """``(round_fn, plan, used)``: ``round_fn(bucket) -> seconds`` (one call) times the engine's
+    compiled round (`Engine.step`, all buckets in one program) on a state with k active slots and
+    fixed verify length g from `bucket_plan`, so the round runs its own `lax.switch` branch for
+    that bucket. Each call starts from a fresh copy of the state (the round donates it; copying
+    is not timed). ``used[bucket]`` records `RoundOut.bucket` of every call; a round that lands
+    elsewhere raises MeasureError (the engine must be built with `verify_gamma_policy`)."""
+
+    plan = bucket_plan(engine.priced_buckets, engine.R, engine.G)  # chunk-only buckets are never priced
+    states, ctls, used = {}, {}, {}
+
+    def round_fn(bucket: int) -> float:
+        k, g = plan[bucket]
+        if k not in states:
+            states[k] = _prefilled(engine, k)
+        if g not in ctls:
+            ctls[g] = engine.control(sampling, gamma=g)
+        s = jax.block_until_ready(jax.tree.map(jnp.copy, states[k]))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(engine.step(s, ctls[g]))
+        dt = time.perf_counter() - t0
+        got = int(out[1].bucket)
+        used.setdefault(bucket, []).append(got)
+        if got != engine.buckets.index(bucket):
+            raise MeasureError(f"the round timed for bucket {bucket} ({k} active slots x (1 + {g}) tokens) ran in "
+                               f"bucket {engine.buckets[got]}: the engine's policy {engine.policy_name!r} does not "
+                               "verify ctl.gamma drafts per active slot; build the Engine with "
+                               "policy=dspark_jax.scheduler.costs.verify_gamma_policy")
+        return dt
+
+    return round_fn, plan, used
+
+
+def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None,
+                   log=None) -> dict:
+    """Cost table of ``engine`` (built with ``policy=verify_gamma_policy``) measured on its compiled
+    round: `measure_table` over `engine_round_timer` and `engine_draft_timer`, plus the plan
+    (active slots, verify length, tokens per bucket) and the bucket index every timed round used."""
+    if warmup < 1 or repeats < 1:
+        raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
+    round_fn, plan, used = engine_round_timer(engine, sampling)
+    res = measure_table(round_fn, engine.priced_buckets, engine_draft_timer(engine, sampling), repeats=repeats, warmup=warmup, stat=stat, log=log)
+    res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
+                   for b, (k, g) in sorted(plan.items())]
+    res["buckets_used"] = {b: used[b] for b in res["buckets"]}
+    return res
+
+
+def draft_time(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None) -> float:
+    """Seconds of the engine's draft part per round (0 without a drafter); see `engine_draft_timer`."""
+    f = engine_draft_timer(engine, sampling)
+    return time_stat([f() for _ in range(warmup + repeats)][warmup:], stat)
