@@ -75,8 +75,8 @@ def micro_cfg():
 def micro_target(micro_cfg):
     from flax import nnx
 
-    from dspark_jax.target import TargetModel
     from dspark_jax.parallel.sharding import create_model
+    from dspark_jax.target import TargetModel
 
     return create_model(lambda: TargetModel(micro_cfg.target.model, rngs=nnx.Rngs(0)))
 
@@ -136,14 +136,13 @@ def embedded_tiny_dir():
 @pytest.fixture(scope="session")
 def tiny_dspark_drafter_dir(embedded_tiny_dir, tmp_path_factory):
     """An untrained DSpark drafter (gamma 4) for the tiny embedded target, saved to disk."""
-    import dataclasses
 
     from flax import nnx
 
     from dspark_jax.config import DrafterSection
     from dspark_jax.drafter import registry
-    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.drafter.frozen import attach_target
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.io.hf import load_target
     from dspark_jax.parallel.sharding import create_model
 

@@ -58,7 +58,7 @@ def test_renders_tables_and_plots(fake_grid, tmp_path):
     assert summary["plots"] == ["conditional_acceptance.png", "tau_vs_gamma.png", "tau_vs_depth.png"]
     for p in summary["plots"]:
         assert (out / p).stat().st_size > 5000
-    assert f"![tau_vs_gamma.png](tau_vs_gamma.png)" in md and "--from" in md  # the command is recorded
+    assert "![tau_vs_gamma.png](tau_vs_gamma.png)" in md and "--from" in md  # the command is recorded
 
 
 def test_sweeps_pick_the_right_cells(fake_grid):

@@ -1,8 +1,16 @@
 import numpy as np
 import pytest
 
-from dspark_jax.calibration.traces import (TraceError, TraceSet, concat, from_engine, load_traces, sampling_key, save_traces,
-                               synthetic_traces)
+from dspark_jax.calibration.traces import (
+    TraceError,
+    TraceSet,
+    concat,
+    from_engine,
+    load_traces,
+    sampling_key,
+    save_traces,
+    synthetic_traces,
+)
 
 
 def _ts(n=6, g=3, seed=0, **meta):

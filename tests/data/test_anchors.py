@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 
 from dspark_jax.data.anchors import block_valid_mask, sample_anchors, valid_anchor_positions
 from dspark_jax.data.pipeline import RecordSpec, make_example, make_pipeline

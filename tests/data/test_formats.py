@@ -82,8 +82,8 @@ def test_missing_readers_say_what_to_install(tmp_path, monkeypatch):
 
 
 def test_prepare_masks_exactly_the_answers(embedded_tiny_dir, tmp_path, capsys):
-    from dspark_jax.data.dataset import TokenDataset
     from dspark_jax.commands.prepare import main
+    from dspark_jax.data.dataset import TokenDataset
     from dspark_jax.text.tokenizer import Tokenizer
 
     src = tmp_path / "chats.jsonl"

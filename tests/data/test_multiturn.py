@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_jax.text.chat import END_OF_TURN, encode_chat
 from dspark_jax.data.multiturn import encode_conversation, history_answer, left_truncate, turn_prompts
+from dspark_jax.text.chat import END_OF_TURN, encode_chat
 
 
 def _u(c):

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import registry
-from dspark_jax.drafter import attach_target
+from dspark_jax.drafter import attach_target, registry
 from dspark_jax.drafter.backbone import backbone_train, draft_hidden, fuse_context, training_mask, update_context
-from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 from dspark_jax.parallel.sharding import create_model
+from dspark_jax.target.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
 
 
 def _mask_reference(anchors, keep, S, G, window=None):

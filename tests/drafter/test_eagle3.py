@@ -12,14 +12,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.drafter.eagle3 import (
-    Eagle3Drafter, attach_target, create_cache, eagle3_draft, eagle3_draft_logits, eagle3_logits, eagle3_loss,
-    eagle3_prefill, eagle3_train_hidden, eagle3_train_logits, eagle3_update, ttt_mask,
+    Eagle3Drafter,
+    attach_target,
+    create_cache,
+    eagle3_draft,
+    eagle3_draft_logits,
+    eagle3_logits,
+    eagle3_loss,
+    eagle3_prefill,
+    eagle3_train_hidden,
+    eagle3_train_logits,
+    eagle3_update,
+    ttt_mask,
 )
 from dspark_jax.drafter.frozen import Frozen, TargetMismatchError
-from dspark_jax.target import ModelConfig, RopeConfig
-from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.parallel.sharding import create_model, make_mesh
+from dspark_jax.target import ModelConfig, RopeConfig
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope=RopeConfig(theta=10000.0))

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import registry
-from dspark_jax.drafter import confidence_logits, head_bias_train, sample_block
-from dspark_jax.drafter.losses import soft_label
-from dspark_jax.drafter.heads import base_logits
 from dspark_jax.decoding.sampling import SamplingParams, sample, sampling_probs
+from dspark_jax.drafter import confidence_logits, head_bias_train, registry, sample_block
+from dspark_jax.drafter.heads import base_logits
+from dspark_jax.drafter.losses import soft_label
 from dspark_jax.parallel.sharding import create_model
 
 R, H, V = 3, 64, 512

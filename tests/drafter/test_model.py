@@ -11,19 +11,26 @@ import optax
 import pytest
 from flax import nnx
 
-from dspark_jax.drafter import registry
 from dspark_jax.config import DrafterSection
-from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter import (
-    DrafterConfigError, Frozen, TargetMismatchError, attach_target, default_layer_ids, drafter_checkpoint_state,
-    resolve_layer_ids, trainable_state,
+    DrafterConfigError,
+    Frozen,
+    TargetMismatchError,
+    attach_target,
+    backbone,
+    default_layer_ids,
+    drafter_checkpoint_state,
+    heads,
+    registry,
+    resolve_layer_ids,
+    trainable_state,
 )
 from dspark_jax.io.drafter_dir import load as load_drafter
 from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.io.keymap import CheckpointMismatchError, flatten
+from dspark_jax.parallel.sharding import create_model
 from dspark_jax.target import TargetModel
 from dspark_jax.target.config import ModelConfig
-from dspark_jax.parallel.sharding import create_model
 
 V, H, r = 512, 64, 16
 

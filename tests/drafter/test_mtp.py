@@ -12,14 +12,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.drafter.frozen import TargetMismatchError
 from dspark_jax.drafter.mtp import (
-    MTPDrafter, attach_target, create_cache, mtp_draft, mtp_draft_logits, mtp_loss, mtp_prefill, mtp_train_logits,
+    MTPDrafter,
+    attach_target,
+    create_cache,
+    mtp_draft,
+    mtp_draft_logits,
+    mtp_loss,
+    mtp_prefill,
+    mtp_train_logits,
     mtp_update,
 )
-from dspark_jax.target import ModelConfig, RopeConfig
-from dspark_jax.decoding.sampling import SamplingParams, sampling_probs
 from dspark_jax.parallel.sharding import create_model, make_mesh
+from dspark_jax.target import ModelConfig, RopeConfig
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope=RopeConfig(theta=10000.0))

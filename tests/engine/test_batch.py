@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter.frozen import TargetMismatchError
 from dspark_jax.engine import Engine, EngineConfig, EngineError
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
-from dspark_jax.decoding.sampling import SamplingParams
 
 SAMPLED = SamplingParams(1.0, 0, 1.0)
 
@@ -90,9 +90,9 @@ def test_engine_draft_is_the_rounds_draft():
     """Engine.draft (used by the cost tables) proposes exactly what the next round drafts."""
     import jax
 
+    from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
-    from dspark_jax.decoding.sampling import SamplingParams
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
     eng = Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(num_slots=2, max_len=24,

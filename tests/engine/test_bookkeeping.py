@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.engine import Engine, EngineConfig
-from dspark_jax.target.paged_kv import PagedKVCache
-from dspark_jax.scheduler import prefix as scheduler
-from dspark_jax.testing.tiny import tiny_drafter
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.target.paged_kv import PagedKVCache
+from dspark_jax.testing.tiny import tiny_drafter
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 G = 3

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig, EngineError
 from dspark_jax.testing.tiny import tiny_drafter
-from dspark_jax.decoding.sampling import SamplingParams
 from tests.engine.test_bookkeeping import _dense, _rows_equal
 
 GREEDY = SamplingParams(0.0, 0, 1.0)

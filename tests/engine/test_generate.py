@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.io.drafter_dir import save as save_drafter
-from dspark_jax.engine import measure_accepted_length
-from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.commands.generate import main, read_prompts
+from dspark_jax.engine import measure_accepted_length
+from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.io.hf import save_target
+from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.text.tokenizer import train_tokenizer
 
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.testing.tiny import tiny_drafter
-from dspark_jax.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 MAX_NEW = 12

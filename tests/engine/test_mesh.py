@@ -60,7 +60,6 @@ def test_engine_on_a_mesh_matches_one_device():
 def test_generate_command_on_a_mesh(embedded_tiny_dir, tmp_path):
     """`python -m dspark_jax generate --mesh 2,1,1` on 2 fake devices prints the same greedy text as
     one device; a malformed --mesh is one line naming the format."""
-    import os
     import subprocess
     import sys
 

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.engine import Engine, EngineConfig, EngineError, OutOfPagesError, PageAllocator
-from dspark_jax.engine import page_alloc
+from dspark_jax.engine import Engine, EngineConfig, EngineError, OutOfPagesError, PageAllocator, page_alloc
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import attention
 from dspark_jax.target.paged_kv import NO_PAGE, PagedKVCache, gather_pages, paged_attention, pages_per_slot

@@ -4,8 +4,8 @@ by the Pallas kernel, on a data 2 x tensor 2 mesh; and the plan command's answer
 
 import pytest
 
-from dspark_jax.config import from_cli
 from dspark_jax.commands.engine_plan import main as plan_command
+from dspark_jax.config import from_cli
 from dspark_jax.engine import plan as engine_plan
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")

@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 
 from dspark_jax.commands.eval import main
-
-from dspark_jax.eval.evaluate import (bootstrap_tau, conditional_acceptance, conditional_support, sts_before_after,
-                             tau_by_group, threshold_sweep)
+from dspark_jax.eval.evaluate import (
+    bootstrap_tau,
+    conditional_acceptance,
+    conditional_support,
+    sts_before_after,
+    tau_by_group,
+    threshold_sweep,
+)
 
 
 def test_conditional_acceptance_by_hand():
@@ -152,10 +157,10 @@ def _foreign_drafter(tmp_path):
 
     from dspark_jax.config import from_cli
     from dspark_jax.drafter import registry
-    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.drafter.frozen import attach_target
-    from dspark_jax.target import TargetModel
+    from dspark_jax.io import drafter_dir as drafter_io
     from dspark_jax.parallel.sharding import create_model
+    from dspark_jax.target import TargetModel
 
     cfg = from_cli(["micro"])
     t = create_model(lambda: TargetModel(cfg.target.model, rngs=nnx.Rngs(0)))

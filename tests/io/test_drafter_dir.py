@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 import pytest
+from flax import nnx
 
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import registry

@@ -4,9 +4,20 @@ import numpy as np
 import pytest
 
 from dspark_jax.engine.timing import measure_engine, verify_gamma_policy
-from dspark_jax.scheduler.costs import (MEASURED_ON, CostTableError, MeasureError, bucket_plan, draft_time_at,
-                                        draft_time_for, load_cost_file, load_cost_table, measure_table, roofline_table,
-                                        save_cost_file, time_call)
+from dspark_jax.scheduler.costs import (
+    MEASURED_ON,
+    CostTableError,
+    MeasureError,
+    bucket_plan,
+    draft_time_at,
+    draft_time_for,
+    load_cost_file,
+    load_cost_table,
+    measure_table,
+    roofline_table,
+    save_cost_file,
+    time_call,
+)
 
 BK = [4, 8, 16]
 
@@ -234,8 +245,9 @@ def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_di
     with pytest.raises(SystemExit):
         main(["measure", "--drafter", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "x.json")])
     with pytest.raises(ValueError, match="trained drafter: give --target the checkpoint directory"):
-        from dspark_jax.commands.costs import _build_engine
         import argparse
+
+        from dspark_jax.commands.costs import _build_engine
 
         _build_engine(argparse.Namespace(model="micro", drafter=str(tiny_dspark_drafter_dir), gamma=4,
                                          dtype="float32", num_slots=1, max_len=32, buckets=None))

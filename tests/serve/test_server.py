@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
-
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 openai = pytest.importorskip("openai", reason="openai not installed (pip install -e .[serve,test])")
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install -e .[serve])")
 
-from tests.serve.helpers import PROMPTS, start as _start, stop as _stop  # noqa: E402
+from tests.serve.helpers import PROMPTS  # noqa: E402
+from tests.serve.helpers import start as _start  # noqa: E402
+from tests.serve.helpers import stop as _stop  # noqa: E402
 
 
 def _http(url, data: bytes | None = None):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.target.generation import _generate_jit, generate, generate_host_loop
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.target.generation import _generate_jit, generate, generate_host_loop
 
 N = 8  # max new tokens
 P = 6  # padded prompt length

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.target.kernels import choose_causal_kernel
-from dspark_jax.target.splash import splash_causal_attention
 from dspark_jax.target.layers import causal_attention
+from dspark_jax.target.splash import splash_causal_attention
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 from tests.conftest import run_multidevice
 
@@ -90,7 +90,8 @@ def test_splash_is_chosen_and_compiled_for_a_tpu_mesh():
     picks the kernel and it compiles ahead of time as Mosaic, not in interpret mode: its mask
     tables are built as host constants, never placed on the slice's devices."""
     pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from dspark_jax.parallel.topology import slice_mesh
 

@@ -5,8 +5,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 
 from dspark_jax.data import corpora as C
-from dspark_jax.text.chat import (CHATML_TEMPLATE, encode_chat, load_chat_template, render_prompt,
-                                  render_text)
+from dspark_jax.text.chat import CHATML_TEMPLATE, encode_chat, load_chat_template, render_prompt, render_text
 from dspark_jax.text.tokenizer import train_tokenizer
 
 # A realistic Qwen3 chat template (tools branch trimmed to its shape).

@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
+from dspark_jax.console import progress_bar
 from dspark_jax.target.lm_loss import lm_loss
 from dspark_jax.toolkit.checkpoint import Checkpointer
-from dspark_jax.console import progress_bar
 from dspark_jax.toolkit.metrics import MetricsLogger, read_jsonl
 from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 

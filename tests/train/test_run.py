@@ -1,11 +1,11 @@
 """The training loop on a micro target: resume = uninterrupted, preemption, bad input."""
 
 import json
+import os
 import signal
 import subprocess
-import time
 import sys
-import os
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +13,8 @@ import pytest
 from dspark_jax.config import from_cli
 from dspark_jax.config.loader import ConfigError
 from dspark_jax.data.dataset import DatasetWriter
-from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.data.pipeline import NoAssistantTokensError
+from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.train.run import run
 from dspark_jax.train.trainer import TrainingError
 
