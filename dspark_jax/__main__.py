@@ -10,6 +10,8 @@ import importlib
 import sys
 from typing import NamedTuple
 
+from dspark_jax.console import show_logs
+
 
 class Command(NamedTuple):
     module: str  # holds `main(argv) -> int`
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    show_logs()  # library progress lines (logging) on stderr
     return importlib.import_module(COMMANDS[name].module).main(rest)
 
 

@@ -28,10 +28,10 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,7 @@ from dspark_jax.toolkit.checkpoint import Checkpointer
 from dspark_jax.toolkit.metrics import MetricsLogger
 from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 
+log = logging.getLogger(__name__)
 BUILD_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -365,6 +366,6 @@ def embedded_target_dir(build: bool = True, progress: bool = True, *, preset: st
         problem = verify_target_dir(d)
         if force or problem is not None:  # re-check: another process may have built it meanwhile
             if d.exists() and problem is not None and progress:
-                print(f"[dspark_jax] rebuilding embedded target: {problem}", file=sys.stderr)
+                log.warning(f"rebuilding embedded target: {problem}")
             build_embedded_target(d, preset=p, seed=seed, progress=progress)
     return d

@@ -24,7 +24,7 @@ function; it is then exported with the Markov input.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -427,7 +427,7 @@ def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anch
                      mesh=None, log=None) -> Drafter:
     """Write `our_dir`'s drafter in the reference layout. `num_anchors` None: the run's
     recorded value (`recorded_num_anchors`)."""
-    log = log or (lambda msg: print(msg, file=sys.stderr))
+    log = log or logging.getLogger(__name__).info
     dcfg, _ = drafter_io.read_config(our_dir)
     kind = registry.get_kind(dcfg.kind)
     if not kind.has_reference_layout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from dspark_jax.cli import report_user_errors
+from dspark_jax.console import show_logs
 
 USAGE = """usage: python -m dspark_jax.train [CONFIG.yaml] [section.key=value ...] [--print-config]
 
@@ -60,6 +61,7 @@ def maybe_initialize_distributed() -> None:
 @report_user_errors
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_logs()
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(presets=", ".join(_preset_names())))
         return 0
