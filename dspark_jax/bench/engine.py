@@ -111,9 +111,9 @@ def _prompts(target, args):
 
     tok = target.require_tokenizer()
     if args.prompts:
-        from dspark_jax.data.corpora import load_jsonl
+        from dspark_jax.data.formats import read_conversations
 
-        convs = load_jsonl(args.prompts)
+        convs = read_conversations(args.prompts)
     else:
         from dspark_jax.data.corpora import math_conversations
 
@@ -171,8 +171,10 @@ def bench_loop(target, drafter, prompts, args, out):
             res = eng.generate(prompts[:8], max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
                                loop=loop)
             r[loop] = res.tokens_per_s
-        out[f"loop_{name}"] = {"host_tok_s": r["host"], "while_tok_s": r["while"], "while_over_host": r["while"] / r["host"]}
-        print(f"[loop] {name}: host {r['host']:.1f} tok/s, while {r['while']:.1f} tok/s, ratio {r['while'] / r['host']:.3f}")
+        out[f"loop_{name}"] = {"host_tok_s": r["host"], "while_tok_s": r["while"],
+                               "while_over_host": r["while"] / r["host"]}
+        print(f"[loop] {name}: host {r['host']:.1f} tok/s, while {r['while']:.1f} tok/s, "
+              f"ratio {r['while'] / r['host']:.3f}")
 
 
 def bench_speed(target, drafter, prompts, args, out):
@@ -222,8 +224,11 @@ def bench_speed(target, drafter, prompts, args, out):
                   f"(x{rec['scheduled_speedup']:.2f}, x{sr.min():.2f}-{sr.max():.2f}); tau {rec['scheduled_tau']:.2f}"
                   f"{', STS' if args.calibrated else ''}")
         out[f"speed_b{R}"] = rec
-        print(f"[speed] batch {R}, T {args.temperature:g}: AR {rec['ar_tok_s']:.1f} tok/s, {name} {rec['spec_tok_s']:.1f} "
-              f"tok/s (x{rec['speedup']:.2f}, x{ratios.min():.2f}-{ratios.max():.2f} over {len(runs)} runs); tau {rd.tau:.2f}, T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
+        print(f"[speed] batch {R}, T {args.temperature:g}: AR {rec['ar_tok_s']:.1f} tok/s, "
+              f"{name} {rec['spec_tok_s']:.1f} "
+              f"tok/s (x{rec['speedup']:.2f}, x{ratios.min():.2f}-{ratios.max():.2f} "
+              f"over {len(runs)} runs); tau {rd.tau:.2f}, "
+              f"T_ar {1e3 * t_ar:.2f} ms, T_draft {1e3 * t_draft:.2f} ms, "
               f"T_verify {1e3 * t_verify:.2f} ms -> bound x{bound:.2f}")
 
 
@@ -315,8 +320,10 @@ def bench_join(target, drafter, prompts, args, out):
         eng = Engine(target, drafter, EngineConfig(num_slots=4, max_len=S, prefill_chunk=chunk))
         _join_once(eng, shorts, long, max_new, sp)  # compiles
         runs = np.asarray([_join_once(eng, shorts, long, max_new, sp) for _ in range(args.reps)])
-        res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])), "joiner_ttft_ms": 1e3 * float(np.median(runs[:, 1])),
-                     "rounds_to_first_token": int(np.median(runs[:, 2])), "round_no_chunk_ms": 1e3 * float(np.median(runs[:, 3]))}
+        res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])),
+                     "joiner_ttft_ms": 1e3 * float(np.median(runs[:, 1])),
+                     "rounds_to_first_token": int(np.median(runs[:, 2])),
+                     "round_no_chunk_ms": 1e3 * float(np.median(runs[:, 3]))}
         print(f"[join] {name}: {len(long)}-token prompt joins 3 decoding requests: their longest wait for a token "
               f"{res[name]['stall_ms']:.0f} ms, the joiner's first token after {res[name]['joiner_ttft_ms']:.0f} ms "
               f"({res[name]['rounds_to_first_token']} rounds)")
@@ -324,7 +331,8 @@ def bench_join(target, drafter, prompts, args, out):
     res["ttft_ratio"] = res["chunked"]["joiner_ttft_ms"] / res["whole"]["joiner_ttft_ms"]
     res["no_chunk_round_ratio"] = res["chunked"]["round_no_chunk_ms"] / res["whole"]["round_no_chunk_ms"]
     print(f"[join] chunks of {args.prefill_chunk}: stall x{res['stall_ratio']:.2f}, joiner's first token "
-          f"x{res['ttft_ratio']:.2f} of whole prefill; a round with no prompt to forward x{res['no_chunk_round_ratio']:.2f} "
+          f"x{res['ttft_ratio']:.2f} of whole prefill; "
+          f"a round with no prompt to forward x{res['no_chunk_round_ratio']:.2f} "
           f"({res['chunked']['round_no_chunk_ms']:.0f} vs {res['whole']['round_no_chunk_ms']:.0f} ms)")
     out["join"] = {"prompt_tokens": len(long), "prefill_chunk": args.prefill_chunk, **res}
 

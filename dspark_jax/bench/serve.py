@@ -85,10 +85,10 @@ def warm_up(client, served, prompts, temperature) -> None:
 
 
 def load_prompts(path: str | None, n: int) -> list[list[dict]]:
-    from dspark_jax.data.corpora import load_jsonl
+    from dspark_jax.data.formats import read_conversations
 
     if path:
-        convs = load_jsonl(path)
+        convs = read_conversations(path)
     else:
         from dspark_jax.data.corpora import build_corpus
 
@@ -133,7 +133,8 @@ def parse_config(spec: str, default_policy: str) -> tuple[str, str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench serve", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR[@POLICY]",
                     help="a drafter configuration (repeat), with its own verification policy after @ (e.g. "
@@ -181,9 +182,11 @@ def main(argv=None) -> int:
         for name, drafter, policy in configs:
             scheduled = policy in SCHEDULED_POLICIES
             kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
-                                                    calibrated=args.temperature if args.calibrated and scheduled else None,
+                                                    calibrated=(args.temperature if args.calibrated and scheduled
+                                                                else None),
                                                     skip_drafting=args.skip_drafting if scheduled else False)
-            app, served = build(args.target, drafter, slots=slots, max_len=args.max_len, max_queue=max(4 * slots, max(args.concurrency)),
+            app, served = build(args.target, drafter, slots=slots, max_len=args.max_len,
+                                max_queue=max(4 * slots, max(args.concurrency)),
                                 kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
             server, thread, port = serve_in_thread(app)
             running.append((name, served, server, thread))
@@ -198,7 +201,8 @@ def main(argv=None) -> int:
                 results[name].append(lv)
                 print(f"[bench serve] {name:<12} c={c:<3} {lv['requests']:>4} req  {lv['throughput']:8.1f} tok/s total "
                       f"{lv['per_user']:7.1f} tok/s/user  TTFT p50 {lv['ttft_p50'] * 1e3:7.0f} ms p99 "
-                      f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms p99 {lv['itl_p99'] * 1e3:6.1f} ms",
+                      f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms "
+                      f"p99 {lv['itl_p99'] * 1e3:6.1f} ms",
                       flush=True)
     finally:
         for name, served, server, thread in running:
@@ -211,10 +215,12 @@ def main(argv=None) -> int:
     for name, levels in results.items():
         if name != "target-only":
             print(f"[bench serve] {name} / target-only throughput: " +
-                  ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x" for lv in levels))
+                  ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x"
+                            for lv in levels))
     meta = {"command": "python -m dspark_jax bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
-            "configs": {name: {"drafter": d, "policy": pol, "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
+            "configs": {name: {"drafter": d, "policy": pol,
+                               "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
                         for name, d, pol in configs},
             "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

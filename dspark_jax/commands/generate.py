@@ -35,7 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
     from dspark_jax.cli import KIND_NAMES as KINDS
 
-    ap.add_argument("--mode", default=None, choices=("ar", *KINDS), help="default: the drafter's kind, or ar without a drafter")
+    ap.add_argument("--mode", default=None, choices=("ar", *KINDS),
+                    help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
     ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"),
@@ -63,7 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="request slots decoded together")
-    ap.add_argument("--max-len", type=int, default=None, help="KV length per slot (default: longest prompt + max new + gamma + 2)")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="KV length per slot (default: longest prompt + max new + gamma + 2)")
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, None)
     ap.add_argument("--seed", type=int, default=0)
@@ -75,10 +77,10 @@ def parse_args(argv=None):
 
 def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
     """Conversations from a jsonl file (line numbers in errors) or plain stdin lines."""
-    from dspark_jax.data.corpora import load_jsonl
+    from dspark_jax.data.formats import read_conversations
 
     if path:
-        convs = load_jsonl(path)
+        convs = read_conversations(path)
     else:
         stream = stream or sys.stdin
         convs = [[{"role": "user", "content": line.rstrip("\n")}] for line in stream if line.strip()]

@@ -30,7 +30,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from dspark_jax.data.formats import read_conversations
 
 Conversation = list[dict]
 
@@ -255,7 +254,8 @@ def _t_ages(r: random.Random) -> tuple[str, list[str], int]:
     ans = fa + fb
     q = (f"{a} is {diff} years older than {b}. {b} is {age_b} years old. "
          f"What will the sum of their ages be in {years} years?")
-    steps = [f"{a} is {age_b} + {diff} = {age_a} years old.", f"In {years} years, {a} will be {age_a} + {years} = {fa}.",
+    steps = [f"{a} is {age_b} + {diff} = {age_a} years old.",
+             f"In {years} years, {a} will be {age_a} + {years} = {fa}.",
              f"In {years} years, {b} will be {age_b} + {years} = {fb}.", f"The sum is {fa} + {fb} = {ans}."]
     return q, steps, ans
 
@@ -348,11 +348,3 @@ def corpus_manifest(corpus: list[Conversation], **params) -> dict:
 def conversation_text(conv: Conversation) -> str:
     """Plain text of a conversation (e.g. for tokenizer training)."""
     return "\n".join(m["content"] for m in conv)
-
-
-# -------------------------------------------------------------------------- loaders
-
-def load_jsonl(path) -> list[Conversation]:
-    """`dspark_jax.data.formats.read_conversations` (every chat format users bring), under the
-    name engine/generate.py and bench/ import."""
-    return read_conversations(path)
