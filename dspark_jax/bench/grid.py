@@ -52,10 +52,12 @@ def load_cell(name: str, path) -> dict:
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise GridError(f"cell {name!r}: {file} is not valid JSON ({e.msg} at line {e.lineno}); re-run the eval") from None
+        raise GridError(f"cell {name!r}: {file} is not valid JSON "
+                        f"({e.msg} at line {e.lineno}); re-run the eval") from None
     res = data.get("results") if isinstance(data, dict) else None
     if not isinstance(res, dict) or not res:
-        raise GridError(f"cell {name!r}: {file} has no \"results\" (expected the results.json of dspark_jax.eval.evaluate)")
+        raise GridError(f"cell {name!r}: {file} has no \"results\" "
+                        "(expected the results.json of dspark_jax.eval.evaluate)")
     meta = data.get("meta", {})
     drafters = sorted({d for row in res.values() if isinstance(row, dict) for d in row})
     if len(drafters) != 1 and name not in drafters:
@@ -141,7 +143,8 @@ def source_table(cells) -> str:
     lines = ["| cell | " + " | ".join(f"{s}: {lab}" for s, lab in cols) + " |", "|---|" + "---|" * len(cols)]
     for c in cells:
         cells_ = [c["sets"].get(s, {}).get("by_source", {}).get(lab) for s, lab in cols]
-        lines.append(f"| {c['name']} | " + " | ".join(f"{_tau(b)} (n={b['prompts']})" if b else "" for b in cells_) + " |")
+        lines.append(f"| {c['name']} | " + " | ".join(f"{_tau(b)} (n={b['prompts']})" if b else ""
+                                                      for b in cells_) + " |")
     return "\n".join(lines)
 
 
@@ -368,7 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32, help="for evals run here (default 32)")
     args = ap.parse_args(argv)
     eval_args = ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)]
-    command = "python -m dspark_jax bench grid " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m dspark_jax bench grid " + " ".join(shlex.quote(a)
+                                                            for a in (sys.argv[1:] if argv is None else argv))
     try:
         cells = collect(args.drafter, args.from_dirs, args.evals or Path(args.out) / "evals", eval_args)
         rendered = render(cells, args.out, command)

@@ -42,7 +42,8 @@ def main(argv=None) -> int:
 
     from dspark_jax.decoding.sampling import sampling_probs
 
-    print(f"backend {jax.default_backend()}  V {args.vocab}  T {args.temperature} top-k {args.top_k} top-p {args.top_p}")
+    print(f"backend {jax.default_backend()}  V {args.vocab}  "
+          f"T {args.temperature} top-k {args.top_k} top-p {args.top_p}")
     print(f"{'rows':>5} {'sort ms':>10} {'bisect ms':>10} {'bisect / sort':>22} {'max |diff|':>11}")
     rng = np.random.default_rng(0)
     for rows in args.rows:

@@ -143,7 +143,8 @@ def render(configs: Path, cache: Path) -> str:
               "prompt bucket for every slot at once (the engine prefills whole prompts on an idle engine); "
               "'(over)': a peak above the device's HBM; 'does not fit': XLA:TPU refused to compile it, "
               "with the temporaries it needed and the HBM it had.", "",
-              "| target | slice | KV | state | round peak | prefill peak | HBM per device | Mosaic kernels in the round "
+              "| target | slice | KV | state | round peak | prefill peak | HBM per device "
+              "| Mosaic kernels in the round "
               "| compile |", "|---|---|---|---|---|---|---|---|---|"]
     for e in entries(configs, "serve"):
         r = load(e["key"])
@@ -153,7 +154,8 @@ def render(configs: Path, cache: Path) -> str:
             continue
         over = lambda b: _gib(b) + (" (over)" if not isinstance(b, str) and b > r["hbm_gib"] * GIB else "")
         lines.append(f"| {e['preset']} | {e['slice']} | {kv} | {_gib(r['state'])} | {over(r['round'])} | "
-                     f"{over(r['prefill'])} | {r['hbm_gib']:g} GiB | {r['kernels'] if r['kernels'] is not None else '-'} | "
+                     f"{over(r['prefill'])} | {r['hbm_gib']:g} GiB | "
+                     f"{r['kernels'] if r['kernels'] is not None else '-'} | "
                      f"{r['compile_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -171,7 +173,8 @@ def write_doc(out: Path, table: str) -> None:
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax tpu-memory", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     root = Path(__file__).resolve().parents[2]
     ap.add_argument("--out", type=Path, default=root / "docs" / "tpu_memory.md")
     ap.add_argument("--configs", type=Path, default=root / "configs")

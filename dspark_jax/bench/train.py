@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     class _Synthetic:  # random tokens, everything an assistant span: no dataset needed
         def __init__(self, n, s, v):
             rng = np.random.default_rng(0)
-            self.recs = [{"tokens": rng.integers(0, v, s).astype(np.int32), "loss_mask": np.r_[np.zeros(8, bool), np.ones(s - 8, bool)]}
+            self.recs = [{"tokens": rng.integers(0, v, s).astype(np.int32),
+                          "loss_mask": np.r_[np.zeros(8, bool), np.ones(s - 8, bool)]}
                          for _ in range(n)]
 
         def __len__(self):
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
     ds = _Synthetic(max(4, cfg.train.batch_size * 2), cfg.data.seq_len, cfg.target.model.vocab_size - 1)
     tr = Trainer(cfg, target.model, ds, None, progress=False)
     spec = tr.spec
-    batch = {k: np.stack([make_example(ds[j], j, spec)[k] for j in range(cfg.train.batch_size)]) for k in make_example(ds[0], 0, spec)}
+    batch = {k: np.stack([make_example(ds[j], j, spec)[k] for j in range(cfg.train.batch_size)])
+             for k in make_example(ds[0], 0, spec)}
     dev = tr._device_batch(batch)
     t0 = time.perf_counter()
     state, m, _ = tr.train_step(tr.state, tr.frozen, tr.t_state, dev)
@@ -101,9 +103,11 @@ def main(argv=None) -> int:
     total = sum(flops.values())
     rate = matmul_rate()
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    print(f"config: {args.config} {' '.join(args.overrides)}  backend: {jax.default_backend()}  devices: {jax.device_count()}")
+    print(f"config: {args.config} {' '.join(args.overrides)}  backend: {jax.default_backend()}  "
+          f"devices: {jax.device_count()}")
     print(f"compile + first step: {compile_s:.2f} s")
-    print(f"median step time:     {med * 1e3:.1f} ms over {args.steps} steps (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+    print(f"median step time:     {med * 1e3:.1f} ms over {args.steps} steps "
+          f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
     print(f"target tokens/s:      {tokens / med:,.0f}")
     for k, v in flops.items():
         print(f"  {k:<22} {v / 1e9:9.2f} GFLOP")

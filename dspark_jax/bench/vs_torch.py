@@ -68,7 +68,8 @@ def extract_ref(ref: str, dest: Path) -> Path:
                          "pass --baseline-ref none to compare with transformers only")
     archive = dest / "ref.tar"
     try:
-        subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive), ref, "dspark_jax", "configs"],
+        subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", "-o", str(archive),
+                        ref, "dspark_jax", "configs"],
                        check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"cannot read commit {ref!r} in {repo}: {e.stderr.strip()} "
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
                     help=f"git commit of this repository to time beside the checkout (default {DEFAULT_BASELINE}, "
                          "where the speed work started); 'none' to skip")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    ap.add_argument("--repeats", "--reps", dest="reps", type=int, default=5, help="timed calls per region per worker per round (default 5)")
+    ap.add_argument("--repeats", "--reps", dest="reps", type=int, default=5,
+                    help="timed calls per region per worker per round (default 5)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers worker")
     ap.add_argument("--json", default=None, help="also write every timing to this JSON file")
     args = ap.parse_args(argv)
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
     ours, others = workers[-1].name, [w.name for w in workers[:-1]]
     print(f"\nmedian ms over {args.rounds} rounds (each the median of {args.reps} calls); ratios ours / other "
           f"taken within a round: median [min, max]")
-    head = f"{'region':<26}" + "".join(f"{w.name:>20}" for w in workers) + "".join(f"{'ours / ' + o:>30}" for o in others)
+    head = (f"{'region':<26}" + "".join(f"{w.name:>20}" for w in workers)
+            + "".join(f"{'ours / ' + o:>30}" for o in others))
     print(head)
     for r in regions:
         row = f"{r:<26}"

@@ -27,7 +27,8 @@ def bench_config():
 
     from dspark_jax.config import from_cli
 
-    return from_cli(["bench_cpu", f"train.output_dir={tempfile.mkdtemp(prefix='vs_torch_')}", "train.checkpoint_every=0"])
+    return from_cli(["bench_cpu",
+                     f"train.output_dir={tempfile.mkdtemp(prefix='vs_torch_')}", "train.checkpoint_every=0"])
 
 
 def _tokens(vocab, n, seed=0):
@@ -133,7 +134,8 @@ def torch_regions() -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("VS_TORCH_THREADS", os.cpu_count() or 1)))
     hf = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                     num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                     num_key_value_heads=m.num_kv_heads,
                      head_dim=m.head_dim, rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope.theta,
                      tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings)
     model = Qwen3ForCausalLM(hf).eval()

@@ -71,7 +71,8 @@ def calibrate_traces(ts: TraceSet, *, grid=None, n_bins: int = 20, holdout: floa
     """Fit STS on one sampling setting's full-gamma rounds -> {"temperatures", "report", ...}."""
     full = ts.full_gamma()
     if len(full) < min_rounds:
-        raise ValueError(f"only {len(full)} rounds verified at full gamma for sampling {ts.key} (need >= {min_rounds}): "
+        raise ValueError(f"only {len(full)} rounds verified at full gamma for sampling {ts.key} "
+                         f"(need >= {min_rounds}): "
                          "record traces with fixed full-gamma verification (policy 'fixed', gamma = block size)")
     grid = make_grid() if grid is None else np.asarray(grid, np.float64)
     fit, held = split_by_request(full, holdout, seed)
@@ -122,7 +123,8 @@ def load_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.nda
         raise CalibrationMissingError(f"{path} has no STS temperatures for sampling {key} (has: {have}); {fix}")
     t = np.asarray(data["settings"][key]["temperatures"], np.float32)
     if gamma is not None and t.shape != (gamma,):
-        raise CalibrationMissingError(f"{path} holds {t.shape[0]} temperatures for {key}, the engine needs {gamma}; {fix}")
+        raise CalibrationMissingError(f"{path} holds {t.shape[0]} temperatures for {key}, "
+                                      f"the engine needs {gamma}; {fix}")
     if not np.all(t > 0):
         raise CalibrationMissingError(f"{path} holds non-positive temperatures for {key}; {fix}")
     return t
@@ -140,7 +142,8 @@ def reliability_diagram(conf_logits, accepted, temps, path, n_bins: int = 20, po
     y = prefix_labels(accepted, G)
     fig, axes = plt.subplots(1, len(positions), figsize=(3.0 * len(positions), 3.2), squeeze=False)
     edges = np.linspace(0, 1, n_bins + 1)
-    curves = [(tag, survival(conf_logits, t), style) for tag, t, style in (("before", None, "o--"), ("after", temps, "s-"))]
+    curves = [(tag, survival(conf_logits, t), style) for tag, t, style in
+              (("before", None, "o--"), ("after", temps, "s-"))]
     for ax, j in zip(axes[0], positions):
         for tag, surv, style in curves:
             a = surv[:, j]

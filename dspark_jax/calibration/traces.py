@@ -195,7 +195,8 @@ def load_traces(path, meta: dict | None = None) -> TraceSet:
         d["verify_len"] = d.pop("length")
     missing = [f for f in _FIELDS if f not in d]
     if missing:
-        raise TraceError(f"{path}: trace file lacks field(s) {missing}; write it with dspark_jax.calibration.traces.save_traces")
+        raise TraceError(f"{path}: trace file lacks field(s) {missing}; "
+                         "write it with dspark_jax.calibration.traces.save_traces")
     return TraceSet(*(d[f] for f in _FIELDS), meta=m)
 
 
@@ -279,5 +280,6 @@ def synthetic_traces(n_requests: int = 64, rounds_per_request: int = 64, gamma: 
             "source": (f"synthetic: kind={kind} mu0={mu0} decay={decay} req_sd={req_sd} tok_sd={tok_sd} "
                        f"conf_scale={conf_scale} conf_noise={conf_noise} seed={seed}")}
     return TraceSet(z.astype(np.float32), accepted, np.full(n, gamma), np.ones(n, bool),
-                    np.repeat(np.arange(n_requests), rounds_per_request), np.tile(np.arange(rounds_per_request), n_requests),
+                    np.repeat(np.arange(n_requests), rounds_per_request),
+                    np.tile(np.arange(rounds_per_request), n_requests),
                     meta=meta)

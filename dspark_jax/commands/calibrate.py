@@ -38,8 +38,10 @@ def _run(args) -> int:
         res = calibrate_traces(ts, grid=grid, n_bins=args.bins, holdout=args.holdout, seed=args.seed)
         path = save_temperatures(args.drafter_dir, ts.sampling, res)
         _, held = split_by_request(ts.full_gamma(), args.holdout, args.seed)
-        png = reliability_diagram(held.conf_logits, held.accepted, res["temperatures"], out_dir / f"reliability_{key}.png",
-                                  n_bins=args.bins, title=f"{ts.meta.get('drafter_kind')} {key} ({ts.meta.get('source')})"[:120])
+        png = reliability_diagram(held.conf_logits, held.accepted, res["temperatures"],
+                                  out_dir / f"reliability_{key}.png",
+                                  n_bins=args.bins,
+                                  title=f"{ts.meta.get('drafter_kind')} {key} ({ts.meta.get('source')})"[:120])
         summary[key] = res
         print(f"## sampling {key}: {res['n_fit']} fit / {res['n_heldout']} held-out full-gamma rounds; "
               f"source: {res['source']}\n{report_table(res)}\nsaved {path}; diagram {png}\n")
@@ -51,7 +53,8 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="trace .npz files (dspark_jax.calibration.traces format)")
-    ap.add_argument("--synthetic-traces", action="store_true", help="use the parametric model of traces.synthetic_traces")
+    ap.add_argument("--synthetic-traces", action="store_true",
+                    help="use the parametric model of traces.synthetic_traces")
     ap.add_argument("--drafter", dest="drafter_dir", required=True,
                     help="where sts.json is written (the drafter checkpoint dir)")
     ap.add_argument("--out", dest="out_dir", default=None,

@@ -28,13 +28,15 @@ def main(argv=None) -> int:
     exp.add_argument("our_dir", metavar="OUR_DIR", help="dspark_jax drafter directory")
     exp.add_argument("ref_dir", metavar="REF_DIR", help="where to write the DeepSpec layout")
     exp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                     help="tensor dtype written (default bfloat16, as DeepSpec ships; float32 keeps our master weights)")
+                     help="tensor dtype written (default bfloat16, as DeepSpec ships; "
+                          "float32 keeps our master weights)")
     exp.add_argument("--num-anchors", type=int, default=None,
                      help="num_anchors recorded in config.json (default: the training run's data.num_anchors, "
                           "which training records in drafter_config.json)")
     for p in (imp, exp):
         p.add_argument("--target", required=True, metavar="TARGET_DIR",
-                       help="the target's Hugging Face checkpoint directory (the drafter's embedding / LM head come from it)")
+                       help="the target's Hugging Face checkpoint directory "
+                            "(the drafter's embedding / LM head come from it)")
         add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
     args = ap.parse_args(argv)
     from dspark_jax.io.reference import (  # jax: after --help
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
         mesh = parse_mesh(args.mesh)
         if args.cmd == "import":
             d = import_reference(args.ref_dir, args.out_dir, args.target, mesh=mesh)
-            print(f"imported {args.ref_dir} -> {args.out_dir} ({d.dcfg.kind}, {d.dcfg.num_layers} layers, gamma {d.gamma})")
+            print(f"imported {args.ref_dir} -> {args.out_dir} "
+                  f"({d.dcfg.kind}, {d.dcfg.num_layers} layers, gamma {d.gamma})")
         else:
             d = export_reference(args.our_dir, args.ref_dir, args.target, args.dtype, args.num_anchors, mesh=mesh)
             print(f"exported {args.our_dir} -> {args.ref_dir} ({d.dcfg.kind}, {args.dtype})")

@@ -89,7 +89,8 @@ def _cmd_measure(args) -> int:
         device_kind=dev.device_kind,
         provenance=(f"measured by `python -m dspark_jax costs measure` on {jax.default_backend()} ({dev.device_kind}), "
                     f"model {args.model}, drafter {args.drafter}, {args.dtype}, temperature {args.temperature:g}, "
-                    f"{'the checkpoint' if (Path(args.model) / 'config.json').is_file() else 'random'} weights; t_verify(b) = compiled round "
+                    f"{'the checkpoint' if (Path(args.model) / 'config.json').is_file() else 'random'} weights; "
+                    "t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
         clipped=res["clipped"],
@@ -163,5 +164,6 @@ def main(argv=None) -> int:
     pl.add_argument("--per-slot", action="store_true", help="x = B / R, y relative to B = R (tables of several R)")
     args = ap.parse_args(argv)
     if args.cmd == "measure" and args.drafter not in (*KIND_NAMES, "none") and not Path(args.drafter).is_dir():
-        ap.error(f"--drafter {args.drafter!r}: give a kind ({', '.join(KIND_NAMES)}, none) or a trained drafter directory")
+        ap.error(f"--drafter {args.drafter!r}: give a kind ({', '.join(KIND_NAMES)}, none) "
+                 "or a trained drafter directory")
     return {"measure": _cmd_measure, "roofline": _cmd_roofline, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)

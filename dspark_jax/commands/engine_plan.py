@@ -35,7 +35,8 @@ from dspark_jax.cli import (
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax engine-plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("config", help="a preset naming target.model (and the drafter), e.g. configs/qwen3_8b_dspark.yaml")
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--context", type=int, default=8192, help="tokens per slot (prompt + completion)")

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     add_mesh_argument(ap, "request slots over data, KV heads over tensor")
     ap.add_argument("--drafter", action="append", required=True, metavar="[NAME=]DIR",
                     help="a trained drafter directory; repeat for several (NAME defaults to its kind)")
-    ap.add_argument("--prompts", nargs="*", default=None, help="prompt set jsonl files (default: embedded held-out code/math/prose)")
+    ap.add_argument("--prompts", nargs="*", default=None,
+                    help="prompt set jsonl files (default: embedded held-out code/math/prose)")
     ap.add_argument("--num-prompts", type=int, default=200, help="prompts per set (default 200)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-len", type=int, default=None, help="keep only the last N prompt tokens")
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sts-min-rounds", type=int, default=50,
                     help="full-gamma rounds a set needs before STS is fitted on half of them (default 50)")
     ap.add_argument("--traces", dest="traces_dir", default=None,
-                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz (for python -m dspark_jax calibrate)")
+                    help="also save each set's per-round traces as DIR/<set>_<drafter>.npz "
+                         "(for python -m dspark_jax calibrate)")
     ap.add_argument("--out", default="eval_report", help="output directory (report.md, *.png, results.json)")
     args = ap.parse_args(argv)
     from dspark_jax.calibration.calibrate import (
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
                                  seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
                                  max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
                                  sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
-                                 traces_path=Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None)
+                                 traces_path=(Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir
+                                              else None))
             r["sts"] = temps is not None
             results[sname][dname] = r
             print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "

@@ -19,15 +19,18 @@ from dspark_jax.cli import report_user_errors
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax prepare", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("inputs", nargs="+", help="chat files (.jsonl, .json, .parquet) or saved datasets directories")
     ap.add_argument("--out", required=True, help="output dataset directory (data.path of a training config)")
     ap.add_argument("--target", default=None, help="the target's HF directory: its tokenizer and chat template "
                                                    "(default: the embedded target)")
     ap.add_argument("--max-len", type=int, default=4096, help="tokens per record, longer ones are cut (default 4096)")
-    ap.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping at the first")
+    ap.add_argument("--skip-bad", action="store_true",
+                    help="skip and count bad records instead of stopping at the first")
     ap.add_argument("--thinking", choices=("auto", "on", "off"), default="auto",
-                    help="templates with a thinking switch (Qwen3): pass enable_thinking on / off (auto: the template's default)")
+                    help="templates with a thinking switch (Qwen3): pass enable_thinking on / off "
+                         "(auto: the template's default)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     args = ap.parse_args(argv)
     from dspark_jax.data.prepare import prepare

@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     srv = ap.add_argument_group("through a server")
     srv.add_argument("--server", default=None, metavar="URL",
                      help="an OpenAI-compatible server (vLLM, SGLang, python -m dspark_jax serve) serving the target")
-    srv.add_argument("--model-name", dest="model", default=None, help="the model name the server serves (default: its first /v1/models)")
+    srv.add_argument("--model-name", dest="model", default=None,
+                     help="the model name the server serves (default: its first /v1/models)")
     srv.add_argument("--concurrency", type=int, default=16, help="chats in flight at once (default 16)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue an interrupted (or extend a finished) run")

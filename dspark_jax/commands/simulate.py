@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
                "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
                "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
-               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every", "probe_max", "theta", "charge", "turnover", "seed")},
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every",
+                                                          "probe_max", "theta", "charge", "turnover", "seed")},
                "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
     Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")

@@ -21,7 +21,8 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-USAGE = """usage: python -m dspark_jax train-plan CONFIG.yaml [section.key=value ...] [--compile] [--topology SLICE] [--hbm-gib N]
+USAGE = """usage: python -m dspark_jax train-plan CONFIG.yaml [section.key=value ...] [--compile] [--topology SLICE] \
+[--hbm-gib N]
 Checks sharding divisibility on the config's mesh, traces the step abstractly and prints a
 per-device memory estimate.
   --compile         also compile the real train and eval steps for the mesh and print their

@@ -247,5 +247,6 @@ def split_cli(argv: list[str]) -> tuple[str | None, list[str]]:
         elif i == 0 and path is None:
             path = arg
         else:
-            raise ConfigError(f"unexpected argument '{arg}': give at most one config file first, then section.key=value overrides")
+            raise ConfigError(f"unexpected argument '{arg}': give at most one config file first, "
+                              "then section.key=value overrides")
     return path, overrides

@@ -146,4 +146,5 @@ def from_cli(argv: list[str], cls=Config):
     return load_config(cls, path, overrides)
 
 
-__all__ = ["Config", "TargetSection", "DrafterSection", "DataSection", "TrainSection", "MeshSection", "ConfigError", "from_cli"]
+__all__ = ["Config", "TargetSection", "DrafterSection", "DataSection", "TrainSection",
+           "MeshSection", "ConfigError", "from_cli"]

@@ -53,7 +53,8 @@ def _message(m, where: str, j: int) -> dict:
                               f"(known: {', '.join(sorted(SHAREGPT_ROLES))})")
         content = m["value"]
     else:
-        raise RecordError(f"{where}: message {j} needs \"role\" and \"content\" (OpenAI) or \"from\" and \"value\" (ShareGPT)")
+        raise RecordError(f"{where}: message {j} needs \"role\" and \"content\" (OpenAI) "
+                          "or \"from\" and \"value\" (ShareGPT)")
     if role not in ROLES:
         raise RecordError(f"{where}: message {j} has unknown role {role!r} (known: {', '.join(ROLES)})")
     return {"role": role, "content": _content(content, where, j)}
@@ -73,7 +74,8 @@ def to_conversation(obj, where: str) -> list[dict]:
     else:
         key = next((k for k in ("messages", "conversations", "conversation") if k in obj), None)
         if key is None:
-            raise RecordError(f"{where}: no \"messages\", \"conversations\" or \"turns\" (keys: {', '.join(list(obj)[:8])})")
+            raise RecordError(f"{where}: no \"messages\", \"conversations\" or \"turns\" "
+                              f"(keys: {', '.join(list(obj)[:8])})")
         msgs = obj[key]
         if isinstance(msgs, str):  # some exports store the list as a JSON string
             try:

@@ -43,7 +43,8 @@ def make_example(record: dict, index: int, spec: RecordSpec) -> dict:
     valid = block_valid_mask(out_m, anchors, keep, spec.gamma)
     seq_valid = np.zeros((spec.seq_len,), bool)
     seq_valid[:n] = True
-    return {"tokens": out_t, "loss_mask": out_m, "seq_valid": seq_valid, "anchors": anchors, "keep": keep, "block_valid": valid}
+    return {"tokens": out_t, "loss_mask": out_m, "seq_valid": seq_valid,
+            "anchors": anchors, "keep": keep, "block_valid": valid}
 
 
 def check_dataset(ds: TokenDataset, name: str = "dataset", sample: int = 64) -> None:

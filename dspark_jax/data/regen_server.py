@@ -123,7 +123,8 @@ def regenerate_via_server(server: str, model: str | None, target, conversations,
     if concurrency < 1 or max_new_tokens < 1:
         raise ValueError("concurrency and max_new_tokens must be >= 1")
     kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
-    info = {"regenerate": {"server": base, "model": model, "seed": int(seed), "temperature": float(sampling.temperature),
+    info = {"regenerate": {"server": base, "model": model, "seed": int(seed),
+                           "temperature": float(sampling.temperature),
                            "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
                            "max_new_tokens": int(max_new_tokens), "thinking": thinking}}
     stats = {"records": 0, "turns": 0, "generated_tokens": 0, "cut_answers": 0, "seconds": 0.0}

@@ -127,7 +127,8 @@ def regenerate(target, conversations, out_dir, *, num: int | None = None, batch_
     settings = {"seed": int(seed), "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
                 "top_p": float(sampling.top_p), "max_new_tokens": int(max_new_tokens),
                 "max_prompt_len": int(max_prompt_len),
-                "target_config_sha256": hashlib.sha256(cfg_file.read_bytes()).hexdigest() if cfg_file.is_file() else None,
+                "target_config_sha256": (hashlib.sha256(cfg_file.read_bytes()).hexdigest() if cfg_file.is_file()
+                                         else None),
                 "target": str(lt.path), "thinking": bool(thinking)}
     template_kwargs = {} if thinking is None else {"enable_thinking": bool(thinking)}
     if resume:

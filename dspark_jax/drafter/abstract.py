@@ -18,6 +18,7 @@ def abstract_models(cfg: Config):
     dt = jnp.bfloat16 if cfg.target.dtype == "bfloat16" else jnp.float32
     with nnx.use_eager_sharding(False):
         target = nnx.eval_shape(lambda: TargetModel(tcfg, rngs=nnx.Rngs(0), param_dtype=dt))
-        drafter = nnx.eval_shape(lambda: registry.build(tcfg, cfg.drafter, rngs=nnx.Rngs(0), ttt_steps=cfg.train.eagle3_steps))
+        drafter = nnx.eval_shape(lambda: registry.build(tcfg, cfg.drafter, rngs=nnx.Rngs(0),
+                                                        ttt_steps=cfg.train.eagle3_steps))
     target.attention = cfg.target.attention  # as the trainer sets it: the compiled step runs the same kernels
     return target, drafter

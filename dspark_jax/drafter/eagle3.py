@@ -309,7 +309,8 @@ def cached_attention(cache, q, k, v, positions, valid, rows=None):
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     slots = jnp.arange(r)[:, None] if rows is None else jnp.asarray(rows, jnp.int32)[:, None]
     k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, slots, write, k, v)
-    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype, rows=rows)  # dense, paged or kernel
+    # dense, paged or kernel
+    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype, rows=rows)
     return out, cache._replace(k=k_all, v=v_all)
 
 

@@ -101,7 +101,8 @@ def _gather_rows(x, idx):
     return out.reshape(*idx.shape, *x.shape[2:])
 
 
-def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head, anchors, block_valid, chunk: int, decay: float) -> LossSums:
+def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head,
+                        anchors, block_valid, chunk: int, decay: float) -> LossSums:
     """Loss sums over anchor chunks. h [B,A,G,H]; target_hidden [B,S,H].
 
     With several chunks each is rematerialised in the backward (one chunk's vocabulary-sized

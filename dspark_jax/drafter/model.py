@@ -57,7 +57,8 @@ def validate_layer_ids(ids, num_target_layers: int) -> tuple[int, ...]:
     if not ids:
         raise DrafterConfigError("target_layer_ids is empty: the drafter needs at least one target layer")
     if any(i < 0 for i in ids):
-        raise DrafterConfigError(f"target_layer_ids {list(ids)} has negative ids: ids are decoder layer outputs 0..{L - 2}")
+        raise DrafterConfigError(f"target_layer_ids {list(ids)} has negative ids: "
+                                 f"ids are decoder layer outputs 0..{L - 2}")
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise DrafterConfigError(f"target_layer_ids {list(ids)} must be strictly increasing")
     if ids[-1] > L - 2:
@@ -92,7 +93,8 @@ def resolve_config(target_cfg: ModelConfig, dcfg: DrafterSection) -> DrafterSect
     DFlash's missing heads, its adapter in drafter/kinds/ sets before calling this.)
     """
     if dcfg.head_type not in HEAD_TYPES:
-        raise DrafterConfigError(f"unknown drafter.head_type '{dcfg.head_type}'; choose one of: {', '.join(HEAD_TYPES)}")
+        raise DrafterConfigError(f"unknown drafter.head_type '{dcfg.head_type}'; "
+                                 f"choose one of: {', '.join(HEAD_TYPES)}")
     ids = resolve_layer_ids(target_cfg, dcfg)
     V = target_cfg.vocab_size
     if dcfg.mask_token_id is None:

@@ -172,7 +172,8 @@ def _corpora(preset: Preset, seed: int):
     big = 10 ** 9
     train = C.build_corpus("train", seed, n_code=preset.n_code or big, n_math=preset.n_math,
                            n_prose=preset.n_prose or big)
-    held = {"code": C.code_conversations("heldout", seed), "math": C.math_conversations("heldout", seed, preset.n_heldout_math),
+    held = {"code": C.code_conversations("heldout", seed),
+            "math": C.math_conversations("heldout", seed, preset.n_heldout_math),
             "prose": C.prose_conversations("heldout", seed)}
     return train, held
 
@@ -226,7 +227,8 @@ def _train(model_cfg, rows: np.ndarray, preset: Preset, seed: int, work: Path | 
     schedule = warmup_cosine_schedule(preset.peak_lr, preset.steps, warmup)
     # Weight decay on matrices only (norm gains and 1-D params are not decayed).
     tx = adamw(schedule, b1=0.9, b2=0.98, weight_decay=preset.weight_decay, clip_norm=1.0,
-               mask=lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), p))
+               mask=lambda p: jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path),
+                                                               p))
     opt_state = tx.init(params)
 
     def loss_fn(p, batch):

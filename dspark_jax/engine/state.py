@@ -42,7 +42,8 @@ class DecodeState(NamedTuple):
     n_gen: jax.Array  # [R] int32 tokens generated
     max_new: jax.Array  # [R] int32
     out: jax.Array  # [R, S] int32 generated tokens
-    a_hist: jax.Array  # [2, R, G'] prefix survivals of the last two rounds (carried through skipped rounds; -1 = none yet)
+    # [2, R, G'] prefix survivals of the last two rounds (carried through skipped rounds; -1 = none yet)
+    a_hist: jax.Array
     step: jax.Array  # scalar int32 rounds run by the engine
     since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
     probe_gap: jax.Array  # scalar int32 rounds between probes; doubles while fresh survivals say "no"

@@ -93,7 +93,8 @@ def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "media
     if warmup < 1 or repeats < 1:
         raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
     round_fn, plan, used = engine_round_timer(engine, sampling)
-    res = measure_table(round_fn, engine.priced_buckets, engine_draft_timer(engine, sampling), repeats=repeats, warmup=warmup, stat=stat, log=log)
+    res = measure_table(round_fn, engine.priced_buckets, engine_draft_timer(engine, sampling),
+                        repeats=repeats, warmup=warmup, stat=stat, log=log)
     res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
                    for b, (k, g) in sorted(plan.items())]
     res["buckets_used"] = {b: used[b] for b in res["buckets"]}

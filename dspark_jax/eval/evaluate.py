@@ -164,7 +164,8 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
     means["prefix_rate"] = prefix_labels(held.accepted, ts.gamma).mean(0).tolist()
     rep = fit["report"]
     mean = lambda v: float(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
-    summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc") for tag in ("before", "after")}
+    summary = {f"{m}_{tag}_mean": mean(rep[f"{m}_{tag}"]) for m in ("ece", "brier", "auc")
+               for tag in ("before", "after")}
     return {"split": "by request", "holdout": holdout, "seed": seed, **summary, **means,
             **{k: fit[k] for k in ("temperatures", "n_rounds", "n_fit", "n_heldout", "n_bins", "grid", "report")}}
 
@@ -186,7 +187,8 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     tr = res.traces.arrays()
     out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
            # rounds cut by a stop token / max_new discarded drafts: not rejections
-           "conditional_acceptance": conditional_acceptance(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist(),
+           "conditional_acceptance": conditional_acceptance(tr["accepted"][~tr["cut"]],
+                                                            tr["length"][~tr["cut"]], G).tolist(),
            "conditional_support": conditional_support(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist(),
            "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
     if groups is not None and len(set(groups)) > 1:
@@ -298,7 +300,8 @@ def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path
         for d, r in row.items():
             ca = ", ".join("nan" if np.isnan(x) else f"{x:.3f}" for x in np.asarray(r["conditional_acceptance"], float))
             lines.append(f"- {s} / {d}: {ca}")
-    sweeps = [(s, d, r["threshold_sweep"]) for s, row in results.items() for d, r in row.items() if "threshold_sweep" in r]
+    sweeps = [(s, d, r["threshold_sweep"]) for s, row in results.items()
+              for d, r in row.items() if "threshold_sweep" in r]
     if sweeps:
         lines += ["", "## Static threshold sweep (replayed on full-gamma rounds)", "",
                   "| set / drafter | threshold | verified / round | accepted share | tau |", "|---|---|---|---|---|"]

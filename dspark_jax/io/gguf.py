@@ -183,7 +183,8 @@ def gguf_tensors(reader, cfg: dict, np_dtype=np.float32) -> dict[str, np.ndarray
     if problems:
         if any(" is " in p for p in problems):
             problems.append(f"supported quantizations: {', '.join(SUPPORTED_QUANTIZATIONS)}")
-        raise GGUFError(f"cannot import {getattr(reader.data, 'filename', 'the GGUF file')}:\n  " + "\n  ".join(problems))
+        raise GGUFError(f"cannot import {getattr(reader.data, 'filename', 'the GGUF file')}:\n  "
+                        + "\n  ".join(problems))
     return out
 
 

@@ -68,7 +68,8 @@ def checkpoint_dtype(path: str | Path) -> str:
     """"bfloat16" when the checkpoint's config says its weights are stored in bf16, else "float32"."""
     cfg = Path(path) / "config.json"
     hf = read_json(cfg, NotACheckpointError) if cfg.is_file() else {}
-    return "bfloat16" if str(hf.get("torch_dtype") or hf.get("dtype") or "") in ("bfloat16", "torch.bfloat16") else "float32"
+    return ("bfloat16" if str(hf.get("torch_dtype") or hf.get("dtype") or "") in ("bfloat16", "torch.bfloat16")
+            else "float32")
 
 
 from dspark_jax.cli import add_dtype_argument  # noqa: E402,F401  (defined without jax, re-exported)
@@ -99,7 +100,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 def read_config(path: str | Path) -> tuple[dict, ModelConfig]:
     path = Path(path)
     if not path.is_dir():
-        raise NotACheckpointError(f"'{path}' is not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+        raise NotACheckpointError(f"'{path}' is not a directory; "
+                                  "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise NotACheckpointError(f"'{path}' is not a Hugging Face checkpoint directory: it has no config.json")
@@ -114,11 +116,13 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / n for n in names]
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
-            raise NotACheckpointError(f"{path}: the safetensors index names files that are missing: {', '.join(missing)}")
+            raise NotACheckpointError(f"{path}: the safetensors index names files "
+                                      f"that are missing: {', '.join(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        extra = " (only PyTorch .bin weights found: convert them to safetensors; pickled weights are never loaded)" if list(path.glob("*.bin")) else ""
+        extra = (" (only PyTorch .bin weights found: convert them to safetensors; pickled weights are never loaded)"
+                 if list(path.glob("*.bin")) else "")
         raise NotACheckpointError(f"'{path}' has no *.safetensors weights{extra}")
     return files
 
@@ -163,7 +167,9 @@ class LoadedTarget:
 
     def require_tokenizer(self):
         if self.tokenizer is None:
-            raise FileNotFoundError(f"{self.path} has no tokenizer.json, and this command needs a tokenizer: add the model's tokenizer.json to the directory")
+            raise FileNotFoundError(f"{self.path} has no tokenizer.json, "
+                                    "and this command needs a tokenizer: "
+                                    "add the model's tokenizer.json to the directory")
         return self.tokenizer
 
 
@@ -176,7 +182,8 @@ def load_target(path: str | Path, dtype="float32", mesh=None, load_tokenizer: bo
     hf, cfg = read_config(path)
     tensors = read_weights(path)
     ignore = IGNORED_KEYS + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
-    pure = import_tensors(tensors, TARGET_KEY_TABLE, expected_shapes(cfg), cfg.num_layers, source=str(path), ignore=ignore,
+    pure = import_tensors(tensors, TARGET_KEY_TABLE, expected_shapes(cfg), cfg.num_layers,
+                          source=str(path), ignore=ignore,
                           lazy=mesh is not None)
     model = build_from_pure(cfg, pure, dt, mesh)
     tokenizer = None

@@ -77,7 +77,8 @@ def import_tensors(tensors: dict[str, np.ndarray], rules: list[KeyRule], expecte
         want = expected[rule.path]
         per = want[1:] if layer is not None else want
         if tuple(arr.shape) != tuple(per):
-            misshaped.append(f"{key}: shape {tuple(tensors[key].shape)}, expected {tuple(per[::-1]) if rule.transpose else tuple(per)}")
+            misshaped.append(f"{key}: shape {tuple(tensors[key].shape)}, "
+                             f"expected {tuple(per[::-1]) if rule.transpose else tuple(per)}")
             misshaped_keys.add(key)
             continue
         if layer is not None:
@@ -97,15 +98,18 @@ def import_tensors(tensors: dict[str, np.ndarray], rules: list[KeyRule], expecte
         stacked = "(?P<layer>" in rule.pattern
         if stacked:
             have = found.get(path, {})
-            missing += [rule.key_for(i) for i in range(num_layers) if i not in have and rule.key_for(i) not in misshaped_keys]
+            missing += [rule.key_for(i) for i in range(num_layers)
+                        if i not in have and rule.key_for(i) not in misshaped_keys]
         elif path not in found and rule.key_for() not in misshaped_keys:
             missing.append(rule.key_for())
     if missing or unexpected or misshaped:
         lines = [f"{source} does not match the model:"]
         if missing:
-            lines.append(f"  missing keys ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+            lines.append(f"  missing keys ({len(missing)}): " + ", ".join(missing[:20])
+                         + (" ..." if len(missing) > 20 else ""))
         if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
+            lines.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(unexpected[:20])
+                         + (" ..." if len(unexpected) > 20 else ""))
         if misshaped:
             lines.append(f"  wrong shapes ({len(misshaped)}): " + "; ".join(misshaped[:20]))
         raise CheckpointMismatchError("\n".join(lines))

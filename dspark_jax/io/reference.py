@@ -70,14 +70,16 @@ REFERENCE_KEY_TABLE = [
     KeyRule(r"markov_head\.markov_w2\.weight", "markov_w2", transpose=True),  # nn.Linear (V, r)
     KeyRule(r"markov_head\.gate_proj\.weight", "gate_kernel", transpose=True),  # input [h; W1[x]]
     KeyRule(r"markov_head\.gate_proj\.bias", "gate_bias"),
-    KeyRule(r"markov_head\.joint_proj\.weight", "joint_kernel", transpose=True),  # input [s; W1[x]; h], out gate|cand|out
+    # input [s; W1[x]; h], out gate|cand|out
+    KeyRule(r"markov_head\.joint_proj\.weight", "joint_kernel", transpose=True),
     KeyRule(r"markov_head\.joint_proj\.bias", "joint_bias"),
     KeyRule(r"confidence_head\.proj\.weight", "conf_kernel", transpose=True),  # input [h; W1[x]]
     KeyRule(r"confidence_head\.proj\.bias", "conf_bias"),
 ]
 IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 # Width fields that must equal the target's (the drafter shares its embedding and LM head).
-_WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
+_WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size",
+                 "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
 DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default: what reference_config writes when given no value
 
@@ -127,7 +129,8 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
                 f"{_V_SPEC}: selects method 'dspark' and the Qwen3DSparkForCausalLM class",
                 "python/sglang/srt/models/qwen3_dspark.py: EntryClass name == architectures[0]"),
     EngineField("sample_from_anchor", "true (SAMPLE_FROM_ANCHOR, every kind that exports)",
-                f"{_V_DSPARK}: getattr(hf_config, 'sample_from_anchor', True): gamma query slots if true, 1+gamma if false",
+                f"{_V_DSPARK}: getattr(hf_config, 'sample_from_anchor', True): "
+                "gamma query slots if true, 1+gamma if false",
                 "dspark_components/dspark_config.py get_dspark_sample_from_anchor (top-level key, default true; "
                 "PR 36186, not in the stored snapshot); also dflash_utils.py is_nemotron_35_draft_config"),
     EngineField("block_size", "gamma (draft tokens per round)",
@@ -183,10 +186,12 @@ ENGINE_FIELDS: tuple[EngineField, ...] = (
                 "- (vllm/v1/worker/gpu/spec_decode/dspark/utils.py shares the target's when the vocabularies match)",
                 f"{_S_MODEL} docstring: the checkpoint ships both"),
     EngineField("dtype", "bfloat16 by default (also written as torch_dtype)",
-                "the draft ModelConfig takes the target's dtype (vllm/config/speculative.py); the value documents the file",
+                "the draft ModelConfig takes the target's dtype (vllm/config/speculative.py); "
+                "the value documents the file",
                 "-"),
     EngineField("num_anchors", "the run's data.num_anchors (recorded_num_anchors) or --num-anchors",
-                "- (training-only; DeepSpec deepspec/modeling/dspark/qwen3/config.py build_draft_config writes it)", "-"),
+                "- (training-only; DeepSpec deepspec/modeling/dspark/qwen3/config.py "
+                "build_draft_config writes it)", "-"),
 )
 
 
@@ -257,7 +262,8 @@ def engine_notes(dcfg) -> list[str]:
     return notes
 
 
-def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "config.json") -> tuple[DrafterSection, bool]:
+def parse_reference_config(hf: dict, target_cfg: ModelConfig,
+                           source: str = "config.json") -> tuple[DrafterSection, bool]:
     """Reference config.json -> (our resolved DrafterSection, confidence_head_with_markov).
 
     Every problem found is reported in one ConversionError.
@@ -265,7 +271,8 @@ def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "con
     problems = []
     archs = hf.get("architectures") or []
     if ARCHITECTURE not in archs:
-        raise ConversionError(f"{source}: architectures {archs} is not ['{ARCHITECTURE}']: not a DeepSpec DSpark/DFlash drafter checkpoint")
+        raise ConversionError(f"{source}: architectures {archs} is not ['{ARCHITECTURE}']: "
+                              "not a DeepSpec DSpark/DFlash drafter checkpoint")
     try:
         width = ModelConfig.from_hf({**hf, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
     except (KeyError, ValueError) as e:
@@ -311,7 +318,8 @@ def parse_reference_config(hf: dict, target_cfg: ModelConfig, source: str = "con
     if types == {"sliding_attention"}:
         window = hf.get("sliding_window")
     elif types != {"full_attention"}:
-        problems.append(f"layer_types {sorted(types)}: only all full_attention or all sliding_attention layers are supported")
+        problems.append(f"layer_types {sorted(types)}: "
+                        "only all full_attention or all sliding_attention layers are supported")
     if problems:
         raise ConversionError(f"{source} does not fit the target:\n  " + "\n  ".join(problems))
     conf = bool(hf.get("enable_confidence_head", False))
@@ -351,14 +359,16 @@ def read_reference(ref_dir: str | Path, target, param_dtype=jnp.float32, mesh=No
     tmodel = _target_model(target, mesh)
     cfg_file = ref_dir / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"'{ref_dir}' has no config.json: pass a DeepSpec drafter directory (config.json + model.safetensors)")
+        raise FileNotFoundError(f"'{ref_dir}' has no config.json: "
+                                "pass a DeepSpec drafter directory (config.json + model.safetensors)")
     hf = json.loads(cfg_file.read_text())
     dcfg, with_markov = parse_reference_config(hf, tmodel.cfg, str(cfg_file))
 
     tensors = read_weights(ref_dir)
     expected = _expected(tmodel.cfg, dcfg, with_markov)
     try:
-        pure = import_tensors(tensors, REFERENCE_KEY_TABLE, expected, dcfg.num_layers, source=str(ref_dir), ignore=IGNORED_KEYS)
+        pure = import_tensors(tensors, REFERENCE_KEY_TABLE, expected, dcfg.num_layers,
+                              source=str(ref_dir), ignore=IGNORED_KEYS)
     except CheckpointMismatchError as e:
         raise ConversionError(str(e)) from None
     _check_same("embed_tokens.weight", pure.pop("embed"), np.asarray(tmodel.embed[...]))
@@ -415,7 +425,8 @@ def _refusal(kind: str) -> str:
     if kind == "eagle3":
         return ("ours is DeepSpec's Eagle3 variant (a Qwen3 layer with q/k norm over m fused target layers, full "
                 "vocabulary, no d2t map) and no vLLM / SGLang EAGLE-3 config contract for it was pinned down (their "
-                "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer over 3 layers with a reduced vocabulary); "
+                "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer "
+                "over 3 layers with a reduced vocabulary); "
                 "serve it with `python -m dspark_jax serve --drafter DIR`")
     if kind == "mtp1":
         return ("the engines' MTP paths load MTP layers shipped inside the target's own checkpoint for specific "

@@ -40,10 +40,13 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors file (shorter than its 8-byte header length); re-download or re-save it")
+            raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors file "
+                                         "(shorter than its 8-byte header length); re-download or re-save it")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8 or n > 100 * 2**20:
-            raise CorruptCheckpointError(f"{path}: corrupt safetensors file (header length {n} exceeds the file size {size}); re-download or re-save it")
+            raise CorruptCheckpointError(f"{path}: corrupt safetensors file "
+                                         f"(header length {n} exceeds the file size {size}); "
+                                         "re-download or re-save it")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -104,7 +104,8 @@ def logical_to_pspec(names: Sequence[str | None] | None, shape: Sequence[int] | 
             size = int(np.prod([mesh.shape[a] for a in axes]))
             if shape[dim] % size:
                 if strict:
-                    raise ValueError(f"dimension {dim} ('{name}', size {shape[dim]}) is not divisible by mesh axes {axes} (size {size})")
+                    raise ValueError(f"dimension {dim} ('{name}', size {shape[dim]}) "
+                                     f"is not divisible by mesh axes {axes} (size {size})")
                 axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)

@@ -71,7 +71,8 @@ def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
 
 def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_dir: Path, num_eval_prompts: int = 80,
                eval_max_new_tokens: int = 128, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
-               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None, stages=STAGES, echo: bool = True) -> dict:
+               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None,
+               stages=STAGES, echo: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     temps = tuple(recipe.eval_temperatures if temperatures is None else temperatures)
@@ -85,7 +86,8 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
     for t in temps:
         res = out / f"eval_T{t:g}"
         if "eval" in stages and not (res / "results.json").is_file():
-            cmd = _py("eval", "--target", target, *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
+            cmd = _py("eval", "--target", target,
+                      *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
                       "--prompts", *sets, "--num-prompts", num_eval_prompts, "--max-new-tokens", eval_max_new_tokens,
                       "--temperature", t, "--out", res)
             run_stage(f"eval T={t:g}", cmd, logs / f"eval_T{t:g}.log", echo)
@@ -105,7 +107,8 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
                             run_stage(f"costs {kind} R={r} T={t:g}", cmd, logs / f"costs_{kind}_r{r}_T{t:g}.log", echo)
                         tables += ["--costs", f"{r}={table}"]
                 cmd = _py("bench", "engine", "--target", target, "--drafter", d, "--prompts", speed_set,
-                          "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens, "--sections", "speed",
+                          "--num-prompts", speed_prompts, "--max-new-tokens", speed_max_new_tokens,
+                          "--sections", "speed",
                           "--temperature", t, "--repeats", speed_repeats,
                           "--batch-sizes", ",".join(map(str, speed_batch_sizes)), *tables, "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
@@ -129,7 +132,8 @@ def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
             ev = s.get("eval") or {}
             train[kind] = {"steps": s.get("step"), "heldout_tau": ev.get("eval/expected_accepted_length"),
                            "heldout_tau_ci95": ev.get("eval/expected_accepted_length_ci95"),
-                           "measured_tau": s.get("measured_tau"), "wall_s": s.get("wall_s"), "phases_s": s.get("phases_s")}
+                           "measured_tau": s.get("measured_tau"),
+                           "wall_s": s.get("wall_s"), "phases_s": s.get("phases_s")}
     evals = {f"{t:g}": (_read(out / f"eval_T{t:g}" / "results.json") or {}).get("results") for t in temps}
     speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in temps} for k in recipe.kinds}
     return {"recipe": recipe.name, "target": str(target), "notes": recipe.notes, "kinds": list(recipe.kinds),
@@ -167,7 +171,8 @@ def report_markdown(s: dict) -> str:
                 row += f" {per['dspark']['tau'] / per[base]['tau']:.3f} |"
             lines.append(row)
     lines += ["", "## Wall clock (tokens/s, `bench engine --sections speed`)", "",
-              "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | T_ar ms | T_draft ms | "
+              "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | "
+              "T_ar ms | T_draft ms | "
               "T_verify ms | bound | scheduled speedup [range] |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kinds:
@@ -178,7 +183,8 @@ def report_markdown(s: dict) -> str:
                     span = r.get("speedup_range")  # min-max over repeated runs (older files: one run)
                     span = f" [{span[0]:.2f}, {span[1]:.2f}]" if span else ""
                     lines.append(f"| {k} | {t} | {r['batch']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-                                 f"x{r['speedup']:.2f}{span} | {r['tau']:.2f} | {r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
+                                 f"x{r['speedup']:.2f}{span} | {r['tau']:.2f} | "
+                                 f"{r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
                                  f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} | {_scheduled(r)} |")
     return "\n".join(lines) + "\n"
 

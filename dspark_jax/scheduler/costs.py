@@ -269,9 +269,11 @@ def roofline_table(buckets=ROOFLINE_BUCKETS, requests=ROOFLINE_REQUESTS, **overr
     c = {**ROOFLINE_DEFAULTS, **overrides}
     hw = dict(hbm_bytes_per_s=c["hbm_bytes_per_s"], flops_per_s=c["flops_per_s"], knee_sharpness=c["knee_sharpness"])
     tv = roofline_time(np.asarray(buckets), c["target_bytes"], c["target_flops_per_token"], c["overhead_s"], **hw)
-    td = roofline_time(np.asarray(requests), c["draft_bytes"], c["draft_flops_per_request"], c["draft_overhead_s"], **hw)
+    td = roofline_time(np.asarray(requests), c["draft_bytes"], c["draft_flops_per_request"],
+                       c["draft_overhead_s"], **hw)
     tm = roofline_time(np.asarray(requests), c["mtp_bytes"], c["mtp_flops_per_request"], c["mtp_overhead_s"], **hw)
-    return {"format": FORMAT, "backend": "synthetic-accelerator", "device_kind": "roofline model (H200-class, 32B target)",
+    return {"format": FORMAT, "backend": "synthetic-accelerator",
+            "device_kind": "roofline model (H200-class, 32B target)",
             "buckets": [int(b) for b in buckets], "t_verify": tv.tolist(), "t_draft": float(td[0]),
             "draft_requests": [int(r) for r in requests], "t_draft_by_requests": td.tolist(),
             "t_draft_by_kind": {"mtp1": {"draft_requests": [int(r) for r in requests],

@@ -36,7 +36,8 @@ def parse_args(argv=None):
     )
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax serve", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
     add_dtype_argument(ap)
     add_mesh_argument(ap, "request slots over data, KV heads over tensor")
@@ -46,7 +47,8 @@ def parse_args(argv=None):
                          "DIR/drafter or a 'drafter' directory beside DIR for --target DIR; else target-only")
     ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"))
     ap.add_argument("--threshold", type=float, default=0.0, help="--policy threshold: confidence threshold")
-    ap.add_argument("--costs", default=None, help="cost table JSON (python -m dspark_jax costs measure); its buckets become the engine's")
+    ap.add_argument("--costs", default=None,
+                    help="cost table JSON (python -m dspark_jax costs measure); its buckets become the engine's")
     ap.add_argument("--calibrated", nargs="?", type=float, const=1.0, default=None, metavar="T",
                     help="use the drafter's stored STS temperatures fitted at sampling temperature T (default 1; "
                          "the fit for the temperature most requests use: one set serves the whole batch)")
@@ -58,11 +60,13 @@ def parse_args(argv=None):
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
-    ap.add_argument("--model-name", default=None, help="the model id clients pass (default: the target directory's name)")
+    ap.add_argument("--model-name", default=None,
+                    help="the model id clients pass (default: the target directory's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                    help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV}; unset: none)")
+                    help="require 'Authorization: Bearer KEY' on every /v1 route "
+                         f"(default: ${API_KEY_ENV}; unset: none)")
     ap.add_argument("--cors-origins", default="",
                     help="comma-separated browser origins allowed by CORS, or '*' (default: none, no CORS headers)")
     ap.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")

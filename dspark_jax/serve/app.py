@@ -209,7 +209,8 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
             authorize(http)
         except ApiError as e:
             return e.response()
-        return {"object": "list", "data": [{"id": served.model, "object": "model", "created": 0, "owned_by": "dspark_jax"}]}
+        return {"object": "list",
+                "data": [{"id": served.model, "object": "model", "created": 0, "owned_by": "dspark_jax"}]}
 
     async def admit(http: HTTPRequest, chat: bool):
         """-> (Request, its event queue, its TextStream, Prepared), or raises ApiError."""
@@ -351,7 +352,8 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
                 log.exception("request %s: streaming failed", req.id)
                 served.loop.cancel(req)
                 count(endpoint, 500)
-                yield f"data: {json.dumps({'error': {'message': f'internal error: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
+                error_body = {'error': {'message': f'internal error: {type(e).__name__}', 'type': 'server_error'}}
+                yield f"data: {json.dumps(error_body)}\n\n"
             yield "data: [DONE]\n\n"
 
         def on_gone():

@@ -44,7 +44,8 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -72,7 +73,8 @@ class ModelConfig:
             name = ", ".join(archs) or model_type or "unknown"
             raise UnsupportedModelError(
                 f"unsupported architecture '{name}': dspark_jax loads dense "
-                f"{' / '.join(SUPPORTED_ARCHITECTURES)} checkpoints (mixture-of-experts and other families are not implemented)"
+                f"{' / '.join(SUPPORTED_ARCHITECTURES)} checkpoints "
+                "(mixture-of-experts and other families are not implemented)"
             )
         heads = hf["num_attention_heads"]
         rope_params = dict(hf.get("rope_parameters") or {})

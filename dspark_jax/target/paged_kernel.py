@@ -34,8 +34,9 @@ pool (the verification's block of new tokens) join with `merge_parts`: one softm
 as `layers.attention_parts` computes it.
 
 Whether a paged cache is read by this kernel is decided in target/kernels.py, from the platform
-the program is compiled for (the mesh it is traced under): on TPU the kernel compiles through Mosaic (tests/target/test_paged_kernel_tpu.py
-compiles it for TPU slices on a CPU machine); elsewhere it runs in Pallas interpret mode, which
+the program is compiled for (the mesh it is traced under): on TPU the kernel compiles through
+Mosaic (tests/target/test_paged_kernel_tpu.py compiles it for TPU slices on a CPU machine);
+elsewhere it runs in Pallas interpret mode, which
 is how tests/target/test_paged_kernel.py checks it against the reference. On a mesh it runs per
 shard (`jax.shard_map`): rows over the batch axes, KV heads over `tensor` as the rules table
 says, the pool whole over the batch axes, so no shard gathers the pool.
@@ -169,7 +170,8 @@ def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret
         num_scalar_prefetch=4, grid=(r, nkv // heads, padded // block_rows, steps),
         in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + [page_map(c) for c in range(pages)] * 2,
         out_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap), pl.BlockSpec((None, heads, block_rows, 1), qmap)],
-        scratch_shapes=[pltpu.VMEM((heads, block_rows, 1), jnp.float32), pltpu.VMEM((heads, block_rows, 1), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((heads, block_rows, 1), jnp.float32),
+                        pltpu.VMEM((heads, block_rows, 1), jnp.float32),
                         pltpu.VMEM((heads, block_rows, d), jnp.float32)])
     kernel = functools.partial(_kernel, page_size=ps, pages=pages, group=g, block_rows=block_rows, heads=heads,
                                scale=1.0 / math.sqrt(d))

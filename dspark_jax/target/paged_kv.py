@@ -76,7 +76,8 @@ class PagedKVCache:
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
     lengths: jax.Array  # [R] int32, committed tokens per slot
     max_len: int  # static: positions per slot (the dense cache's S); writes at >= max_len are dropped
-    impl: str = "reference"  # static: how pages are read, "reference" gather, "pallas" kernel or "auto" (target/kernels.py)
+    # static: how pages are read, "reference" gather, "pallas" kernel or "auto" (target/kernels.py)
+    impl: str = "reference"
 
     @classmethod
     def create(cls, cfg, num_slots: int, max_len: int, num_pages: int, page_size: int, dtype=jnp.float32,

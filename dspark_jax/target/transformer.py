@@ -27,7 +27,8 @@ INIT_STD = 0.02
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Name -> (per-layer shape, logical axes) of one decoder layer. The single source of truth."""
-    h, q, kv, i, d = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.head_dim
+    h, q, kv, i, d = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                      cfg.intermediate_size, cfg.head_dim)
     shapes = {
         "input_norm": ((h,), ("norm",)),
         "q_proj": ((h, q), ("embed", "heads")),
@@ -72,11 +73,13 @@ class TargetModel(nnx.Module):
         self.dtype = dtype  # compute dtype; None = the parameters' dtype
         # cache-free causal attention: "auto" = splash kernel on TPU where it fits, else dense
         self.attention = "auto"
-        self.embed = nnx.Param(_init(rngs, "embed", (cfg.vocab_size, cfg.hidden_size), param_dtype), out_sharding=("vocab", "embed"))
+        self.embed = nnx.Param(_init(rngs, "embed", (cfg.vocab_size, cfg.hidden_size), param_dtype),
+                               out_sharding=("vocab", "embed"))
         self.layers = DecoderStack(cfg, rngs=rngs, param_dtype=param_dtype)
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), param_dtype), out_sharding=("norm",))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(_init(rngs, "lm_head", (cfg.hidden_size, cfg.vocab_size), param_dtype), out_sharding=("embed", "vocab"))
+            self.lm_head = nnx.Param(_init(rngs, "lm_head", (cfg.hidden_size, cfg.vocab_size), param_dtype),
+                                     out_sharding=("embed", "vocab"))
         else:
             self.lm_head = None
 

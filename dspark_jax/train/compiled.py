@@ -81,7 +81,8 @@ def compile_programs(cfg: Config, steps=("train", "eval"), mesh=None) -> dict:
         m = cfg.mesh
         n = m.data * m.fsdp * m.tensor
         if jax.device_count() < n:
-            raise RuntimeError(f"compiling for mesh {m.data}x{m.fsdp}x{m.tensor} needs {n} devices but {jax.device_count()} "
+            raise RuntimeError(f"compiling for mesh {m.data}x{m.fsdp}x{m.tensor} needs {n} devices "
+                               f"but {jax.device_count()} "
                                f"exist: call use_fake_devices({n}) before JAX starts (the plan command does)")
         mesh = make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n])
     target, drafter = abstract_models(cfg)

@@ -78,7 +78,8 @@ def check_step_shapes(cfg: Config):
     loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs(), tc.anchor_chunk,
                            jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None, tc.eagle3_steps)
     step = make_train_step(loss_fn, tx, tc.grad_accum)
-    b, s, a, g = tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors, registry.resolve(cfg.target.model, cfg.drafter).gamma
+    b, s, a, g = (tc.batch_size, cfg.data.seq_len, cfg.data.num_anchors,
+                  registry.resolve(cfg.target.model, cfg.drafter).gamma)
     sds = jax.ShapeDtypeStruct
     batch = {"tokens": sds((b, s), jnp.int32), "loss_mask": sds((b, s), bool), "seq_valid": sds((b, s), bool),
              "anchors": sds((b, a), jnp.int32), "keep": sds((b, a), bool), "block_valid": sds((b, a, g), bool)}

@@ -54,15 +54,18 @@ def _load_or_build_target(cfg: Config, phases: Phases | None, mesh) -> LoadedTar
         with phases("load target"):
             target = load_target(tc.path, dtype=tc.dtype, mesh=mesh)
         if tc.model is not None:  # a preset that names an architecture: the checkpoint must be it
-            keys = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-            diff = [f"{k} {getattr(target.cfg, k)} != {getattr(tc.model, k)}" for k in keys if getattr(target.cfg, k) != getattr(tc.model, k)]
+            keys = ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim", "intermediate_size")
+            diff = [f"{k} {getattr(target.cfg, k)} != {getattr(tc.model, k)}" for k in keys
+                    if getattr(target.cfg, k) != getattr(tc.model, k)]
             if diff:
                 raise ConfigError(f"checkpoint {tc.path} does not match the config's target.model ({'; '.join(diff)}): "
                                   "use the preset for this model, or set target.model=null")
         return target
     if tc.model is not None and not tc.random_init:
         raise ConfigError(
-            f"this config describes a {tc.model.num_layers}-layer {tc.model.arch} target (hidden {tc.model.hidden_size}) "
+            f"this config describes a {tc.model.num_layers}-layer {tc.model.arch} target "
+            f"(hidden {tc.model.hidden_size}) "
             "but gives no checkpoint: pass target.path=/path/to/hf_checkpoint (or target.random_init=true for a "
             "randomly initialised target of that shape)"
         )
@@ -94,7 +97,8 @@ def with_mask_token(cfg: Config, target: LoadedTarget) -> Config:
 
 def _data_key(cfg: Config, target: LoadedTarget, split: str) -> str:
     d = cfg.data
-    info = {"target": str(target.path), "hf": hashlib.sha256(json.dumps(target.hf_config, sort_keys=True, default=str).encode()).hexdigest(),
+    info = {"target": str(target.path),
+            "hf": hashlib.sha256(json.dumps(target.hf_config, sort_keys=True, default=str).encode()).hexdigest(),
             "prompts": d.prompts, "n": d.num_prompts if split == "train" else d.num_heldout_prompts,
             "max_new": d.regen_max_new_tokens, "t": d.regen_temperature, "p": d.regen_top_p, "k": d.regen_top_k,
             "seed": cfg.seed, "split": split}
@@ -166,7 +170,8 @@ def measure_heldout_tau(cfg: Config, target: LoadedTarget, held_ds, drafter) -> 
         drafter = drafter_io.from_params(target.model, drafter.dcfg, params)
     prompts = heldout_prompts(held_ds, cfg.train.measure_prompts)
     stops = tuple(target.tokenizer.stop_ids) if target.tokenizer is not None else ()
-    return float(measure_accepted_length(target.model, drafter, prompts, max_new_tokens=cfg.train.measure_max_new_tokens,
+    return float(measure_accepted_length(target.model, drafter, prompts,
+                                         max_new_tokens=cfg.train.measure_max_new_tokens,
                                          stop_ids=stops, seed=cfg.seed))
 
 
@@ -175,7 +180,8 @@ def format_summary(summary: dict, phases: Phases) -> str:
     lines = [
         "",
         "=" * 60,
-        f"training finished at step {summary['step']}/{summary['total_steps']}" + (" (preempted)" if summary["preempted"] else ""),
+        f"training finished at step {summary['step']}/{summary['total_steps']}"
+        + (" (preempted)" if summary["preempted"] else ""),
         f"checkpoint:      {summary['checkpoint']}",
         f"drafter export:  {summary['drafter'] or 'none (preempted: rerun the same command to resume)'}",
     ]

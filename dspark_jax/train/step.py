@@ -118,7 +118,8 @@ def make_train_step(loss_fn: Callable, tx, grad_accum: int = 1, micro_sharding=N
                 state.params, frozen, target_state, batch)
         else:
             def grads_of(mb):
-                (_, (metrics, sums)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen, target_state, mb)
+                (_, (metrics, sums)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen,
+                                                                                    target_state, mb)
                 return g, metrics, sums
 
             grads, metrics, sums = _accumulate(grads_of, grad_accum, batch, micro_sharding)

@@ -105,7 +105,8 @@ def check_output_dir(path) -> None:
         probe.unlink()
     except Exception as e:  # OSError locally; fsspec / auth errors remotely
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise TrainingError(f"output directory '{path}' cannot be written ({reason}); set train.output_dir to a writable path") from None
+        raise TrainingError(f"output directory '{path}' cannot be written ({reason}); "
+                            "set train.output_dir to a writable path") from None
 
 
 def copy_tree(src: Path, dst) -> None:
@@ -157,7 +158,8 @@ def check_vocabulary(ds, vocab_size: int, name: str) -> None:
     top = max(int(np.max(ds[int(i)]["tokens"], initial=0)) for i in np.linspace(0, n - 1, min(n, 64)).astype(int))
     if (meta_v is not None and meta_v > vocab_size) or top >= vocab_size:
         raise TrainingError(
-            f"{name} was tokenized with a vocabulary of {meta_v if meta_v is not None else top + 1} tokens but the target "
+            f"{name} was tokenized with a vocabulary of {meta_v if meta_v is not None else top + 1} tokens "
+            "but the target "
             f"(and drafter) vocabulary has {vocab_size}: regenerate the data with the target's tokenizer"
         )
 
@@ -186,7 +188,8 @@ class Trainer:
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         dcfg = registry.resolve(target.cfg, cfg.drafter)
         self.dcfg = dcfg
-        drafter = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed), ttt_steps=tc.eagle3_steps),
+        drafter = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(cfg.seed),
+                                                      ttt_steps=tc.eagle3_steps),
                                self.mesh)
         attach_target(drafter, target)
         self.drafter = drafter
@@ -210,7 +213,8 @@ class Trainer:
         steps_per_epoch = max(1, len(train_ds) // global_batch)
         self.total_steps = tc.steps if tc.steps is not None else max(1, int(math.ceil(tc.epochs * steps_per_epoch)))
         self.spec = RecordSpec(cfg.data.seq_len, cfg.data.num_anchors, dcfg.gamma, pad_id=0, seed=cfg.seed)
-        self.tx, self.schedule = make_optimizer(tc.lr, self.total_steps, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
+        self.tx, self.schedule = make_optimizer(tc.lr, self.total_steps,
+                                                tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
         # Adam moments are laid out like their parameters; counters are replicated.
         abstract_opt = jax.eval_shape(self.tx.init, params)
         rep = NamedSharding(self.mesh, P())
@@ -221,7 +225,8 @@ class Trainer:
         self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
         coefs = LossCoefs(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay)
-        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind), coefs, tc.anchor_chunk, compute,
+        loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind),
+                               coefs, tc.anchor_chunk, compute,
                                tc.eagle3_steps, tc.remat)
         self.batch_sh = NamedSharding(self.mesh, P(("data", "fsdp")))
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
@@ -263,7 +268,8 @@ class Trainer:
         meta = self.ckpt.read_meta(step)
         saved = meta.get("signature")
         if saved != self.signature:
-            diff = sorted(k for k in set(saved or {}) | set(self.signature) if (saved or {}).get(k) != self.signature.get(k))
+            diff = sorted(k for k in set(saved or {}) | set(self.signature)
+                          if (saved or {}).get(k) != self.signature.get(k))
             raise TrainingError(
                 f"cannot resume from {self.ckpt.directory}/{step}: the model shape changed ({', '.join(diff)} differ); "
                 "use a new train.output_dir or set train.resume=false to start over (existing checkpoints are kept)"
@@ -373,7 +379,8 @@ class Trainer:
         tokens_per_step = tc.batch_size * self.cfg.data.seq_len
         last_good = start
         step = start
-        stop_at = self.total_steps if tc.stop_after_steps is None else min(self.total_steps, start + tc.stop_after_steps)
+        stop_at = self.total_steps if tc.stop_after_steps is None else min(self.total_steps,
+                                                                           start + tc.stop_after_steps)
         preempted = False
         bar = progress_bar(total=self.total_steps, initial=start, desc="train", unit="step", enabled=self.progress)
         # Throughput: steps are dispatched asynchronously, so the clock is read only after the
@@ -384,7 +391,8 @@ class Trainer:
             with self.phases("training"):
                 while step < stop_at:
                     batch = next(self.data_iter)
-                    self.state, metrics, _ = self.train_step(self.state, self.frozen, self.t_state, self._device_batch(batch))
+                    self.state, metrics, _ = self.train_step(self.state, self.frozen, self.t_state,
+                                                             self._device_batch(batch))
                     step += 1
                     if step % tc.log_every == 0 or step == stop_at:
                         jax.block_until_ready(metrics)
@@ -394,7 +402,8 @@ class Trainer:
                         t_last, n_last, paused = now, step, 0.0
                         scalars(step, m)
                         self.mirror.sync()
-                        bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s") if k in m})
+                        bar.set_postfix({k: f"{m[k]:.3g}" for k in ("loss", "ce", "l1", "conf_bce", "tokens_per_s")
+                                         if k in m})
                     bar.update(1)
                     evaluate = tc.eval_every and step % tc.eval_every == 0 and step < stop_at
                     save = self.ckpt.should_save(step)
