@@ -12,7 +12,8 @@ from pathlib import Path
 # about as fast unoptimised; the numerics (no fast-math either way) are the same programs'.
 # DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's default level. Set before jax is imported; subprocesses
 # inherit it (fake_devices_env keeps it).
-if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT") and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if (not os.environ.get("DSPARK_JAX_TEST_XLA_OPT")
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 # The test extra installs libtpu (the TPU compiler, for deviceless compiles): with it present jax
@@ -52,13 +53,15 @@ def _release_compiled_programs():
 def fake_devices_env(n: int) -> dict:
     """os.environ for a subprocess with `n` fake CPU devices (the other XLA flags kept)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]), JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]),
+                JAX_PLATFORMS="cpu")
 
 
 def run_multidevice(code: str, n: int = 8, timeout: int = 600) -> str:
     """Run `code` in a fresh interpreter with `n` fake CPU devices; return its stdout."""
     env = fake_devices_env(n)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, env=env, timeout=timeout, cwd=REPO)
     if res.returncode:
         raise AssertionError(f"subprocess failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
     return res.stdout
@@ -119,7 +122,8 @@ def hf_checkpoints(tmp_path_factory):
     """name -> (directory, torch model) for tiny random Qwen3 and Llama checkpoints."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for name, kind, dtype in [("qwen3_f32", "qwen3", "float32"), ("qwen3_bf16", "qwen3", "bfloat16"), ("llama_f32", "llama", "float32")]:
+    for name, kind, dtype in [("qwen3_f32", "qwen3", "float32"), ("qwen3_bf16", "qwen3", "bfloat16"),
+                              ("llama_f32", "llama", "float32")]:
         d = root / name
         out[name] = (d, _save_hf(kind, d, dtype))
     return out

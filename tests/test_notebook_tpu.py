@@ -54,15 +54,19 @@ def test_acceptance_with_one_request_or_unreached_positions():
 
 
 def test_memory_table_text():
-    rows = [{"chip": "v5e-1", "hbm_gib": 16.0, "devices": 1, "train": 3 * 2 ** 20, "round": 20 * GIB, "compile_s": 40.0},
-            {"chip": "v6e-1", "hbm_gib": 32.0, "devices": 1, "train": None, "train_refused": "needs 40G, 31.25G of HBM available",
+    rows = [{"chip": "v5e-1", "hbm_gib": 16.0, "devices": 1, "train": 3 * 2 ** 20,
+             "round": 20 * GIB, "compile_s": 40.0},
+            {"chip": "v6e-1", "hbm_gib": 32.0, "devices": 1, "train": None,
+             "train_refused": "needs 40G, 31.25G of HBM available",
              "round": int(1.5 * GIB), "compile_s": 41.0}]
     cfg = from_cli(["train.batch_size=4", "data.seq_len=128"])
     text = nbt.format_memory_table(rows, cfg, slots=8, context=128)
     lines = text.splitlines()
     assert lines[0].split() == ["program", "v5e-1", "peak", "v6e-1", "peak"]
-    assert lines[1].startswith("drafter train step (4 x 128 tokens)") and "3.0 MiB" in lines[1] and "does not fit (!)" in lines[1]
-    assert lines[2].startswith("engine round (8 slots x 128)") and "20.00 GiB (!)" in lines[2] and "1.50 GiB" in lines[2]
+    assert (lines[1].startswith("drafter train step (4 x 128 tokens)") and "3.0 MiB" in lines[1]
+            and "does not fit (!)" in lines[1])
+    assert (lines[2].startswith("engine round (8 slots x 128)") and "20.00 GiB (!)" in lines[2]
+            and "1.50 GiB" in lines[2])
     assert lines[3].split() == ["chip", "HBM", "16", "GiB", "32", "GiB"]
     assert "v6e-1: the TPU compiler refused the drafter train step: needs 40G" in text
     assert "more than the chip's HBM" in text and "in 40 s (v5e-1), 41 s (v6e-1)" in text
@@ -72,7 +76,8 @@ def test_refusal_is_recorded_not_raised():
     row = {}
     with nbt._refused(row, "train"):
         raise ValueError("the train step does not fit on the chip, the TPU compiler refused it: Ran out of memory "
-                         "on HBM, the total memory required for HLO temporaries (17.79G) exceeds available HBM (15.75G).")
+                         "on HBM, the total memory required for HLO temporaries (17.79G) "
+                         "exceeds available HBM (15.75G).")
     assert row == {"train": None, "train_refused": "needs 17.79G, 15.75G of HBM available"}
     with pytest.raises(ValueError, match="something else"), nbt._refused(row, "round"):
         raise ValueError("something else")
@@ -103,7 +108,8 @@ def test_with_checkpoint_model_reads_config_and_mask(embedded_tiny_dir, tmp_path
     shutil.copy(Path(embedded_tiny_dir) / "config.json", bare / "config.json")
     with pytest.raises(ConfigError, match="151669"):
         nbt.with_checkpoint_model(from_cli([f"target.path={bare}"]))
-    assert nbt.with_checkpoint_model(from_cli([f"target.path={bare}"]), fallback_mask_token_id=7).drafter.mask_token_id == 7
+    assert nbt.with_checkpoint_model(from_cli([f"target.path={bare}"]),
+                                     fallback_mask_token_id=7).drafter.mask_token_id == 7
     given = nbt.with_checkpoint_model(from_cli([f"target.path={bare}", "drafter.mask_token_id=5"]))
     assert given.drafter.mask_token_id == 5
 

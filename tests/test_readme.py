@@ -101,7 +101,8 @@ def test_readme_has_the_qwen3_path():
 def test_readme_command_and_flags_exist(module, args):
     helps = _helps()
     top = helps[module]
-    assert top["code"] == 0 and "usage" in top["text"].lower(), f"python -m dspark_jax {module} --help:\n{top['text'][-2000:]}"
+    assert top["code"] == 0 and "usage" in top["text"].lower(), (
+        f"python -m dspark_jax {module} --help:\n{top['text'][-2000:]}")
     first = next((a for a in args if not a.startswith("-")), "")
     text = helps.get(f"{module} {first}", top)["text"]
     flags = {f for a in args for f in FLAG.findall(a)}

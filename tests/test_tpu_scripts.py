@@ -79,16 +79,19 @@ def test_v5e_setup_from_tarball(fake_bin):
         f"+ gcloud compute tpus tpu-vm scp /tmp/dspark_jax-src-dspark-v5e.tar.gz {SCRIPTS}/worker.sh dspark-v5e:/tmp/ "
         "--worker=all --zone=us-west4-a",
         # is a job running on any worker? (the dry run answers no)
-        "+ gcloud compute tpus tpu-vm ssh dspark-v5e --worker=all --zone=us-west4-a '--command=bash /tmp/worker.sh status'",
+        "+ gcloud compute tpus tpu-vm ssh dspark-v5e --worker=all --zone=us-west4-a "
+        "'--command=bash /tmp/worker.sh status'",
         "+ gcloud compute tpus tpu-vm ssh dspark-v5e --worker=all --zone=us-west4-a "
         "'--command=bash /tmp/worker.sh setup --python 3.12 --tarball /tmp/dspark_jax-src-dspark-v5e.tar.gz'",
     ]
 
 
 def test_v5e_launch_and_delete(fake_bin):
-    assert lines(fake_bin, "launch.sh", *V5E, "--output-dir", "gs://bkt/runs/v5e/", "--config", "configs/micro.yaml") == [
+    assert lines(fake_bin, "launch.sh", *V5E, "--output-dir", "gs://bkt/runs/v5e/",
+                 "--config", "configs/micro.yaml") == [
         "+ gcloud compute tpus tpu-vm ssh dspark-v5e --worker=all --zone=us-west4-a "
-        "'--command=bash dspark_jax/tpu_scripts/worker.sh launch --output-dir gs://bkt/runs/v5e --config configs/micro.yaml'",
+        "'--command=bash dspark_jax/tpu_scripts/worker.sh launch --output-dir gs://bkt/runs/v5e "
+        "--config configs/micro.yaml'",
     ]
     assert lines(fake_bin, "delete.sh", "--name", "dspark-v5e", "--zone", "us-west4-a") == [
         V5E_DESCRIBE,
@@ -110,7 +113,8 @@ def test_v5p_spot_watch_cycle(fake_bin):
         "--accelerator-type=v5p-64 --runtime-version=v2-alpha-tpuv5 --spot",
         describe,
         f"+ gcloud compute tpus tpu-vm scp {SCRIPTS}/worker.sh dspark-v5p:/tmp/ --worker=all --zone=us-east5-a",
-        "+ gcloud compute tpus tpu-vm ssh dspark-v5p --worker=all --zone=us-east5-a '--command=bash /tmp/worker.sh status'",
+        "+ gcloud compute tpus tpu-vm ssh dspark-v5p --worker=all --zone=us-east5-a "
+        "'--command=bash /tmp/worker.sh status'",
         "+ gcloud compute tpus tpu-vm ssh dspark-v5p --worker=all --zone=us-east5-a '--command=bash /tmp/worker.sh "
         "setup --python 3.11 --repo-url https://github.com/example/dspark_jax.git --ref v0.1.0'",
         "+ gcloud compute tpus tpu-vm ssh dspark-v5p --worker=all --zone=us-east5-a "
@@ -142,7 +146,8 @@ def test_v6e_custom_project_zone(fake_bin):
                 *OVERRIDES)
     assert out == [
         f"+ gcloud compute tpus tpu-vm ssh trillium-1 --worker=all {loc} "
-        "'--command=bash dspark_jax/tpu_scripts/worker.sh launch --output-dir gs://bkt/runs/v6e --config '\\''configs/qwen3 8b.yaml'\\'' "
+        "'--command=bash dspark_jax/tpu_scripts/worker.sh launch --output-dir gs://bkt/runs/v6e "
+        "--config '\\''configs/qwen3 8b.yaml'\\'' "
         "-- data.path=gs://bkt/data/train drafter.gamma=7 '\\''train.note=it'\\''\\'\\'''\\''s a b'\\'''",
     ]
     # The printed line is valid shell, and the remote command gives worker.sh the words unchanged.
@@ -164,7 +169,8 @@ def test_v6e_custom_project_zone(fake_bin):
     ("setup.sh", ["--name", "x", "--zone", "z", "--python", "3.10"], "must be 3.11 or newer"),
     ("launch.sh", ["--name", "x", "--zone", "z"], "--output-dir is required"),
     ("launch.sh", ["--name", "x", "--zone", "z", "--output-dir", "/local/dir"], "must be a gs:// path"),
-    ("launch.sh", ["--name", "x", "--zone", "z", "--output-dir", "gs://b/r", "train.output_dir=gs://b/o"], "--output-dir, not"),
+    ("launch.sh", ["--name", "x", "--zone", "z", "--output-dir", "gs://b/r",
+                   "train.output_dir=gs://b/o"], "--output-dir, not"),
     ("launch.sh", ["--name", "x", "--zone", "z", "--output-dir", "gs://b/r", "stray"], "unexpected argument 'stray'"),
     ("watch.sh", ["--name", "x", "--type", "v6e-8", "--output-dir", "gs://b/r", "--bogus"], "unknown flag '--bogus'"),
     ("watch.sh", ["--name", "x", "--type", "v6e-8"], "--output-dir is required"),
@@ -283,7 +289,8 @@ def worker(env, *args):
 
 def test_worker_launch_stages_inputs_and_resumes_cleanly(worker_home):
     home, env = worker_home
-    cmd = ["bash", str(SCRIPTS / "worker.sh"), "launch", "--output-dir", "gs://bkt/run", "--config", "configs/micro.yaml",
+    cmd = ["bash", str(SCRIPTS / "worker.sh"), "launch", "--output-dir", "gs://bkt/run",
+           "--config", "configs/micro.yaml",
            "--", "data.path=gs://bkt/data/train", "drafter.gamma=7"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30)
     assert p.returncode == 0, p.stderr
@@ -447,7 +454,8 @@ def test_launch_ships_an_external_config(fake_bin, tmp_path):
     cfg = tmp_path / "my cfg.yaml"
     cfg.write_text("train:\n  steps: 3\n")
     args = ["--name", "x", "--zone", "z", "--output-dir", "gs://b/r"]
-    ssh = "+ gcloud compute tpus tpu-vm ssh x --worker=all --zone=z '--command=bash dspark_jax/tpu_scripts/worker.sh launch"
+    ssh = ("+ gcloud compute tpus tpu-vm ssh x --worker=all --zone=z "
+           "'--command=bash dspark_jax/tpu_scripts/worker.sh launch")
     assert lines(fake_bin, "launch.sh", *args, "--config", str(cfg)) == [
         f"+ gcloud compute tpus tpu-vm scp '{cfg}' x:dspark_config-my_cfg.yaml --worker=all --zone=z",
         f"{ssh} --output-dir gs://b/r --config '\\''~/dspark_config-my_cfg.yaml'\\'''",
@@ -458,7 +466,8 @@ def test_launch_ships_an_external_config(fake_bin, tmp_path):
     # ...unless the workers install from git instead, which may not have this version of it
     out = lines(fake_bin, "launch.sh", *args, "--repo-url", "https://example.com/r.git", "--config",
                 str(REPO / "configs" / "micro.yaml"))
-    assert out[0] == f"+ gcloud compute tpus tpu-vm scp {REPO}/configs/micro.yaml x:dspark_config-micro.yaml --worker=all --zone=z"
+    assert out[0] == (f"+ gcloud compute tpus tpu-vm scp {REPO}/configs/micro.yaml x:dspark_config-micro.yaml "
+                      "--worker=all --zone=z")
     # not a local file: a preset name or a path on the workers, unchanged
     assert lines(fake_bin, "launch.sh", *args, "--config", "qwen3_8b_dspark") == [
         f"{ssh} --output-dir gs://b/r --config qwen3_8b_dspark'"]
@@ -567,12 +576,14 @@ def test_setup_proceeds_when_idle_or_forced(canned, fake_bin):
     answer, calls, script = canned
     answer("setup-status", "dspark-job worker=0 state=exited code=1\ndspark-job worker=1 state=none\n")
     assert script("setup.sh", *SETUP_ARGS).returncode == 0
-    assert calls()[-1].endswith("--command=bash /tmp/worker.sh setup --python 3.12 --tarball /tmp/dspark_jax-src-x.tar.gz")
+    assert calls()[-1].endswith("--command=bash /tmp/worker.sh setup "
+                                "--python 3.12 --tarball /tmp/dspark_jax-src-x.tar.gz")
     answer("setup-status", "dspark-job worker=0 state=running pid=42\n")
     before = len(calls())
     assert script("setup.sh", *SETUP_ARGS, "--force").returncode == 0
     new = calls()[before:]
-    assert not any("worker.sh status" in c for c in new) and new[-1].endswith("--tarball /tmp/dspark_jax-src-x.tar.gz --force")
+    assert not any("worker.sh status" in c for c in new) and new[-1].endswith("--tarball "
+                                                                              "/tmp/dspark_jax-src-x.tar.gz --force")
     assert lines(fake_bin, "setup.sh", *SETUP_ARGS, "--force")[-1] == (
         "+ gcloud compute tpus tpu-vm ssh x --worker=all --zone=z "
         "'--command=bash /tmp/worker.sh setup --python 3.12 --tarball /tmp/dspark_jax-src-x.tar.gz --force'")
@@ -610,7 +621,8 @@ def test_watch_stops_on_a_crash_with_its_exit_code(canned, flag, deleted):
     p = script("watch.sh", *WATCH, *([flag] if flag else []))
     assert p.returncode == 3, p.stderr
     assert "training failed on worker 1 (exit code 3)" in p.stderr and "Traceback: boom" in p.stderr
-    assert any(c.startswith("gcloud compute tpus tpu-vm ssh w --worker=1 ") and "worker.sh tail 50" in c for c in calls())
+    assert any(c.startswith("gcloud compute tpus tpu-vm ssh w --worker=1 ") and "worker.sh tail 50" in c
+               for c in calls())
     assert (DELETE in calls()) == deleted
     assert not any(c.startswith("gcloud storage cat") for c in calls())
 
@@ -674,6 +686,7 @@ def test_presets_launch_as_planned(preset):
     chips = re.search(r"\((\d+) chips\)", preset.read_text())
     if chips:  # presets sized for a slice: the mesh uses all of it, and its plan is recorded
         assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == int(chips.group(1))
-        row = re.search(rf"^\| {preset.stem} \| .*\((\d+)\) \| (\d+) x (\d+) x (\d+) \|", (REPO / "docs" / "tpu_memory.md").read_text(), re.M)
+        row = re.search(rf"^\| {preset.stem} \| .*\((\d+)\) \| (\d+) x (\d+) x (\d+) \|",
+                        (REPO / "docs" / "tpu_memory.md").read_text(), re.M)
         assert row, f"docs/tpu_memory.md has no compiled row for {preset.stem}"
         assert [int(x) for x in row.groups()] == [int(chips.group(1)), cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]

@@ -37,7 +37,8 @@ def test_speed_section_times_scheduled_dspark_on_a_table_for_its_batch(embedded_
     rec = json.loads(out.read_text())
     b1 = rec["speed_b1"]
     assert b1["scheduled_tok_s"] > 0 and b1["scheduled_tau"] >= 1.0 and not b1["scheduled_calibrated"]
-    assert abs(b1["scheduled_speedup"] - b1["scheduled_tok_s"] / b1["ar_tok_s"]) < 1e-9  # one run: the ratio of its medians
+    # one run: the ratio of its medians
+    assert abs(b1["scheduled_speedup"] - b1["scheduled_tok_s"] / b1["ar_tok_s"]) < 1e-9
     assert "speed_b8" not in rec and rec["dtype"] == "float32"
     assert "[speed] batch 1, T 0: scheduled dspark" in capsys.readouterr().out
     with pytest.raises(SystemExit):

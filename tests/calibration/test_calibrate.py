@@ -68,7 +68,8 @@ def test_save_load_and_missing(tmp_path, synth):
     t = load_temperatures(d, (1.0, 0, 1.0), gamma=4)
     assert t.dtype == np.float32 and t.shape == (4,)
     np.testing.assert_allclose(t, res["temperatures"], rtol=1e-6)
-    with pytest.raises(CalibrationMissingError, match=r"no STS temperatures for sampling T0.7_k20_p0.8 \(has: T1_k0_p1\)"):
+    with pytest.raises(CalibrationMissingError,
+                       match=r"no STS temperatures for sampling T0.7_k20_p0.8 \(has: T1_k0_p1\)"):
         load_temperatures(d, {"temperature": 0.7, "top_k": 20, "top_p": 0.8})
     with pytest.raises(CalibrationMissingError, match="engine needs 7"):
         load_temperatures(d, "T1_k0_p1", gamma=7)

@@ -20,7 +20,9 @@ def test_defaults_without_file():
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["micro", "drafter.gama=3"], "unknown config key 'drafter.gama'; valid keys in 'drafter': confidence_head, gamma"),
+        (["micro", "drafter.gama=3"],
+         "unknown config key 'drafter.gama'; "
+                                      "valid keys in 'drafter': confidence_head, gamma"),
         (["micro", "drafter.gamma=x"], "config key 'drafter.gamma': got 'x', expected int"),
         (["micro", "drafter.head_type=lstm"], "expected one of 'vanilla', 'gated', 'rnn'"),
         (["micro", "drafter.gamma=0"], "gamma must be >= 1"),

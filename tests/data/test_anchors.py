@@ -62,7 +62,8 @@ def test_pipeline_resumes_exactly():
     recs = []
     for _ in range(10):
         n = int(rng.integers(20, 40))
-        recs.append({"tokens": rng.integers(0, 50, n).astype(np.int32), "loss_mask": np.r_[np.zeros(5, bool), np.ones(n - 5, bool)]})
+        recs.append({"tokens": rng.integers(0, 50, n).astype(np.int32),
+                     "loss_mask": np.r_[np.zeros(5, bool), np.ones(n - 5, bool)]})
     spec = RecordSpec(seq_len=32, num_anchors=4, gamma=3, pad_id=0, seed=1)
     it = iter(make_pipeline(_ListDS(recs), spec, 2, process_index=0, process_count=1))
     first = [next(it) for _ in range(3)]
@@ -87,7 +88,8 @@ def _recs(n, seed=0):
     out = []
     for _ in range(n):
         k = int(rng.integers(20, 40))
-        out.append({"tokens": rng.integers(0, 50, k).astype(np.int32), "loss_mask": np.r_[np.zeros(5, bool), np.ones(k - 5, bool)]})
+        out.append({"tokens": rng.integers(0, 50, k).astype(np.int32),
+                    "loss_mask": np.r_[np.zeros(5, bool), np.ones(k - 5, bool)]})
     return out
 
 

@@ -16,9 +16,11 @@ from dspark_jax.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 MAX_NEW = 8
-CHATS = [[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "old"}, {"role": "user", "content": "4+4?"}],
+CHATS = [[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "old"},
+          {"role": "user", "content": "4+4?"}],
          [{"role": "user", "content": "Name a fruit."}],
-         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}, {"role": "user", "content": "Why?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+          {"role": "user", "content": "Why?"}],
          [{"role": "user", "content": "def f(x):"}],
          [{"role": "user", "content": "Count: 1, 2,"}, {"role": "user", "content": "Again."}]]
 

@@ -171,7 +171,8 @@ def test_every_turn_is_regenerated_on_the_regenerated_history(tiny, tmp_path):
     tok = tiny.tokenizer
     chats = [[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "ORIGINAL ANSWER"},
               {"role": "user", "content": "4+4?"}],
-             [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Bye."}, {"role": "user", "content": "Ok?"}]]
+             [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Bye."},
+              {"role": "user", "content": "Ok?"}]]
     out = tmp_path / "multi"
     stats = regenerate(tiny, chats, out, batch_size=2, max_new_tokens=8, max_prompt_len=MAX_PROMPT,
                        sampling=SamplingParams(0.0, 0, 1.0), progress=False, verbose=False)

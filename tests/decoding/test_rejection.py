@@ -200,7 +200,8 @@ def test_mechanics_and_eos():
     assert acc[2] == 3 and n[2] == 4 and out[2].tolist() == [1, E, 3, 4]
     # residual: no mass -> p
     np.testing.assert_allclose(residual_distribution(jnp.asarray([0.5, 0.5]), jnp.asarray([0.5, 0.5])), [0.5, 0.5])
-    np.testing.assert_allclose(residual_distribution(jnp.asarray([0.7, 0.3]), jnp.asarray([0.5, 0.5])), [0.2, 0.0], atol=1e-7)
+    np.testing.assert_allclose(residual_distribution(jnp.asarray([0.7, 0.3]), jnp.asarray([0.5, 0.5])),
+                               [0.2, 0.0], atol=1e-7)
 
 
 def test_packed_probabilities_give_the_same_verification():

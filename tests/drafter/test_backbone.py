@@ -93,8 +93,10 @@ def test_backbone_train_equals_dense_reference(setup, window):
     anchors = np.array([[0, 3, 4, 20, 22, 5], [1, 2, 7, 7, 15, 0]])
     keep = np.array([[True, True, True, True, True, False], [True, True, True, True, False, False]])
     G = 4
-    got = backbone_train(p, cfg, tokens, ctx, jnp.asarray(anchors), jnp.asarray(keep), gamma=G, mask_id=511, window=window)
-    ref = jax.jit(_dense_reference, static_argnums=(1, 6, 7, 8))(p, cfg, tokens, ctx, jnp.asarray(anchors), jnp.asarray(keep), G, 511, window)
+    got = backbone_train(p, cfg, tokens, ctx, jnp.asarray(anchors), jnp.asarray(keep),
+                         gamma=G, mask_id=511, window=window)
+    ref = jax.jit(_dense_reference, static_argnums=(1, 6, 7, 8))(p, cfg, tokens, ctx, jnp.asarray(anchors),
+                                                                 jnp.asarray(keep), G, 511, window)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(ref)[keep], atol=2e-5)
 
@@ -135,7 +137,8 @@ def _fns(G, window):
     """Shared jitted train / cache functions per (G, window)."""
     if (G, window) not in _JIT_CACHE:
         def train(p, cfg, tokens, feats, anchors, keep):
-            return backbone_train(p, cfg, tokens, fuse_context(p, feats, cfg), anchors, keep, gamma=G, mask_id=511, window=window)
+            return backbone_train(p, cfg, tokens, fuse_context(p, feats, cfg), anchors, keep,
+                                  gamma=G, mask_id=511, window=window)
 
         def infer(p, cfg, cache, feats, pos, valid, feats2, pos2, valid2, atok, apos):
             cache = update_context(p, cfg, cache, feats, pos, valid)
@@ -177,4 +180,5 @@ def test_training_and_inference_paths_agree(setup, G, window, dtype):
         atok = jnp.take_along_axis(tokens, apos[:, None], 1)[:, 0]
         h_inf, lengths = infer(p, cfg, cache, *c1, *c2, atok, apos)
         np.testing.assert_array_equal(np.asarray(lengths), [S, S])
-        np.testing.assert_allclose(np.asarray(h_inf, np.float32), np.asarray(h_train[:, a], np.float32), atol=tol, rtol=tol)
+        np.testing.assert_allclose(np.asarray(h_inf, np.float32),
+                                   np.asarray(h_train[:, a], np.float32), atol=tol, rtol=tol)

@@ -26,7 +26,8 @@ def _sig(x):
 def params(micro_cfg):
     """kind -> params dict (float32) with random non-zero biases."""
     out = {}
-    for i, (kind, head) in enumerate([("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "vanilla")]):
+    for i, (kind, head) in enumerate([("dspark", "vanilla"), ("dspark", "gated"),
+                                      ("dspark", "rnn"), ("dflash", "vanilla")]):
         dcfg = dataclasses.replace(micro_cfg.drafter, kind=kind, head_type=head)
         d = create_model(lambda: registry.build(micro_cfg.target.model, dcfg, rngs=nnx.Rngs(i)))
         p = jax.tree.map(np.asarray, d.arrays())

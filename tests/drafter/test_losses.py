@@ -31,7 +31,8 @@ def test_loss_matches_numpy_reference():
     labels = rng.integers(0, 11, shape)
     valid = np.cumprod(rng.random(shape) < 0.8, -1).astype(bool)
     z = rng.normal(size=shape)
-    sums = dspark_loss_sums(jnp.asarray(logits), jnp.asarray(tlogits), jnp.asarray(labels), jnp.asarray(valid), jnp.asarray(z))
+    sums = dspark_loss_sums(jnp.asarray(logits), jnp.asarray(tlogits), jnp.asarray(labels),
+                            jnp.asarray(valid), jnp.asarray(z))
     total, parts = combine(sums, LossCoefs())
     np.testing.assert_allclose(float(total), reference_loss(logits, tlogits, labels, valid, z), rtol=1e-5)
     # a wrong decay constant (the paper's exp(-j/gamma)) gives a different number
@@ -61,7 +62,8 @@ def test_gradient_of_confidence_loss_reaches_logits_only_through_z():
     valid = jnp.ones((1, 4), bool)
     z = jnp.zeros((1, 4))
     only_conf = LossCoefs(ce=0.0, l1=0.0, conf=1.0)
-    g_logits, g_z = jax.grad(lambda l, z: combine(dspark_loss_sums(l, tl, labels, valid, z), only_conf)[0], argnums=(0, 1))(logits, z)
+    g_logits, g_z = jax.grad(lambda l, z: combine(dspark_loss_sums(l, tl, labels, valid, z), only_conf)[0],
+                             argnums=(0, 1))(logits, z)
     assert np.all(np.asarray(g_logits) == 0) and np.any(np.asarray(g_z) != 0)
 
 

@@ -184,6 +184,7 @@ def test_bfloat16_parameters_roundtrip(micro_cfg, micro_target, tmp_path):
     assert d.arrays()["embed"].dtype == jnp.bfloat16
     save_drafter(d, tmp_path)
     back = load_drafter(tmp_path, micro_target, param_dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(back.joint_kernel[...], np.float32), np.asarray(d.joint_kernel[...], np.float32))
+    np.testing.assert_array_equal(np.asarray(back.joint_kernel[...], np.float32),
+                                  np.asarray(d.joint_kernel[...], np.float32))
     assert back.arrays()["embed"].dtype == jnp.bfloat16
     assert back.arrays(jnp.float32)["fc"].dtype == jnp.float32

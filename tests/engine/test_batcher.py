@@ -36,7 +36,8 @@ def _key(seed: int, index: int) -> np.ndarray:
 
 
 def _jobs(prompts, seed=5):
-    return [Job(prompt=p, max_new=MAX_NEW, sampling=SAMPLED, key_data=_key(seed, i), id=i) for i, p in enumerate(prompts)]
+    return [Job(prompt=p, max_new=MAX_NEW, sampling=SAMPLED, key_data=_key(seed, i), id=i)
+            for i, p in enumerate(prompts)]
 
 
 def test_more_requests_than_slots_equal_each_request_alone(engine, prompts):

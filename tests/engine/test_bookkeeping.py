@@ -79,7 +79,8 @@ def test_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence(target, 
     (dk, dv), (fk, fv) = _dense(st.dcache), _dense(fresh.dcache)
     _rows_equal(dk, fk, fresh.dcache.lengths, "drafter K")
     _rows_equal(dv, fv, fresh.dcache.lengths, "drafter V")
-    np.testing.assert_allclose(np.asarray(st.last, np.float32), np.asarray(fresh.last, np.float32), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(st.last, np.float32), np.asarray(fresh.last, np.float32),
+                               atol=2e-4, rtol=2e-4)
     _rows_equal(_dense(st.cache)[0], _dense(fresh.cache)[0], pos, "target K")
 
 

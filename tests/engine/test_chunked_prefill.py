@@ -90,7 +90,8 @@ def test_caches_after_chunks_equal_a_whole_prefill_and_nobody_stalls(target, pro
     (dk, dv), (fk, fv) = _dense(st.dcache), _dense(fresh.dcache)
     _rows_equal(dk, fk, fresh.dcache.lengths, "drafter K")
     _rows_equal(dv, fv, fresh.dcache.lengths, "drafter V")
-    np.testing.assert_allclose(np.asarray(st.last, np.float32), np.asarray(fresh.last, np.float32), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(st.last, np.float32), np.asarray(fresh.last, np.float32),
+                               atol=2e-4, rtol=2e-4)
     _rows_equal(_dense(st.cache)[0], _dense(fresh.cache)[0], pos, "target K")
     _rows_equal(_dense(st.cache)[1], _dense(fresh.cache)[1], pos, "target V")
 
@@ -107,7 +108,8 @@ def test_chunk_only_bucket_gives_a_whole_chunk_and_the_earliest_joined_goes_firs
     assert (eng.priced_buckets, eng.buckets) == ((3, 12), (3, 12, 22))
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
     table = scheduler.make_table((3, 12), t_verify=[1.0, 2.0])
-    assert _engine(target, "dspark", num_slots=3, table=table, prefill_chunk=10).buckets == (3, 12, 22)  # from the table
+    # from the table
+    assert _engine(target, "dspark", num_slots=3, table=table, prefill_chunk=10).buckets == (3, 12, 22)
     ctl = eng.control(GREEDY, table=table)
     with pytest.raises(EngineError, match="unpriced|do not match"):
         eng.control(GREEDY, table=scheduler.make_table((3, 12, 22), t_verify=[1.0, 2.0, 3.0]))
@@ -143,7 +145,8 @@ def test_with_chunk_room():
 
 
 def test_bad_prefill_chunk_is_an_error(target):
-    for bad, field in ((dict(prefill_chunk=0), "prefill_chunk"), (dict(prefill_chunk=4, prefill_rows=0), "prefill_rows"),
+    for bad, field in ((dict(prefill_chunk=0), "prefill_chunk"),
+                       (dict(prefill_chunk=4, prefill_rows=0), "prefill_rows"),
                        (dict(prefill_chunk=-2), "prefill_chunk")):
         with pytest.raises(EngineError, match=field):
             _engine(target, "dspark", num_slots=2, **bad)

@@ -1,8 +1,8 @@
 """The engine's output distribution equals the target's (docs/method.md §5), checked by a chi-square test.
 
 Tiny target with vocabulary 8, one 4-token prompt, N = 50,000 independent requests run
-as N slots of one engine (each with its own key; 2e5 would quadruple the CPU time). Cells: the first two generated tokens
-(64 cells; cells of zero target probability must stay empty). Reference: exact
+as N slots of one engine (each with its own key; 2e5 would quadruple the CPU time). Cells: the
+first two generated tokens (64 cells; cells of zero target probability must stay empty). Reference: exact
 enumeration of the target's (transformed) next-token distributions. Test: Pearson
 chi-square at significance alpha = 1e-4 (df = non-zero cells - 1). Power: for a
 deviation of total variation d, the noncentrality is >= N * (2d)^2 (Cauchy-Schwarz), so

@@ -120,7 +120,8 @@ def engine(models, name):
         target, d = models
         policy = VARIANTS[name][0]
         _ENGINES[name] = Engine(target, d, EngineConfig(num_slots=R, max_len=16, buckets=ENGINE_BUCKETS,
-                                                        prefill_buckets=(8,), policy=policy, theta="sps", cost="interp"))
+                                                        prefill_buckets=(8,), policy=policy,
+                                                        theta="sps", cost="interp"))
     return _ENGINES[name]
 
 

@@ -14,7 +14,8 @@ from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.parallel.sharding import make_mesh
 
-cfg = dataclasses.replace(tiny_config(vocab_size=64, hidden_size=32, num_layers=3), num_heads=4, num_kv_heads=2, head_dim=8)
+cfg = dataclasses.replace(tiny_config(vocab_size=64, hidden_size=32, num_layers=3),
+                          num_heads=4, num_kv_heads=2, head_dim=8)
 target = tiny_target(cfg, logit_scale=1.0)
 rng = np.random.default_rng(0)
 prompts = [rng.integers(0, 60, n).tolist() for n in (5, 9, 3, 7, 6, 4)]
@@ -64,9 +65,11 @@ def test_generate_command_on_a_mesh(embedded_tiny_dir, tmp_path):
     import sys
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["def add(a, b):"]}) + "\n" + json.dumps({"turns": ["What is 3 + 4?"]}) + "\n")
+    prompts.write_text(json.dumps({"turns": ["def add(a, b):"]}) + "\n"
+                       + json.dumps({"turns": ["What is 3 + 4?"]}) + "\n")
     env = fake_devices_env(2)
-    base = [sys.executable, "-m", "dspark_jax", "generate", "--target", str(embedded_tiny_dir), "--prompts", str(prompts),
+    base = [sys.executable, "-m", "dspark_jax", "generate", "--target", str(embedded_tiny_dir),
+            "--prompts", str(prompts),
             "--temperature", "0", "--max-new-tokens", "12", "--batch", "2"]
     one = subprocess.run(base, capture_output=True, text=True, env=env, timeout=600)
     two = subprocess.run(base + ["--mesh", "2,1,1"], capture_output=True, text=True, env=env, timeout=600)

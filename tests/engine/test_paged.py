@@ -5,8 +5,9 @@
 - the allocator: no page owned twice, freed pages reused, pages in use = sum of ceil(tokens / size),
   all-or-nothing growth with a clear out-of-pages error;
 - the engine with `kv_pages` gives the dense engine's tokens (greedy and sampled, target-only,
-  DSpark, Eagle3 and MTP-1 with their caches paged too, host loop and while loop) with fewer pages than R * max_len / page_size, gives every
-  page back when the requests end, and fails with the allocator's message when the pool is too small.
+  DSpark, Eagle3 and MTP-1 with their caches paged too, host loop and while loop) with fewer pages
+  than R * max_len / page_size, gives every page back when the requests end, and fails with the
+  allocator's message when the pool is too small.
 """
 
 from __future__ import annotations

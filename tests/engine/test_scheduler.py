@@ -64,7 +64,8 @@ def test_scheduler_in_compiled_round(setup, policy):
     for rnd in np.unique(tr["round"]):
         rows = tr["round"] == rnd
         a = numpy_ref.prefix_survival_np(tr["conf_logits"][rows])
-        np.testing.assert_array_equal(tr["length"][rows], _reference_lengths(policy, a, table_np), err_msg=f"round {rnd}")
+        np.testing.assert_array_equal(tr["length"][rows], _reference_lengths(policy, a, table_np),
+                                      err_msg=f"round {rnd}")
         checked += 1
     assert checked >= 5
 
@@ -211,7 +212,8 @@ def test_scheduled_policies_refuse_to_guess(setup):
     eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
                                          policy="early_stop"))
     for other in ((2, 4, 12), (3, 6), (3, 6, 12, 24)):
-        with pytest.raises(EngineError, match=r"buckets .* do not match this engine's verification buckets \[3, 6, 12\]"):
+        with pytest.raises(EngineError,
+                           match=r"buckets .* do not match this engine's verification buckets \[3, 6, 12\]"):
             eng.generate(prompts, max_new_tokens=4, sampling=GREEDY,
                          table=scheduler.make_table(other, t_verify=np.linspace(1, 2, len(other))))
     with pytest.raises(EngineError, match="do not match"):

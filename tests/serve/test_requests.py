@@ -505,7 +505,8 @@ def test_large_bodies_are_refused_early_and_leave_memory_as_it_was(srv):
         assert lim.max_prompt_chars < 3_500_000 < lim.max_body_bytes
         for _ in range(5):
             status, body = post(srv.port, "/v1/completions", big)
-            assert status == 400 and body["error"]["param"] == "prompt" and "--max-prompt-chars" in body["error"]["message"]
+            assert (status == 400 and body["error"]["param"] == "prompt"
+                    and "--max-prompt-chars" in body["error"]["message"])
         del big
         status, body = _chunked(srv.port, lim.max_body_bytes + 16)
         assert status == 413 and is_error_body(body)

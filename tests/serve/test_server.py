@@ -262,7 +262,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(embedded_tiny_dir
             proc.kill()
 
 
-def test_calibrated_takes_the_fit_for_the_named_sampling_temperature(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
+def test_calibrated_takes_the_fit_for_the_named_sampling_temperature(embedded_tiny_dir, tiny_dspark_drafter_dir,
+                                                                     tmp_path):
     """`--calibrated T` serves with the STS temperatures fitted at sampling temperature T (bench
     serve passes its own); a temperature with no fit is refused with the file's settings named."""
     import shutil

@@ -121,7 +121,8 @@ def requests(draw):
     if kind == "truncate":
         raw = raw[: draw(st.integers(0, len(raw) - 1))]
     elif kind == "constant":
-        raw = raw.replace(b'"max_tokens": ', b'"max_tokens": ' + draw(st.sampled_from([b"NaN, \"x\": ", b"-Infinity, \"x\": ",
+        raw = raw.replace(b'"max_tokens": ', b'"max_tokens": ' + draw(st.sampled_from([b"NaN, \"x\": ",
+                                                                                       b"-Infinity, \"x\": ",
                                                                                        b"1e999, \"x\": "])))
     elif kind == "nest":
         depth = draw(st.integers(20, 5000))
@@ -142,7 +143,8 @@ def test_generated_requests_never_get_a_500_or_hang(srv):
 
     @settings(max_examples=500, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @example(("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 2 ** 31}).encode(),
+    @example(("/v1/completions", json.dumps({"model": MODEL, "prompt": "x",
+                                             "max_tokens": 2, "top_k": 2 ** 31}).encode(),
               {"Content-Type": "application/json"}))
     @example(("/v1/completions", b'{"model": "target", "prompt": "x", "stream": "false"}',
               {"Content-Type": "application/json"}))
@@ -187,7 +189,8 @@ def _soak_one(port, plan):
         body[rng.choice(["temperature", "top_k", "stream", "logit_bias"])] = rng.choice(["x", -5, {"1": 1}])
     if kind in ("stream", "hangup"):
         body["stream"] = True
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=rng.uniform(0.05, 0.5) if kind == "timeout" else TIMEOUT)
+    conn = http.client.HTTPConnection("127.0.0.1", port,
+                                      timeout=rng.uniform(0.05, 0.5) if kind == "timeout" else TIMEOUT)
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()

@@ -48,8 +48,10 @@ def test_target_forward_with_splash_matches_dense():
         outs[impl] = target(tokens, valid=valid, feature_layers=(0, 1))
     target.attention = "auto"
     real = np.asarray(valid)
-    np.testing.assert_allclose(np.asarray(outs["splash"].features)[real], np.asarray(outs["dense"].features)[real], atol=1e-4)
-    np.testing.assert_allclose(np.asarray(outs["splash"].logits)[real], np.asarray(outs["dense"].logits)[real], atol=1e-3)
+    np.testing.assert_allclose(np.asarray(outs["splash"].features)[real],
+                               np.asarray(outs["dense"].features)[real], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(outs["splash"].logits)[real],
+                               np.asarray(outs["dense"].logits)[real], atol=1e-3)
 
 
 def test_attention_choice():
@@ -78,7 +80,8 @@ with jax.set_mesh(mesh):
     out = f(q, k, v, valid)
     hlo = f.lower(q, k, v, valid).as_text()
 real = np.asarray(valid)
-print(json.dumps({"err": float(np.abs(np.asarray(out)[real] - dense[real]).max()), "shard_map": "shard_map" in hlo or "sdy.manual_computation" in hlo}))
+print(json.dumps({"err": float(np.abs(np.asarray(out)[real] - dense[real]).max()),
+                  "shard_map": "shard_map" in hlo or "sdy.manual_computation" in hlo}))
 """, n=4)
     res = json.loads(out.strip().splitlines()[-1])
     assert res["err"] < 2e-5, res

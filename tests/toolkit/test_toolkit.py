@@ -1,4 +1,5 @@
-"""The trainer toolkit (optim, checkpoint, metrics) and the LM loss: schedule shape, AdamW, orbax round trip, JSONL logger, progress bar."""
+"""The trainer toolkit (optim, checkpoint, metrics) and the LM loss: schedule shape, AdamW, orbax
+round trip, JSONL logger, progress bar."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def test_checkpointer_round_trip(tmp_path):
     ck = Checkpointer(tmp_path / "ck", keep=1)
     tree = {"params": {"a": np.arange(6, dtype=np.float32).reshape(2, 3)}, "opt": (jnp.array(7, jnp.int32),)}
     ck.save(3, tree, meta={"fingerprint": "abc"})
-    ck.save(5, {"params": {"a": tree["params"]["a"] + 1}, "opt": (jnp.array(8, jnp.int32),)}, meta={"fingerprint": "abc"})
+    ck.save(5, {"params": {"a": tree["params"]["a"] + 1}, "opt": (jnp.array(8, jnp.int32),)},
+            meta={"fingerprint": "abc"})
     assert ck.latest_step() == 5
     step = ck.latest_step()
     got, meta = ck.restore(step, tree)

@@ -93,7 +93,8 @@ def test_two_processes_equal_one_process_with_eight_devices(data, two_process_ru
     env = fake_devices_env(8)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     # no end-of-run decoding (compared: losses, parameters, eval blocks), which saves an engine compile
-    res = subprocess.run([sys.executable, *_args(data, out1, "train.measure_prompts=0")], cwd=REPO, env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, *_args(data, out1, "train.measure_prompts=0")],
+                         cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert res.returncode == 0, res.stderr[-4000:]
     l1, l2 = _losses(out1), _losses(out2)

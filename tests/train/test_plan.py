@@ -24,7 +24,8 @@ def test_preset_plans_on_its_mesh(preset):
     state, metrics, _ = check_step_shapes(cfg)
     assert metrics["loss"].shape == ()
     # the shapes of the updated parameters equal the inputs'
-    assert state.params["layers"]["q_proj"].shape[0] == cfg.drafter.num_layers if cfg.drafter.kind in ("dspark", "dflash") else True
+    assert (state.params["layers"]["q_proj"].shape[0] == cfg.drafter.num_layers
+            if cfg.drafter.kind in ("dspark", "dflash") else True)
 
 
 def test_plan_reports_indivisible_dimension():
@@ -52,7 +53,8 @@ two = C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=
 two_permutes = permutes()
 two.update(C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("eval",)))
 # the broken variant: contiguous micro-batches (each on half of the chips)
-st.split_micro = lambda batch, n, sharding=None: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+st.split_micro = lambda batch, n, sharding=None: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]),
+                                                              batch)
 contiguous = C.compile_steps(from_cli(base + ["train.batch_size=16", "train.grad_accum=2"]), steps=("train",))
 contiguous_permutes = permutes()
 deep = base + ["drafter.num_layers=4", "train.batch_size=8"]

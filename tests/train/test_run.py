@@ -178,7 +178,8 @@ def test_output_dir_probed_by_every_host_at_once(tmp_path):
     # the hosts of a multi-host run check the shared output dir at the same moment; one host's probe
     # must not be removed by another (with one probe name for all, a host saw its probe vanish)
     start = str(time.time() + 12)  # after every process has imported jax: 2 s of probing, all at once
-    procs = [subprocess.Popen([sys.executable, "-c", _PROBE_LOOP, str(tmp_path), start], stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE_LOOP, str(tmp_path), start],
+                              stderr=subprocess.PIPE, text=True)
              for _ in range(3)]
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(errors)
@@ -229,7 +230,8 @@ def test_baseline_kinds_train_and_export(datasets, tmp_path, kind):
         assert np.isfinite(ev["eval/loss"])
     target = prepare_target(cfg, None)
     d = drafter_io.load(tmp_path / "drafter", target.model)
-    assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter", "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
+    assert d.dcfg.kind == kind and type(d).__name__ == {"dflash": "Drafter",
+                                                        "eagle3": "Eagle3Drafter", "mtp1": "MTPDrafter"}[kind]
 
 
 def test_gradient_accumulation_equals_the_whole_batch_update(datasets, tmp_path):

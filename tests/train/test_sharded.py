@@ -58,7 +58,8 @@ root = ROOT
 DS = make_data(root + "/ds")
 out = {}
 trainers = {}
-for tag, mesh_args in (("dft", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]), ("fsdp8", ["mesh.data=1", "mesh.fsdp=8"])):
+for tag, mesh_args in (("dft", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+                       ("fsdp8", ["mesh.data=1", "mesh.fsdp=8"])):
     tr = trainer_for(root, mesh_args, tag)
     loss, batch = one_step(tr)
     p = tr.state.params
@@ -71,7 +72,8 @@ for tag, mesh_args in (("dft", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
                 "mu_spec": str(mu.sharding.spec), "w1_spec": str(w1.sharding.spec),
                 "w1_shard": list(w1.addressable_shards[0].data.shape),
                 "embed_spec": str(tr.frozen["embed"][...].sharding.spec),
-                "collectives": sorted({c for c in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute") if c in hlo})}
+                "collectives": sorted({c for c in ("all-reduce", "all-gather", "reduce-scatter",
+                                                   "all-to-all", "collective-permute") if c in hlo})}
     trainers[tag] = tr
 # checkpoint saved on the data x fsdp x tensor mesh, restored onto the fsdp-8 mesh
 a, b = trainers["dft"], trainers["fsdp8"]
