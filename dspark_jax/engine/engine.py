@@ -50,7 +50,7 @@ from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.sharding import shard_model
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler import prefix
 from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import pages_per_slot
 
@@ -116,7 +116,7 @@ class Engine:
                          narrow_verify=skip_rule is not None or cfg.policy != "fixed")
         self.table = None if table is None else self._checked_table(table)
         # policies that never read a table still need one in the compiled round's signature
-        self._unread_table = scheduler.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
+        self._unread_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
         self.tp = target_arrays(tmodel)
         self.dp = drafter.arrays() if drafter is not None else {}

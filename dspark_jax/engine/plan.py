@@ -26,7 +26,7 @@ from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler import prefix
 
 GIB = 1024 ** 3
 POLICIES, PROGRAMS = ENGINE_POLICIES, PLAN_PROGRAMS
@@ -103,7 +103,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
         jax.eval_shape(build, tstate, dparams, dfrozen)
         if policy == "scheduled":  # a cost table of the engine's own buckets (its values do not change shapes)
             b = box["eng"].priced_buckets
-            table = scheduler.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, as_numpy=True)
+            table = prefix.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, as_numpy=True)
             jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
     eng = box["eng"]
     st = jax.eval_shape(eng._fresh_state)

@@ -4,7 +4,7 @@
 the STS temperatures), `active` [R] bool, `ctl` the traced `Control` (gamma, threshold,
 cost table, default capacity), `a_stale` the survivals of two rounds ago. A policy must
 respect the lossless invariant of docs/method.md §3: whether draft j is verified never depends on
-the value of draft j itself (all policies here do; see scheduler.py). Policies are static
+the value of draft j itself (all policies here do; see prefix.py). Policies are static
 (part of the compiled program); their parameters are traced.
 
 The throughput objective is static too: `theta="sps"` is the paper's `tau * SPS(B)`,
@@ -20,7 +20,7 @@ import functools
 
 import jax.numpy as jnp
 
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler import prefix
 
 __all__ = ["POLICIES", "SCHEDULED", "THETA_MODES", "COSTS", "get_policy", "fixed", "threshold", "early_stop",
            "static", "production"]
@@ -35,20 +35,20 @@ def fixed(a, active, ctl, a_stale, stale_valid, **_):
 
 
 def threshold(a, active, ctl, a_stale, stale_valid, **_):
-    return jnp.minimum(scheduler.schedule_threshold(a, active, ctl.threshold), ctl.gamma)
+    return jnp.minimum(prefix.schedule_threshold(a, active, ctl.threshold), ctl.gamma)
 
 
 def early_stop(a, active, ctl, a_stale, stale_valid, mode="latency", cost="interp"):
-    return scheduler.schedule_early_stop(a, active, ctl.table, mode=mode, cost=cost)
+    return prefix.schedule_early_stop(a, active, ctl.table, mode=mode, cost=cost)
 
 
 def static(a, active, ctl, a_stale, stale_valid, mode="latency", cost=None):
     """docs/method.md §3.1: early stop on the interpolated table (`cost` does not apply), then the bucket is filled."""
-    return scheduler.schedule_static(a, active, ctl.table, mode=mode)[0]
+    return prefix.schedule_static(a, active, ctl.table, mode=mode)[0]
 
 
 def production(a, active, ctl, a_stale, stale_valid, mode="latency", cost="step"):
-    return scheduler.schedule_production(a, active, a_stale, stale_valid, ctl.table, ctl.default_k,
+    return prefix.schedule_production(a, active, a_stale, stale_valid, ctl.table, ctl.default_k,
                                          mode=mode, cost=cost)[0]
 
 

@@ -25,7 +25,7 @@ from dspark_jax.engine.state import (
     RoundOut,
 )
 from dspark_jax.engine.verify import Chunk, verify_forward, write_block
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler import prefix
 
 __all__ = ["prefill", "admit", "prefilling", "round_step", "run_rounds", "row_round_keys", "draft", "draft_part"]
 
@@ -39,18 +39,18 @@ def row_round_keys(keys, rounds):
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 0), jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 1)
 
 
-def draft(spec: Spec, dp, st: DecodeState, keys, sampling):
+def draft(spec: Spec, drafter_params, st: DecodeState, keys, sampling):
     """The kind's draft -> (tokens [R, G], q [R, G, V], z [R, G], dcache). The sampling path is
     chosen once for the batch, outside the kinds' per-row vmaps (else every row would run all
     of `sampling_probs`' paths, the full-vocabulary sort included)."""
     path = sampling_path(*sampling, spec.tcfg.vocab_size)
-    return spec.kind.draft(spec, dp, st.dcache, st.last, st.anchor, st.pos, keys, sampling, path)
+    return spec.kind.draft(spec, drafter_params, st.dcache, st.last, st.anchor, st.pos, keys, sampling, path)
 
 
-def draft_part(spec: Spec, dp, st: DecodeState, sampling):
+def draft_part(spec: Spec, drafter_params, st: DecodeState, sampling):
     """The round's draft alone, with the round's own keys: (tokens [R, G], q [R, G, V], z [R, G])."""
-    kd, _ = row_round_keys(st.keys, st.rounds)
-    return draft(spec, dp, st, kd, sampling)[:3]
+    draft_keys, _ = row_round_keys(st.keys, st.rounds)
+    return draft(spec, drafter_params, st, draft_keys, sampling)[:3]
 
 
 # ------------------------------------------------------------------ prefill
@@ -67,7 +67,7 @@ def _join(st: DecodeState, join, plen, anchor, pos, keys, max_new) -> DecodeStat
         plen=jnp.where(join, plen, st.plen), joined=jnp.where(join, st.step, st.joined))
 
 
-def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
+def prefill(spec: Spec, tmodel_apply, target_params, drafter_params, st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
     """Start requests in the slots where `join` [R] is True: prompt tokens [R, P] (right padded), lengths plen [R].
 
     The target forwards x_0..x_{n-2} (the last prompt token becomes the first anchor, forwarded
@@ -82,7 +82,7 @@ def prefill(spec: Spec, tmodel_apply, tp, dp, st: DecodeState, tokens, plen, joi
     dcache, last = st.dcache, st.last
     if spec.kind is not None:
         zero = jnp.zeros((r,), jnp.int32)
-        dcache, last = spec.kind.prefill(spec, dp, dcache, last, fo.features, fo.hidden, tokens, zero,
+        dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, fo.features, fo.hidden, tokens, zero,
                                          jnp.where(join, plen - 1, 0), jnp.arange(r, dtype=jnp.int32))
     anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
     st = st._replace(cache=cache, dcache=dcache, last=last)
@@ -147,14 +147,14 @@ def _known(a, act):
 
 
 def _known_pays(spec: Spec, a, act, ctl: Control):
-    return scheduler.known_speculation_pays(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+    return prefix.known_speculation_pays(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
 
 
 def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
     """"best_case": some admission count beats plain decoding even with every draft accepted.
     "known": also on the last known survivals (past rounds only, so lossless), except after
     `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them."""
-    pays = scheduler.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
+    pays = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
     if spec.skip_drafting == "known":
         known = st.a_hist[0]
         probe = (st.since_draft + 1 >= st.probe_gap) | ~_known(known, act)
@@ -191,7 +191,7 @@ def _widen(vo, t: int):
                        v_new=pad(vo.v_new, 2), packing=vo.packing._replace(dest=dest))
 
 
-def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, lengths):
+def _sample_and_reject(spec: Spec, logits, pk, samp, path, verify_keys, drafts, q, lengths):
     """Target probabilities on the packed rows (logits [B, V], each with its slot's settings),
     then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
     reads its own packed rows (`pk.dest`, handed over as `PackedProbs`: rejection gathers the
@@ -207,34 +207,34 @@ def _sample_and_reject(spec: Spec, logits, pk, samp, path, kv, drafts, q, length
             acc, out, n = spec.verify(key, d[None], q_r[None], PackedProbs(p, dest_r[None]), l_r[None])
             return acc[0], out[0], n[0]
 
-        return jax.vmap(verify_row)(kv, drafts, q, dest, lengths)
-    out = jax.vmap(sample)(kv, p[dest[:, 0]])[:, None]
+        return jax.vmap(verify_row)(verify_keys, drafts, q, dest, lengths)
+    out = jax.vmap(sample)(verify_keys, p[dest[:, 0]])[:, None]
     return jnp.zeros((r,), jnp.int32), out, jnp.ones((r,), jnp.int32)
 
 
-def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
+def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
     """One speculative round for all R slots -> (DecodeState, RoundOut)."""
     r = st.anchor.shape[0]
     G, S = spec.G, spec.max_len
     # slots still forwarding their prompt in chunks neither draft nor verify this round
     filling = prefilling(st) if spec.prefill_chunk else jnp.zeros_like(st.active)
     act = st.active & ~filling
-    kd, kv = row_round_keys(st.keys, st.rounds)
+    draft_keys, verify_keys = row_round_keys(st.keys, st.rounds)
     samp = ctl.sampling
 
     # 1-2. draft + confidence (skipped, under `lax.cond`, when the table says no speculation pays)
     if G:
-        run_draft = lambda: draft(spec, dp, st, kd, samp)
+        run_draft = lambda: draft(spec, drafter_params, st, draft_keys, samp)
         if spec.skip_drafting:
             pays = _drafting_pays(spec, st, act, ctl, r * G)
-            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, dp, st.dcache, st.last, st.anchor, st.pos, act))
+            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, drafter_params, st.dcache, st.last, st.anchor, st.pos, act))
             drafts, q, z, dcache = jax.lax.cond(pays, run_draft, skipped)
         else:
             pays = jnp.bool_(True)
             drafts, q, z, dcache = run_draft()
         # a skipped round has no survivals of its own: the last known ones are carried forward
         # (-1 = none yet, then the production scheduler uses its default capacity)
-        a = jnp.where(pays, scheduler.prefix_survival(z, ctl.sts[:G]), st.a_hist[0])
+        a = jnp.where(pays, prefix.prefix_survival(z, ctl.sts[:G]), st.a_hist[0])
         stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
         lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
         lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
@@ -266,11 +266,11 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
 
     def branch(bk, w):
         def run(cache):
-            vo = verify_forward(tp, spec.tcfg, cache, toks[:, :w], st.pos, valid[:, :w], bucket=bk,
+            vo = verify_forward(target_params, spec.tcfg, cache, toks[:, :w], st.pos, valid[:, :w], bucket=bk,
                                 feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk,
                                 logit_rows=r * w)
             vo = _widen(vo, G + 1)
-            acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, kv, drafts, q, lengths)
+            acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, verify_keys, drafts, q, lengths)
             return vo._replace(logits=None, packing=None), acc, out, n_out
 
         return run
@@ -311,10 +311,10 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
         pos = pos.at[chunk.rows].add(take, mode="drop")
     cache = vo.cache.with_lengths(pos)
     if G:
-        dcache, last = spec.kind.update(spec, dp, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
+        dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
                                         act & ~done)
         if chunk is not None:  # the drafter reads the chunk as it reads a prefill
-            dcache, last = spec.kind.prefill(spec, dp, dcache, last, vo.chunk_features, vo.chunk_hidden,
+            dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, vo.chunk_features, vo.chunk_hidden,
                                              chunk.tokens, chunk.start, take, chunk.rows)
     else:
         last = st.last
@@ -326,7 +326,7 @@ def round_step(spec: Spec, tp, dp, st: DecodeState, ctl: Control):
     return new, RoundOut(z[:, : spec.Gs], lengths, acc_kept, n_keep, act, b_idx, cut)
 
 
-def run_rounds(spec: Spec, tp, dp, st: DecodeState, ctl: Control, max_rounds, stop_on_free):
+def run_rounds(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, max_rounds, stop_on_free):
     """`lax.while_loop` over `round_step` until no slot is active, `max_rounds` rounds ran, or
     (when `stop_on_free`) a slot finished, so the host can refill it."""
     n0 = jnp.sum(st.active)
@@ -338,7 +338,7 @@ def run_rounds(spec: Spec, tp, dp, st: DecodeState, ctl: Control, max_rounds, st
 
     def body(c):
         s, i = c
-        return round_step(spec, tp, dp, s, ctl)[0], i + 1
+        return round_step(spec, target_params, drafter_params, s, ctl)[0], i + 1
 
     st, n = jax.lax.while_loop(cond, body, (st, jnp.int32(0)))
     return st, n

@@ -25,7 +25,8 @@ versions from ``dspark_jax.scheduler.prefix``, vmapped over rounds), optionally 
 draft by the engine's rules: ``--skip known`` (default; ``EngineConfig(skip_drafting="known")``):
 skip when the best case does not pay or when the survivals of the last round that drafted
 say no admission count beats target-only, drafting after ``--probe-every`` skipped rounds to
-refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no); ``--skip best_case`` (``scheduler.speculation_pays``) only the first part. ``--skip
+refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no);
+``--skip best_case`` (``prefix.speculation_pays``) only the first part. ``--skip
 stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
 even when that round skipped drafting (so produced none).
 """
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration.traces import TraceSet
-from dspark_jax.scheduler import prefix as scheduler
+from dspark_jax.scheduler import prefix
 from dspark_jax.scheduler.costs import draft_time_for
 
 __all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
@@ -113,11 +114,12 @@ def replay_rows(ts: TraceSet, n_requests: int, n_rounds: int, rng, turnover: int
 def _sched_fn(kind: str, mode: str):
 
     if kind == "early_stop":
-        f = lambda a, s, act, tab, dk: scheduler.schedule_early_stop(a, act, tab, mode=mode, cost="interp")
+        f = lambda a, s, act, tab, dk: prefix.schedule_early_stop(a, act, tab, mode=mode, cost="interp")
     elif kind == "static":
-        f = lambda a, s, act, tab, dk: scheduler.schedule_static(a, act, tab, mode=mode)[0]
+        f = lambda a, s, act, tab, dk: prefix.schedule_static(a, act, tab, mode=mode)[0]
     elif kind == "production":
-        f = lambda a, s, act, tab, dk: scheduler.schedule_production(a, act, s, True, tab, dk, mode=mode, cost="step")[0]
+        f = lambda a, s, act, tab, dk: prefix.schedule_production(a, act, s, True, tab, dk,
+                                                                     mode=mode, cost="step")[0]
     else:
         raise ValueError(kind)
     return jax.jit(jax.vmap(f, in_axes=(0, 0, None, None, None)))
@@ -151,7 +153,7 @@ def _stale_skip(a_stale, R, table_np, t_draft, charge, mode="latency"):
 
 
 def _best_case_pays(R, table_np, t_draft, max_tokens, mode="latency"):
-    """The engine's best-case rule (``scheduler.speculation_pays`` on the interpolated table): some
+    """The engine's best-case rule (``prefix.speculation_pays`` on the interpolated table): some
     K in 1..max_tokens draft tokens, each surviving, beats target-only (no draft time)."""
     B = R + np.arange(1, max_tokens + 1)
     th = B / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, "interp"))
@@ -209,7 +211,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     """One method at concurrency R. ``traces``: {"dspark": TraceSet, "dflash": ..., "mtp1": ...}
     (full-gamma rounds); ``temps``: STS temperatures for the DSpark traces."""
     rng = np.random.default_rng([seed, R])
-    table_np = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
+    table_np = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
     draft_kind = {"ar": "ar", "mtp1": "mtp1"}.get(method.kind, method.traces or "dspark")
     t_draft = draft_time_for(cost, R, draft_kind)
     T = n_rounds
@@ -228,7 +230,8 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         if ts is None:
             raise ValueError(f"method {method.name!r} needs {method.traces} traces")
         G = ts.gamma
-        rows = replay_rows(ts, R, T + 2, rng, turnover)  # two extra leading rounds: the production scheduler's stale input
+        # two extra leading rounds: the production scheduler's stale input
+        rows = replay_rows(ts, R, T + 2, rng, turnover)
         k_all = ts.accepted[rows]
         z = ts.conf_logits[rows].astype(np.float64)
         t = np.ones(G) if temps is None or method.traces != "dspark" else np.asarray(temps, np.float64)
@@ -245,7 +248,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
             if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
                 a_stale = _carried_stale(a_all, skip)
             Rp = max(R_pad or R, R)
-            tab = scheduler.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft)
+            tab = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft)
             act = jnp.asarray(np.arange(Rp) < R)
             dk = jnp.int32(R * G)
             l = np.asarray(_sched_fn(method.kind, mode)(jnp.asarray(_pad_rows(a, Rp), jnp.float32),
@@ -265,7 +268,8 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     res = SimResult(method.name, R, total, total / R, float(np.mean(1 + l)), float(np.mean(acc + 1)),
                     float(1.0 - drafted.mean()), float(1e3 * times.mean()))
     if keep_rounds:
-        res.rounds = {"lengths": l, "k": k, "accepted": acc, "B": B, "times": times, "tokens": tokens, "drafted": drafted}
+        res.rounds = {"lengths": l, "k": k, "accepted": acc, "B": B,
+                      "times": times, "tokens": tokens, "drafted": drafted}
     return res
 
 
