@@ -30,7 +30,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-
 Conversation = list[dict]
 
 # Top-level stdlib modules/packages reserved for evaluation. Fixed so that numbers are

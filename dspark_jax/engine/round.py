@@ -67,7 +67,8 @@ def _join(st: DecodeState, join, plen, anchor, pos, keys, max_new) -> DecodeStat
         plen=jnp.where(join, plen, st.plen), joined=jnp.where(join, st.step, st.joined))
 
 
-def prefill(spec: Spec, tmodel_apply, target_params, drafter_params, st: DecodeState, tokens, plen, join, keys, max_new) -> DecodeState:
+def prefill(spec: Spec, tmodel_apply, target_params, drafter_params, st: DecodeState,
+            tokens, plen, join, keys, max_new) -> DecodeState:
     """Start requests in the slots where `join` [R] is True: prompt tokens [R, P] (right padded), lengths plen [R].
 
     The target forwards x_0..x_{n-2} (the last prompt token becomes the first anchor, forwarded
@@ -227,7 +228,8 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
         run_draft = lambda: draft(spec, drafter_params, st, draft_keys, samp)
         if spec.skip_drafting:
             pays = _drafting_pays(spec, st, act, ctl, r * G)
-            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, drafter_params, st.dcache, st.last, st.anchor, st.pos, act))
+            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, drafter_params, st.dcache,
+                                                                  st.last, st.anchor, st.pos, act))
             drafts, q, z, dcache = jax.lax.cond(pays, run_draft, skipped)
         else:
             pays = jnp.bool_(True)
@@ -270,7 +272,8 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
                                 feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk,
                                 logit_rows=r * w)
             vo = _widen(vo, G + 1)
-            acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path, verify_keys, drafts, q, lengths)
+            acc, out, n_out = _sample_and_reject(spec, vo.logits, vo.packing, samp, path,
+                                                 verify_keys, drafts, q, lengths)
             return vo._replace(logits=None, packing=None), acc, out, n_out
 
         return run
@@ -311,7 +314,8 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
         pos = pos.at[chunk.rows].add(take, mode="drop")
     cache = vo.cache.with_lengths(pos)
     if G:
-        dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos, drafts, acc,
+        dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden,
+                                        st.pos, drafts, acc,
                                         act & ~done)
         if chunk is not None:  # the drafter reads the chunk as it reads a prefill
             dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, vo.chunk_features, vo.chunk_hidden,

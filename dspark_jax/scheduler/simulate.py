@@ -119,7 +119,7 @@ def _sched_fn(kind: str, mode: str):
         f = lambda a, s, act, tab, dk: prefix.schedule_static(a, act, tab, mode=mode)[0]
     elif kind == "production":
         f = lambda a, s, act, tab, dk: prefix.schedule_production(a, act, s, True, tab, dk,
-                                                                     mode=mode, cost="step")[0]
+                                                                  mode=mode, cost="step")[0]
     else:
         raise ValueError(kind)
     return jax.jit(jax.vmap(f, in_axes=(0, 0, None, None, None)))
