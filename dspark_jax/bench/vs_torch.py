@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-# The commit issue 14 (speed against the PyTorch stack) started from.
+# The commit before the speed work against the PyTorch stack (docs/benchmarks.md): the baseline it is timed against.
 DEFAULT_BASELINE = "a6caf08"
 WORKER = Path(__file__).with_name("vs_torch_worker.py")
 
