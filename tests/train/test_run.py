@@ -326,10 +326,12 @@ def test_remat_of_drafter_layers_keeps_the_gradient(datasets, tmp_path):
 def test_remote_output_dir_receives_logs_during_and_after_the_run(datasets, tmp_path, monkeypatch):
     """With a remote output dir, log.jsonl and the TensorBoard events are copied there while
     training (every `every_s`) and at the end; a VM that dies keeps all but the last minute."""
+    from dspark_jax.train import run as run_module
     from dspark_jax.train import trainer as tr
 
     remote, local = tmp_path / "remote", tmp_path / "local"
     monkeypatch.setattr(tr, "output_paths", lambda _: (remote, local))
+    monkeypatch.setattr(run_module, "output_paths", lambda _: (remote, local))  # the job's own reference
     monkeypatch.setattr(tr, "is_remote", lambda p: p == remote)
     counts = []
     orig = tr.LogMirror.sync
