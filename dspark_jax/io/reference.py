@@ -81,7 +81,6 @@ IGNORED_KEYS = (r".*rotary_emb\.inv_freq",)
 _WIDTH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size",
                  "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 
-DEFAULT_NUM_ANCHORS = 512  # DeepSpec's default: what reference_config writes when given no value
 
 # Block layout of our DSpark and DFlash drafters, for the engines' `sample_from_anchor` flag.
 # The block is [x_p, MASK, ..., MASK] at positions p..p+gamma-1 and slot j is trained on the
@@ -209,7 +208,7 @@ def _target_model(target, mesh=None):
 # ---------------------------------------------------------------------------- config
 
 
-def reference_config(drafter: Drafter, num_anchors: int = DEFAULT_NUM_ANCHORS, dtype: str = "bfloat16") -> dict:
+def reference_config(drafter: Drafter, num_anchors: int, dtype: str = "bfloat16") -> dict:
     """config.json of the reference layout for `drafter`: DeepSpec's fields plus every field
     vLLM's and SGLang's DSpark loaders read (ENGINE_FIELDS)."""
     d = drafter.dcfg
@@ -389,8 +388,7 @@ def reference_tensors(drafter: Drafter, dtype: str = "bfloat16") -> dict[str, np
     return export_tensors(pure, REFERENCE_KEY_TABLE, drafter.dcfg.num_layers)
 
 
-def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str = "bfloat16",
-                    num_anchors: int = DEFAULT_NUM_ANCHORS, write: bool = True) -> None:
+def write_reference(drafter: Drafter, ref_dir: str | Path, dtype: str, num_anchors: int, write: bool = True) -> None:
     """Write the reference layout. Every process of a multi-host run calls it (gathering the tensors
     is a collective); only those with ``write`` write."""
     tensors = reference_tensors(drafter, dtype)
