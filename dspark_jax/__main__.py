@@ -27,6 +27,9 @@ COMMANDS = {
                            "per-chip serving memory of the engine (weights, KV caches, compiled round) for a preset"),
     "tpu-memory": Command("dspark_jax.bench.tpu_memory",
                           "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)"),
+    "tpu-predict": Command("dspark_jax.bench.tpu_predict",
+                           "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU compiler's cost "
+                           "model, beside published TPU runs (resumable)"),
     "embedded": Command("dspark_jax.embedded.__main__", "build / locate / verify / report the embedded default target"),
     "models": Command("dspark_jax.commands.models",
                       "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache"),

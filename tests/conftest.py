@@ -7,14 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-# XLA:CPU compiles the suite's many small programs with LLVM's optimiser off: on 2 cores the
-# suite is compile-bound (tests/engine/test_greedy.py 98 s -> 58 s) and these tiny programs run
-# about as fast unoptimised; the numerics (no fast-math either way) are the same programs'.
-# DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's default level. Set before jax is imported; subprocesses
-# inherit it (fake_devices_env keeps it).
-if (not os.environ.get("DSPARK_JAX_TEST_XLA_OPT")
-        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# XLA:CPU compiles the suite's many small programs with LLVM's optimiser off and with its older
+# loop emitters instead of the MLIR fusion emitters: on 2 cores the suite is compile-bound
+# (docs/status.md, "CI time") and these tiny programs run about as fast either way; the numerics
+# (no fast-math either way) are the same programs'. DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's
+# defaults. Set before jax is imported; subprocesses inherit them (fake_devices_env keeps them).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT"):
+    _flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _FAST_COMPILE if f.split("=")[0] not in _flags)]).strip()
 
 # The test extra installs libtpu (the TPU compiler, for deviceless compiles): with it present jax
 # would probe for a TPU at start-up in every process (seconds, and a page of warnings); the suite

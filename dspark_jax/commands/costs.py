@@ -1,21 +1,21 @@
-"""`python -m dspark_jax costs measure | roofline | show | plot`: verification cost tables measured on
-the engine's compiled round (engine/timing.py), written from a roofline model, shown or plotted
-(the table format: dspark_jax/scheduler/costs.py)."""
+"""`python -m dspark_jax costs measure | predict | roofline | show | plot`: verification cost tables
+measured on the engine's compiled round (engine/timing.py), predicted by the TPU compiler for a
+Cloud TPU slice (engine/predict.py), written from a roofline model, shown or plotted (the table
+format: dspark_jax/scheduler/costs.py)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
-from dspark_jax.cli import KIND_NAMES, report_user_errors
+from dspark_jax.cli import KIND_NAMES, add_kv_pages_argument, parse_mesh_shape, report_user_errors
 
 
 def _build_engine(args):
     """The engine to time: random models of a config's (or the tiny) shapes, whose timing does not
     depend on the weights' values, or a checkpoint directory with a trained drafter directory, the
     models that will serve."""
-    import dataclasses
-
     import jax.numpy as jnp
 
     from dspark_jax.commands.generate import load_models
@@ -103,6 +103,36 @@ def _cmd_measure(args) -> int:
     return 0
 
 
+def _cmd_predict(args) -> int:
+    import jax
+
+    from dspark_jax.config import ConfigError, from_cli
+    from dspark_jax.engine.predict import predict_table
+    from dspark_jax.parallel.slices import parse_slice
+    from dspark_jax.parallel.topology import slice_devices
+    from dspark_jax.scheduler.costs import FORMAT, write_checked
+
+    slc = parse_slice(args.topology)
+    mesh_shape = parse_mesh_shape(args.mesh, len(slice_devices(slc)))
+    cfg = from_cli([args.config])
+    if cfg.target.model is None:
+        raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=args.dtype))
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    log = lambda s: print(s, flush=True)
+    log(f"{args.config} on {slc.name} ({jax.__version__}, TPU compiler), mesh {mesh_shape}, {args.slots} slots x "
+        f"{args.context} tokens: compiling the draft, one round per bucket and the target-only step")
+    d = predict_table(cfg, slots=args.slots, context=args.context, topology=slc.name, mesh_shape=mesh_shape,
+                      gamma=args.gamma, kv_pages=args.kv_pages, temperature=args.temperature, buckets=buckets,
+                      target_only=not args.no_target_only, progress=log,
+                      draft_kinds=tuple(k for k in args.draft_kinds.split(",") if k))
+    d = {"format": FORMAT, "backend": "tpu", "device_kind": slc.name, **d,
+         "target": Path(args.config).stem, "drafter": cfg.drafter.kind}
+    path = write_checked(args.out, d)
+    log(f"wrote {path} (predicted, not measured)")
+    return 0
+
+
 def _cmd_roofline(args) -> int:
     from dspark_jax.scheduler.costs import roofline_table, write_checked
 
@@ -154,6 +184,26 @@ def main(argv=None) -> int:
     m.add_argument("--stat", default="median", choices=["median", "min"], help="min resists a shared, noisy host")
     m.add_argument("--draft-requests", default=None, help="also time drafting at these slot counts, e.g. 1,16,64")
     m.add_argument("--out", required=True, help="output JSON (e.g. configs/costs/<backend>_<model>.json)")
+    p = sub.add_parser("predict", help="predict a table for a Cloud TPU slice with the TPU compiler's cost model "
+                                       "(no TPU needed; libtpu)",
+                       description="Compiles the engine's programs for the slice on this machine (the draft, one round "
+                                   "per verification bucket, the target-only step) and writes the XLA:TPU cost model's "
+                                   "time of each as a cost table marked as predicted (docs/tpu_predictions.md).")
+    p.add_argument("config", help="a preset naming the target and drafter, e.g. configs/qwen3_8b_dspark.yaml")
+    p.add_argument("--topology", required=True, metavar="SLICE",
+                   help="Cloud TPU slice: v5e-8, v6e-8, v5p-8, v7x-8, ...")
+    p.add_argument("--slots", type=int, required=True, help="concurrent requests R the table prices")
+    p.add_argument("--context", type=int, default=2048, help="tokens per slot (prompt + completion)")
+    p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR", help="default 1,1,N: tensor parallel")
+    p.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="weights and compute of target and drafter, as served")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature folded into the programs")
+    p.add_argument("--buckets", default=None, help="comma-separated verification buckets (default: the engine's)")
+    p.add_argument("--no-target-only", action="store_true", help="skip compiling the target-only step")
+    p.add_argument("--draft-kinds", default="", help="also price these kinds' drafts (same preset), e.g. dflash,mtp1")
+    add_kv_pages_argument(p)
+    p.add_argument("--out", required=True, help="output JSON, e.g. configs/costs/predicted/v6e-8_qwen3_8b_r8.json")
     r = sub.add_parser("roofline", help="write the synthetic accelerator-shaped table (documented roofline model)")
     r.add_argument("--out", default="configs/costs/accelerator_synthetic.json")
     s = sub.add_parser("show", help="print a cost table")
@@ -166,4 +216,6 @@ def main(argv=None) -> int:
     if args.cmd == "measure" and args.drafter not in (*KIND_NAMES, "none") and not Path(args.drafter).is_dir():
         ap.error(f"--drafter {args.drafter!r}: give a kind ({', '.join(KIND_NAMES)}, none) "
                  "or a trained drafter directory")
-    return {"measure": _cmd_measure, "roofline": _cmd_roofline, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)
+    run = {"measure": _cmd_measure, "predict": _cmd_predict, "roofline": _cmd_roofline, "show": _cmd_show,
+           "plot": _cmd_plot}
+    return run[args.cmd](args)

@@ -27,6 +27,7 @@ from dspark_jax.cli import (
     PLAN_PROGRAMS,
     add_kv_pages_argument,
     add_prefill_chunk_argument,
+    parse_mesh_shape,
     prefill_chunk,
     report_user_errors,
 )
@@ -71,12 +72,7 @@ def main(argv=None) -> int:
         hbm = hbm or device_hbm_gib(args.topology)
     else:
         n = 8
-    text = args.mesh or f"1,1,{n}"
-    try:
-        mesh_shape = tuple(int(x) for x in text.split(","))
-        assert len(mesh_shape) == 3
-    except (ValueError, AssertionError):
-        raise ValueError(f"--mesh {text!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8") from None
+    mesh_shape = parse_mesh_shape(args.mesh, n)
     if not args.topology:
         jax.config.update("jax_num_cpu_devices", mesh_shape[0] * mesh_shape[1] * mesh_shape[2])
         jax.config.update("jax_platforms", "cpu")

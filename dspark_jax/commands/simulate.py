@@ -32,6 +32,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dflash-traces", default=None)
     ap.add_argument("--mtp-traces", default=None)
     ap.add_argument("--synthetic-traces", action="store_true", help="parametric traces (traces.synthetic_traces)")
+    ap.add_argument("--acceptance", default=None, metavar="PROFILE",
+                    help="DSpark acceptance from a published tau instead of traces: a named profile "
+                         "(calibration/profiles.py, e.g. deepspec-8b-gsm8k-dspark), tau:X or rates:r1,...,rG "
+                         "(gamma = the cost table's)")
+    ap.add_argument("--dflash-acceptance", default=None, metavar="PROFILE", help="the same for DFlash")
+    ap.add_argument("--overhead-ms", type=float, default=0.0,
+                    help="added to every round (host overhead a predicted table does not hold: "
+                         "docs/tpu_predictions.md)")
+    ap.add_argument("--expect-topology", default=None, help="refuse a table made for another slice")
+    ap.add_argument("--expect-target", default=None, help="refuse a table made for another target preset")
     ap.add_argument("--mtp-accept", type=float, default=0.85,
                     help="MTP-1 acceptance when no MTP traces (DeepSeek-V3 reports 85-90 %%)")
     ap.add_argument("--drafter", dest="drafter_dir", default=None, help="read STS temperatures from <dir>/sts.json")
@@ -50,8 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", dest="out_dir", required=True, help="output directory")
     args = ap.parse_args(argv)
+    from dspark_jax.calibration.profiles import parse_profile, profile_traces
     from dspark_jax.calibration.traces import load_traces, synthetic_traces
-    from dspark_jax.scheduler.costs import load_cost_file
+    from dspark_jax.scheduler.costs import describe_table, expect_table_for, load_cost_file, with_overhead
     from dspark_jax.scheduler.simulate import (
         SCHEDULED,
         default_methods,
@@ -62,7 +73,23 @@ def main(argv=None) -> int:
     )
 
     cost = load_cost_file(args.costs)
-    if args.traces:
+    expect_table_for(cost, args.costs, topology=args.expect_topology, target=args.expect_target)
+    print(describe_table(cost, args.costs))
+    if args.overhead_ms:
+        cost = with_overhead(cost, args.overhead_ms / 1e3, "--overhead-ms")
+    if args.acceptance:
+        gamma = int((cost.get("engine") or {}).get("gamma") or 7)
+        traces, parts = {}, []
+        for k, text in (("dspark", args.acceptance), ("dflash", args.dflash_acceptance)):
+            if text:
+                prof = parse_profile(text, kind=k, gamma=gamma)
+                if prof.gamma != gamma:
+                    raise ValueError(f"acceptance profile {text!r} is for gamma {prof.gamma}, the cost table's engine "
+                                     f"drafts gamma {gamma}: use a profile of that block size or tau:X")
+                traces[k] = profile_traces(prof)
+                parts.append(f"{k}: {prof.source} (tau {prof.tau:g})")
+        source = "acceptance profiles: " + "; ".join(parts)
+    elif args.traces:
         traces = {"dspark": load_traces(args.traces).full_gamma()}
         for k, p in (("dflash", args.dflash_traces), ("mtp1", args.mtp_traces)):
             if p:
@@ -75,7 +102,7 @@ def main(argv=None) -> int:
         source = "SYNTHETIC traces (traces.synthetic_traces presets: " + "; ".join(
             f"{k}: tau {t.tau():.2f}" for k, t in traces.items()) + ")"
     else:
-        ap.error("give --traces FILE (real) or --synthetic-traces")
+        ap.error("give --traces FILE (real), --acceptance PROFILE or --synthetic-traces")
     temps, temps_src = _load_temps(args, traces["dspark"])
     conc = [int(c) for c in args.concurrency.split(",")]
     methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)

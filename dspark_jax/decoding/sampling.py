@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "sample_with_noise", "exponential_noise",
            "first_argmax", "probs_from_params"]
@@ -53,11 +54,19 @@ def _truncate_sorted(s_logits, k, k_on, tp):
 
 def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
     """Which of `sampling_probs`' paths serves every given row: 0 plain, 1 top-k <= TOPK_CAP,
-    2 full sort; plus 3 when some row is greedy (its one-hot argmax is needed too).
+    2 full sort; plus 3 when some row is greedy (its one-hot argmax is needed too). Settings
+    known when the program is traced (constants, not arguments) give a Python int, so the
+    program holds only that path (what a cost model can price: engine/predict.py).
 
     Pass it as `path=` when `sampling_probs` runs under a per-row `vmap`: computed there, the
     index would be batched and `lax.switch` would run all three paths (and the greedy argmax)
     for every row."""
+    if not any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p)):
+        t, k, tp = (np.asarray(x, dt) for x, dt in zip((temperature, top_k, top_p),
+                                                         (np.float32, np.int32, np.float32)))
+        k_on = (k > 0) & (k < vocab_size)
+        branch = 0 if np.all(~k_on & (tp >= 1.0)) else 1 if np.all(k_on & (k <= min(TOPK_CAP, vocab_size))) else 2
+        return int(branch + 3 * bool(np.any(t <= 0.0)))
     t = jnp.asarray(temperature, jnp.float32)
     k = jnp.asarray(top_k, jnp.int32)
     tp = jnp.asarray(top_p, jnp.float32)
@@ -146,12 +155,17 @@ def sampling_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0, path=
         probs = jnp.where(keep_p, probs, 0.0)
         return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
-    path = sampling_path(t, k, tp, V) if path is None else path
-    probs = jax.lax.switch(path % 3, (plain, small_k, bisect), None)
+    path = sampling_path(temperature, top_k, top_p, V) if path is None else path
+    paths = (plain, small_k, bisect)
 
     def with_greedy_rows(probs):
         one_hot = jax.nn.one_hot(first_argmax(logits), V, dtype=jnp.float32)
         return jnp.where(greedy[..., None], one_hot, probs)
+
+    if isinstance(path, int):  # known when traced: only that path is in the program
+        probs = paths[path % 3](None)
+        return with_greedy_rows(probs) if path >= 3 else probs
+    probs = jax.lax.switch(path % 3, paths, None)
 
     # The argmax over V only when some row is greedy.
     return jax.lax.cond(path >= 3, with_greedy_rows, lambda p: p, probs)

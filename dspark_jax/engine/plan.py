@@ -5,9 +5,12 @@ shardings, and the compiler's figures for the programs the server compiles (the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -67,6 +70,63 @@ def plan_mesh(mesh_shape: tuple[int, int, int], topology: str | None = None):
     return make_mesh(d, f, t, devices=jax.devices()[:n])
 
 
+class AbstractEngine(NamedTuple):
+    """An Engine built on abstract models (nothing allocated) for a mesh, with the shardings of
+    its arguments: what the plan and the predicted cost tables compile."""
+
+    eng: Engine
+    mesh: object
+    tg: object  # target graph
+    tstate: object  # abstract target state
+    dg: object  # drafter graph
+    dparams: object
+    dfrozen: object
+    state: object  # abstract DecodeState
+    state_sh: object
+    t_sh: object
+    dp_sh: object
+    dfz_sh: object
+
+    def darrays(self, dp, dfz):
+        """The drafter's arrays as the round reads them ({} for target-only)."""
+        return nnx.merge(self.dg, dp, dfz).arrays() if self.eng.G else {}
+
+
+def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", drafter: bool = True,
+                    drafter_in_target_dtype: bool = False) -> AbstractEngine:
+    """`policy` "scheduled": the production scheduler with the skip rule (a cost table of the
+    engine's buckets); `drafter=False`: the target-only engine; `drafter_in_target_dtype`: the
+    drafter's weights cast to the target's dtype, as a trained drafter is loaded to serve."""
+    target, dmodel = abstract_models(cfg)
+    tg, tstate = nnx.split(target)
+    dg, dparams, dfrozen = nnx.split(dmodel, nnx.Param, Frozen)
+    if drafter_in_target_dtype and cfg.target.dtype == "bfloat16":
+        dparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
+                               if jnp.issubdtype(x.dtype, jnp.floating) else x, dparams)
+    if not drafter:
+        dparams, dfrozen = {}, {}
+    box = {}
+
+    def build(ts, dp, dfz, table=None):  # the Engine's static parts, built on abstract models (nothing allocated)
+        kw = {} if table is None else dict(policy="production", skip_drafting="known")
+        d = nnx.merge(dg, dp, dfz) if drafter else None
+        box["eng"] = Engine(nnx.merge(tg, ts), d, dataclasses.replace(config, **kw), table=table)
+        return 0
+
+    with jax.set_mesh(mesh):  # kernels are chosen for the mesh's platform (parallel/platform.py)
+        jax.eval_shape(build, tstate, dparams, dfrozen)
+        if policy == "scheduled":  # a cost table of the engine's own buckets (its values do not change shapes)
+            b = box["eng"].priced_buckets
+            table = prefix.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, as_numpy=True)
+            jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
+    eng = box["eng"]
+    st = jax.eval_shape(eng._fresh_state)
+    return AbstractEngine(eng=eng, mesh=mesh, tg=tg, tstate=tstate, dg=dg, dparams=dparams, dfrozen=dfrozen,
+                          state=st, state_sh=decode_shardings(st, mesh),
+                          **dict(zip(("t_sh", "dp_sh", "dfz_sh"),
+                                     (state_shardings(x, mesh) for x in (tstate, dparams, dfrozen)))))
+
+
 def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma: int | None = None,
          compile_round: bool = False, kv_pages: tuple[int, int] | None = None,
          prefill_chunk: int | None = None, topology: str | None = None, policy: str = "fixed",
@@ -84,31 +144,11 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     if unknown:
         raise ValueError(f"programs {unknown} are not among {PROGRAMS}")
     mesh = plan_mesh(mesh_shape, topology)
-    target, dmodel = abstract_models(cfg)
-    tg, tstate = nnx.split(target)
-    dg, dparams, dfrozen = nnx.split(dmodel, nnx.Param, Frozen)
-    if not drafter:
-        dparams, dfrozen = {}, {}
-    box = {}
-
-    def build(ts, dp, dfz, table=None):  # the Engine's static parts, built on abstract models (nothing allocated)
-        kw = {} if table is None else dict(policy="production", skip_drafting="known")
-        d = nnx.merge(dg, dp, dfz) if drafter else None
-        config = EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
-                              prefill_chunk=prefill_chunk, **kw)
-        box["eng"] = Engine(nnx.merge(tg, ts), d, config, table=table)
-        return 0
-
-    with jax.set_mesh(mesh):  # kernels are chosen for the mesh's platform (parallel/platform.py)
-        jax.eval_shape(build, tstate, dparams, dfrozen)
-        if policy == "scheduled":  # a cost table of the engine's own buckets (its values do not change shapes)
-            b = box["eng"].priced_buckets
-            table = prefix.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, as_numpy=True)
-            jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
-    eng = box["eng"]
-    st = jax.eval_shape(eng._fresh_state)
-    st_sh = decode_shardings(st, mesh)
-    t_sh, dp_sh, dfz_sh = (state_shardings(x, mesh) for x in (tstate, dparams, dfrozen))
+    ab = abstract_engine(cfg, mesh, EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
+                                                  prefill_chunk=prefill_chunk), policy=policy, drafter=drafter)
+    eng, st, st_sh = ab.eng, ab.state, ab.state_sh
+    tg, tstate, dg, dparams, dfrozen = ab.tg, ab.tstate, ab.dg, ab.dparams, ab.dfrozen
+    t_sh, dp_sh, dfz_sh = ab.t_sh, ab.dp_sh, ab.dfz_sh
     leaves = lambda tree, sh: sum(_chip_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),

@@ -32,6 +32,7 @@ t_draft`` (the draft of the same time window). The core,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -44,21 +45,48 @@ from dspark_jax.drafter.registry import get_kind
 from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
 
-__all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "load_cost_file", "load_cost_table",
+__all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "PREDICTED_ON", "table_origin", "describe_table",
+           "expect_table_for", "with_overhead", "load_cost_file", "load_cost_table",
            "save_cost_file", "measure_table", "bucket_plan", "time_call", "draft_time_at", "draft_time_for",
            "roofline_table", "roofline_time", "plot_tables", "write_checked"]
 
 FORMAT = "dspark_cost_table/1"
+log = logging.getLogger(__name__)
 
 
 class CostTableError(ValueError):
     pass
 
 
+PREDICTED_ON = "xla_tpu_cost_model"  # engine/predict.py marks its tables so
+
+
+def table_origin(d: dict) -> str:
+    """"predicted" (by the TPU compiler's cost model), "synthetic" (a roofline model) or "measured"."""
+    if d.get("predicted_on") == PREDICTED_ON:
+        return "predicted"
+    if str(d.get("backend", "")).startswith("synthetic"):
+        return "synthetic"
+    return "measured"
+
+
+def describe_table(d: dict, where: str) -> str:
+    """One line naming a table's origin, for every place that shows or uses one."""
+    origin = table_origin(d)
+    what = {"predicted": f"PREDICTED (not measured) for {d.get('device_kind')} by the XLA:TPU cost model",
+            "synthetic": "SYNTHETIC (a roofline model, not measured)",
+            "measured": f"measured on {d.get('backend')} ({d.get('device_kind')})"}[origin]
+    return f"cost table {where}: {what}"
+
+
 def _check(d: dict, where: str, expect_backend=None, expect_buckets=None) -> None:
     if d.get("format") != FORMAT:
         raise CostTableError(f"{where}: not a cost table (format {d.get('format')!r}, expected {FORMAT!r}); "
                              "write it with `python -m dspark_jax costs measure`")
+    if not str(d.get("provenance") or "").strip():
+        raise CostTableError(f"{where}: the table says nowhere where its times come from (no 'provenance'): a "
+                             "table is measured (`costs measure`), predicted (`costs predict`) or synthetic "
+                             "(`costs roofline`); write it again with one of them")
     b, tv = d.get("buckets"), d.get("t_verify")
     if not isinstance(b, list) or not isinstance(tv, list) or len(b) != len(tv) or not b:
         raise CostTableError(f"{where}: 'buckets' and 't_verify' must be non-empty lists of equal length")
@@ -77,6 +105,11 @@ def _check(d: dict, where: str, expect_backend=None, expect_buckets=None) -> Non
         if bad.any():
             raise CostTableError(f"{where}: {name} has non-positive or non-finite time(s) {t[bad].tolist()}: "
                                  "every step takes time; re-measure the table")
+    if expect_backend is not None and table_origin(d) != "measured":
+        raise CostTableError(f"{where}: {describe_table(d, where).split(': ', 1)[1]}: a live engine schedules with "
+                             "times measured on its own hardware; measure a table there with "
+                             "`python -m dspark_jax costs measure` (predicted and synthetic tables are for "
+                             "`python -m dspark_jax simulate`)")
     if expect_backend is not None and d.get("backend") != expect_backend:
         raise CostTableError(f"{where}: measured on backend {d.get('backend')!r} ({d.get('device_kind')}), this run is "
                              f"on {expect_backend!r}: measure a table here with `python -m dspark_jax costs measure`")
@@ -96,9 +129,33 @@ def load_cost_file(path, expect_backend=None, expect_buckets=None) -> dict:
 
 
 def load_cost_table(path, expect_backend=None, expect_buckets=None, as_numpy=False) -> CostTable:
-    """Load a cost file as the scheduler's CostTable (see module doc for the checks)."""
+    """Load a cost file as the scheduler's CostTable (see module doc for the checks); its origin
+    is logged."""
     d = load_cost_file(path, expect_backend, expect_buckets)
+    log.info(describe_table(d, str(path)))
     return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], as_numpy=as_numpy)
+
+
+def expect_table_for(d: dict, where: str, **expected) -> None:
+    """Refuse a table made for another setting: each of `expected` (e.g. topology="v6e-8",
+    target="configs/qwen3_8b_dspark.yaml", drafter="dspark") that the table records and that
+    differs is named, with both values."""
+    bad = [f"{k} {d.get(k)!r} (wanted {v!r})" for k, v in expected.items()
+           if v is not None and d.get(k) is not None and str(d.get(k)) != str(v)]
+    if bad:
+        raise CostTableError(f"{where}: made for another setting: {', '.join(bad)}; predict or measure a table for "
+                             "this one")
+
+
+def with_overhead(d: dict, seconds: float, source: str) -> dict:
+    """The table with `seconds` added to every round (host overhead, launch latency: what a
+    cost model does not see), recorded with its source."""
+    if not seconds >= 0:
+        raise CostTableError(f"overhead {seconds} s: must be >= 0")
+    out = {**d, "t_verify": [t + seconds for t in d["t_verify"]], "overhead_s": seconds, "overhead_source": source}
+    if "t_target_step" in d:
+        out["t_target_step"] = d["t_target_step"] + seconds
+    return out
 
 
 def draft_time_at(d: dict, n_requests: int) -> float:

@@ -263,6 +263,8 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     acc = np.minimum(k, l)
     B = np.sum(1 + l, axis=1)
     times = np.where(drafted, t_draft, 0.0) + _verify_cost(B, table_np, charge)
+    if method.kind == "ar" and "t_target_step" in cost and (cost.get("engine") or {}).get("num_slots") == R:
+        times = np.full(T, float(cost["t_target_step"]))  # a predicted table prices the target-only step at its R
     tokens = np.sum(acc + 1, axis=1)
     total = float(tokens.sum() / times.sum()) if np.all(np.isfinite(times)) else float("nan")
     res = SimResult(method.name, R, total, total / R, float(np.mean(1 + l)), float(np.mean(acc + 1)),

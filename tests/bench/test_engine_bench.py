@@ -29,7 +29,8 @@ def test_speed_section_times_scheduled_dspark_on_a_table_for_its_batch(embedded_
 
     table = tmp_path / "r1.json"
     table.write_text(json.dumps({"format": "dspark_cost_table/1", "backend": jax.default_backend(),
-                                 "buckets": [1, 2, 4, 8], "t_verify": [1.0, 1.1, 1.3, 1.8], "t_draft": 0.6}))
+                                 "buckets": [1, 2, 4, 8], "t_verify": [1.0, 1.1, 1.3, 1.8], "t_draft": 0.6,
+                                 "provenance": "a test table"}))
     out = tmp_path / "engine.json"
     assert main(["--target", str(embedded_tiny_dir), "--sections", "speed", "--reps", "1", "--num-prompts", "8",
                  "--max-new-tokens", "6", "--temperature", "0", "--batch-sizes", "1", "--costs", f"1={table}",

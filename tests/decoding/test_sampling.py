@@ -161,3 +161,26 @@ def test_no_vocabulary_sort_and_exact_tie_split():
         np.testing.assert_allclose(pr, ref_sampling_probs(np.asarray(lg[0]), 1.0, 0, tp), atol=1e-6)
         kept = np.flatnonzero(pr > 0)
         assert kept.tolist() == list(range(len(kept)))  # a prefix in index order among ties
+
+
+def test_settings_known_when_traced_give_one_path_with_the_same_probabilities():
+    """Constants (not arguments) pick the path in Python, so the program holds only that path
+    (what the TPU cost model prices); its probabilities are the run-time choice's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.decoding.sampling import sampling_path, sampling_probs
+
+    logits = jax.random.normal(jax.random.key(0), (4, 300))
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.0, 200, 0.8), (0.0, 0, 1.0)]:
+        consts = tuple(np.full(4, v, dt) for v, dt in ((t, np.float32), (k, np.int32), (p, np.float32)))
+        path = sampling_path(*consts, 300)
+        assert isinstance(path, int)
+        assert path == int(jax.jit(sampling_path, static_argnums=3)(*consts, 300))  # traced: the same choice
+        folded = jax.jit(lambda x: sampling_probs(x, *consts))(logits)
+        traced = jax.jit(lambda x, a, b, c: sampling_probs(x, a, b, c))(logits, *consts)
+        np.testing.assert_allclose(np.asarray(folded), np.asarray(traced), atol=1e-6)
+        text = jax.jit(lambda x: sampling_probs(x, *consts)).lower(logits).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text  # no switch or cond left
+    assert jnp.isdtype(folded.dtype, "real floating")

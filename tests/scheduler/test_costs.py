@@ -6,17 +6,22 @@ import pytest
 from dspark_jax.engine.timing import measure_engine, verify_gamma_policy
 from dspark_jax.scheduler.costs import (
     MEASURED_ON,
+    PREDICTED_ON,
     CostTableError,
     MeasureError,
     bucket_plan,
+    describe_table,
     draft_time_at,
     draft_time_for,
+    expect_table_for,
     load_cost_file,
     load_cost_table,
     measure_table,
     roofline_table,
     save_cost_file,
+    table_origin,
     time_call,
+    with_overhead,
 )
 
 BK = [4, 8, 16]
@@ -251,3 +256,51 @@ def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_di
 
         _build_engine(argparse.Namespace(model="micro", drafter=str(tiny_dspark_drafter_dir), gamma=4,
                                          dtype="float32", num_slots=1, max_len=32, buckets=None))
+
+
+def _predicted(tmp_path, **over):
+    d = json.loads(_save(tmp_path, backend="tpu", device_kind="v6e-8").read_text())
+    d.update({"predicted_on": PREDICTED_ON, "topology": "v6e-8", "target": "qwen3_8b_dspark", "drafter": "dspark",
+              "provenance": "predicted by the XLA:TPU cost model, v6e-8, libtpu 0.0.42.1", **over})
+    path = tmp_path / "predicted.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_a_table_without_provenance_is_refused(tmp_path):
+    d = json.loads(_save(tmp_path).read_text())
+    for missing in ({}, {"provenance": "  "}):
+        d.pop("provenance", None)
+        d.update(missing)
+        (tmp_path / "x.json").write_text(json.dumps(d))
+        with pytest.raises(CostTableError, match="says nowhere where its times come from"):
+            load_cost_file(tmp_path / "x.json")
+
+
+def test_a_predicted_table_is_refused_where_a_measured_one_is_required(tmp_path):
+    p = _predicted(tmp_path)
+    d = load_cost_file(p)  # for the simulator
+    assert table_origin(d) == "predicted" and "PREDICTED (not measured) for v6e-8" in describe_table(d, "p")
+    with pytest.raises(CostTableError, match=r"PREDICTED .* a live engine schedules with times measured .* "
+                                             r"costs measure"):
+        load_cost_table(p, expect_backend="tpu")  # even on the backend it names
+    assert table_origin(load_cost_file(_save(tmp_path))) == "measured"
+    assert table_origin(roofline_table()) == "synthetic"
+
+
+def test_a_table_for_another_slice_target_or_drafter_is_refused_naming_both(tmp_path):
+    d = load_cost_file(_predicted(tmp_path))
+    expect_table_for(d, "t.json", topology="v6e-8", target="qwen3_8b_dspark", drafter="dspark")  # all match
+    with pytest.raises(CostTableError, match=r"topology 'v6e-8' \(wanted 'v5e-8'\), target 'qwen3_8b_dspark' "
+                                             r"\(wanted 'qwen3_4b_dspark'\)"):
+        expect_table_for(d, "t.json", topology="v5e-8", target="qwen3_4b_dspark", drafter="dspark")
+
+
+def test_overhead_is_added_to_every_round_and_recorded(tmp_path):
+    d = {**load_cost_file(_predicted(tmp_path)), "t_target_step": 2e-3}
+    o = with_overhead(d, 1e-3, "fitted to a published point")
+    np.testing.assert_allclose(o["t_verify"], np.asarray(d["t_verify"]) + 1e-3)
+    assert o["t_target_step"] == pytest.approx(3e-3) and o["t_draft"] == d["t_draft"]
+    assert o["overhead_s"] == 1e-3 and o["overhead_source"] == "fitted to a published point"
+    with pytest.raises(CostTableError, match=">= 0"):
+        with_overhead(d, -1e-3, "x")

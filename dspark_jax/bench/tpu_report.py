@@ -1,0 +1,239 @@
+"""docs/tpu_predictions.md from predicted cost tables: the comparison with published TPU runs, the
+overhead model, the serving simulation per slice, target and concurrency, and the plots
+(`python -m dspark_jax tpu-predict`, bench/tpu_predict.py, makes the tables)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_jax.calibration.profiles import PROFILES, Profile, profile_traces
+from dspark_jax.calibration.sts import fit_sts
+from dspark_jax.scheduler.costs import with_overhead
+from dspark_jax.scheduler.simulate import Method, simulate_method
+
+__all__ = ["PUBLISHED", "fixed_speedup", "fit_overhead", "write_report"]
+
+BEGIN, END = "<!-- tpu_predictions:begin -->", "<!-- tpu_predictions:end -->"
+PUBLISHED = {
+    "sglang-jax": dict(
+        source="sglang-jax DSpark Stage 1: TPU v7x-8, Qwen3-8B + the block-7 DSpark drafter, bf16, TP 8, pages of 64, "
+               "random 1024-token prompts, 4096 output tokens, fixed width 8, greedy",
+        speedup={1: 5.03, 8: 3.98, 32: 3.41, 128: 3.18}, target_only_tps_c1=107.0),
+    "tpu-inference": dict(
+        source="tpu-inference DFlash: TPU v5p-8, Qwen3-4B + DFlash K = 16, batch 1, greedy, mean over its sets",
+        speedup=3.13, tau=5.42),
+}
+MTP1_ACCEPT = 0.85  # DeepSeek-V3's reported MTP acceptance (85-90 %), as `simulate --mtp-accept`
+METHODS = (Method("target-only", "ar", None), Method("MTP-1", "mtp1", None),
+           Method("DFlash gamma=7", "fixed", "dflash", gamma=7), Method("DSpark gamma=7", "fixed", "dspark", gamma=7),
+           Method("DSpark scheduled", "production", "dspark", skip="known"))
+
+
+def _load(cache: Path, key: str) -> dict | None:
+    p = cache / f"{key}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _round_at(d: dict, tokens: int) -> float:
+    """Draft + verification of a round verifying `tokens` (the bucket it lands in)."""
+    b = next(i for i, x in enumerate(d["buckets"]) if x >= tokens)
+    return d["t_draft"] + d["t_verify"][b]
+
+
+def fixed_speedup(d: dict, tau: float, width: int, overhead: float) -> float:
+    """Per-user speedup of fixed-width speculation over target-only at the table's R: each round
+    commits tau tokens per request in draft + verify(R x width) + overhead, target-only one in
+    step + overhead."""
+    r = d["engine"]["num_slots"]
+    return tau * (d["t_target_step"] + overhead) / (_round_at(d, r * width) + overhead)
+
+
+def fit_overhead(d_c1: dict) -> float:
+    """One host overhead per round (seconds): sglang-jax's target-only time per token at
+    concurrency 1 minus the compiler's target step."""
+    return 1.0 / PUBLISHED["sglang-jax"]["target_only_tps_c1"] - d_c1["t_target_step"]
+
+
+def _traces(profiles: dict[str, Profile]) -> dict:
+    return {k: profile_traces(p) for k, p in profiles.items()}
+
+
+def _simulate(d: dict, traces: dict, overhead: float, rounds: int) -> dict:
+    cost = with_overhead(d, overhead, "fitted")
+    r = d["engine"]["num_slots"]
+    full = traces["dspark"].full_gamma()
+    temps = fit_sts(full.conf_logits, full.accepted)
+    return {m.name: simulate_method(m, r, cost, traces, temps, n_rounds=rounds, seed=0, mtp_accept=MTP1_ACCEPT,
+                                    R_pad=256) for m in METHODS}
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.2f}"
+
+
+def _comparison(cache: Path, lines: list[str]) -> float | None:
+    sg = {r: _load(cache, f"sglang-v7x-8-qwen3_8b_dspark-r{r}") for r in (1, 8, 32, 128)}
+    if sg[1] is None:
+        lines.append("The v7x-8 tables are not predicted yet: run `python -m dspark_jax tpu-predict --only sglang`.")
+        return None
+    pub = PUBLISHED["sglang-jax"]
+    h = fit_overhead(sg[1])
+    t1 = sg[1]
+    tau = pub["speedup"][1] * (_round_at(t1, 8) + h) / (t1["t_target_step"] + h)
+    lines += ["## Held against published TPU runs", "",
+              f"**sglang-jax** ({pub['source']}). The compiler's target-only step for Qwen3-8B on v7x-8 at "
+              f"concurrency 1 is {_ms(t1['t_target_step'])} ms; sglang-jax measured {pub['target_only_tps_c1']:g} "
+              f"tok/s there, {1e3 / pub['target_only_tps_c1']:.2f} ms a token. The difference, "
+              f"**{_ms(h)} ms per round**, is the one overhead term of this model (host work, launches, "
+              "collectives the cost model does not time), fitted to that one published point and added to every "
+              "round of every method, slice and concurrency below. With it, the one tau that reproduces "
+              f"the 5.03x at c = 1 is **{tau:.2f}** (DeepSpec's third-party evaluation of the same drafter: "
+              "gsm8k 6.15, math500 5.80, humaneval 5.53, mbpp 5.17, mt-bench 3.72; "
+              f"{'within' if 3.72 <= tau <= 6.15 else 'outside'} that range, "
+              "plausible for random prompts only if they read like the chat data it was trained on).", "",
+              "| concurrency | draft (ms) | round, width 8 (ms) | target step (ms) | predicted | measured | "
+              "predicted / measured |", "|---|---|---|---|---|---|---|"]
+    for r, d in sg.items():
+        if d is None:
+            lines.append(f"| {r} | not predicted yet | | | | {pub['speedup'][r]:.2f}x | |")
+            continue
+        p = fixed_speedup(d, tau, 8, h)
+        m = pub["speedup"][r]
+        lines.append(f"| {r} | {_ms(d['t_draft'])} | {_ms(_round_at(d, 8 * r))} | {_ms(d['t_target_step'])} | "
+                     f"{p:.2f}x | {m:.2f}x | {p / m:.2f}{' (fitted)' if r == 1 else ''} |")
+    ti = _load(cache, "tpu-inference-v5p-8-qwen3_4b_dflash-k16")
+    k128 = _load(cache, "tpu-inference-v5p-8-qwen3_4b_dflash-k128")
+    pub = PUBLISHED["tpu-inference"]
+    lines += ["", f"**tpu-inference** ({pub['source']}), at its published tau {pub['tau']}:", ""]
+    if ti is None:
+        lines.append("not predicted yet: `python -m dspark_jax tpu-predict --only tpu-inference`.")
+    else:
+        p, p0 = fixed_speedup(ti, pub["tau"], 16, h), fixed_speedup(ti, pub["tau"], 16, 0.0)
+        lines += [f"- Qwen3-4B on v5p-8 (4 chips, TP 4): target step {_ms(ti['t_target_step'])} ms, DFlash draft "
+                  f"{_ms(ti['t_draft'])} ms, round verifying 16 {_ms(_round_at(ti, 16))} ms: predicted **{p:.2f}x** "
+                  f"with the overhead ({p0:.2f}x from the compiler alone) against the measured {pub['speedup']}x: "
+                  f"ratio {p / pub['speedup']:.2f}."]
+    if k128 is not None:
+        v = dict(zip(k128["buckets"], k128["t_verify"]))
+        lines.append(f"- K-flat: verification of 128 tokens {_ms(v[128])} ms against 16 tokens {_ms(v[16])} ms "
+                     f"({v[128] / v[16]:.2f}x; {(v[128] + h) / (v[16] + h):.2f}x with the overhead); tpu-inference "
+                     "measured the same time for K = 128 as for K = 16 at batch 1.")
+    return h
+
+
+def _grid(cache: Path, entries: list[dict], h: float, rounds: int, lines: list[str], plots: Path) -> None:
+    profiles = {"gsm8k": {"dspark": PROFILES["paper-4b-gsm8k-dspark"], "dflash": PROFILES["paper-4b-gsm8k-dflash"]},
+                "arena-hard": {"dspark": PROFILES["paper-4b-arena-hard-dspark"],
+                               "dflash": PROFILES["paper-4b-arena-hard-dflash"]}}
+    traces = {name: _traces(p) for name, p in profiles.items()}
+    grid = [e for e in entries if e["key"].startswith("grid-")]
+    lines += ["", "## Every method on every slice", "",
+              f"Tensor parallel over the slice's devices, {grid[0]['context'] if grid else ''} tokens of KV per "
+              "request (dense caches), greedy, bf16, the presets' drafters (DSpark and DFlash 5 layers, block "
+              f"7). Acceptance: the paper's Qwen3-4B tau on GSM8K (DSpark 6.11, DFlash 5.40) and Arena-Hard "
+              f"(3.29, 2.83) (calibration/profiles.py); MTP-1 accepts {MTP1_ACCEPT:.0%}. Every round pays the "
+              f"fitted {_ms(h)} ms overhead. Speedup = total tokens/s over target-only's at the same concurrency; "
+              "'scheduled': the production scheduler with the engine's skip rule on STS-calibrated confidences.", ""]
+    results = {}
+    for e in grid:
+        d = _load(cache, e["key"])
+        if d is not None:
+            for pname, tr in traces.items():
+                results[(e["preset"], e["slice"], e["slots"], pname)] = _simulate(d, tr, h, rounds)
+    names = [m.name for m in METHODS]
+    for pname in traces:
+        lines += [f"### {pname} acceptance", "",
+                  "| target | slice | c | target-only tok/s | " + " | ".join(names[1:]) + " |",
+                  "|---|---|---|---|" + "---|" * (len(names) - 1)]
+        for e in grid:
+            res = results.get((e["preset"], e["slice"], e["slots"], pname))
+            if res is None:
+                if pname == "gsm8k":
+                    lines.append(f"| {e['preset']} | {e['slice']} | {e['slots']} | not predicted yet |"
+                                 + " |" * (len(names) - 1))
+                continue
+            base = res["target-only"].total_tps
+            lines.append(f"| {e['preset'].removesuffix('_dspark')} | {e['slice']} | {e['slots']} | {base:.0f} | "
+                         + " | ".join(f"{res[n].total_tps / base:.2f}x" for n in names[1:]) + " |")
+        lines.append("")
+    _crossovers(results, lines)
+    _plots(results, plots, lines)
+
+
+def _crossovers(results: dict, lines: list[str]) -> None:
+    keys = sorted({k[:2] for k in results})
+    if not keys:
+        return
+    lines += ["## The scheduler on TPU shapes", "",
+              "Lowest concurrency at which fixed gamma 7 falls below target-only, and the scheduled DSpark's "
+              "worst ratio to target-only over every concurrency predicted (GSM8K and Arena-Hard acceptance):", "",
+              "| target | slice | fixed gamma 7 < target-only from c = | scheduled / target-only, worst | "
+              "scheduled / fixed gamma 7 at the largest c |", "|---|---|---|---|---|"]
+    for preset, slc in keys:
+        cells = []
+        for what in ("cross", "worst", "last"):
+            vals = []
+            for pname in ("gsm8k", "arena-hard"):
+                rows = sorted((k[2], v) for k, v in results.items() if k[:2] == (preset, slc) and k[3] == pname)
+                if not rows:
+                    continue
+                ratio = lambda v, n: v[n].total_tps / v["target-only"].total_tps
+                if what == "cross":
+                    c = next((c for c, v in rows if ratio(v, "DSpark gamma=7") < 1.0), None)
+                    vals.append(f"{pname}: {c if c is not None else 'never'}")
+                elif what == "worst":
+                    vals.append(f"{pname}: {min(ratio(v, 'DSpark scheduled') for _, v in rows):.2f}x")
+                else:
+                    c, v = rows[-1]
+                    vals.append(f"{pname}: {v['DSpark scheduled'].total_tps / v['DSpark gamma=7'].total_tps:.2f}x "
+                                f"(c = {c})")
+            cells.append("; ".join(vals))
+        lines.append(f"| {preset.removesuffix('_dspark')} | {slc} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
+def _plots(results: dict, plots: Path, lines: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots.mkdir(parents=True, exist_ok=True)
+    for preset in sorted({k[0] for k in results}):
+        slices = sorted({k[1] for k in results if k[0] == preset})
+        fig, axes = plt.subplots(1, len(slices), figsize=(4.2 * len(slices), 3.8), squeeze=False)
+        for ax, slc in zip(axes[0], slices):
+            rows = sorted((k[2], v) for k, v in results.items() if k[:2] == (preset, slc) and k[3] == "gsm8k")
+            for i, m in enumerate(METHODS):
+                x = [v[m.name].per_user_tps for _, v in rows]
+                y = [v[m.name].total_tps for _, v in rows]
+                ax.plot(x, y, "o-", color=f"C{i}", label=m.name)
+                for c, v in rows:
+                    ax.annotate(str(c), (v[m.name].per_user_tps, v[m.name].total_tps), fontsize=6, alpha=0.6)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("per-user tokens/s")
+            ax.set_ylabel("total tokens/s")
+            ax.set_title(f"{preset.removesuffix('_dspark')} on {slc} (GSM8K acceptance)", fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = plots / f"tpu_predicted_{preset}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        lines += [f"![{preset}]({path.parent.name}/{path.name})", ""]
+
+
+def write_report(out: Path, cache: Path, entries: list[dict], rounds: int = 300) -> None:
+    lines: list[str] = []
+    h = _comparison(cache, lines)
+    if h is not None:
+        _grid(cache, entries, h, rounds, lines, out.parent / "figures")
+    text = out.read_text() if out.exists() else ""
+    block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text + "\n" + block + "\n"
+    out.write_text(text)

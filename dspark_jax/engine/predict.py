@@ -1,0 +1,127 @@
+"""Cost tables predicted by the TPU compiler: the engine's programs compiled for a named slice on
+this machine (no TPU) and priced by XLA:TPU's cost model (parallel/tpu_cost.py).
+
+The measured tables (engine/timing.py) time the engine's one compiled round per bucket; the
+compiler cannot price that program (its `lax.switch` over buckets and sampling paths has no
+single time), so here each bucket is a program of its own: the round with that one bucket, its
+sampling settings folded in as constants (the published TPU figures are greedy), plus the
+round's draft part alone. As for a measured table, ``t_verify(b) = t_round(b) - t_draft``, and
+the target-only step is the round of an engine without a drafter at R tokens.
+
+The figures are the compiler's estimates of one chip's time for the sharded program (the mesh's
+collectives included as the compiler prices them), not measurements: host overhead, launch
+latency and kernel efficiency beyond the cost model are not in them (docs/tpu_predictions.md
+holds them against published TPU runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import time
+
+import jax
+from flax import nnx
+
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
+from dspark_jax.engine.round import draft_part, round_step
+from dspark_jax.engine.verify import target_arrays
+from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
+from dspark_jax.scheduler.costs import PREDICTED_ON
+
+__all__ = ["predict_table", "libtpu_version"]
+
+log = logging.getLogger(__name__)
+
+
+
+def libtpu_version() -> str:
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _abstract_args(ab: AbstractEngine):
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return (ab.tstate, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
+
+
+def _round_cost(ab: AbstractEngine, bucket: int, ctl) -> ProgramCost:
+    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),))
+
+    def one_round(ts, dp, dfz, s):
+        return round_step(spec, target_arrays(nnx.merge(ab.tg, ts)), ab.darrays(dp, dfz), s, ctl)
+
+    with jax.set_mesh(ab.mesh):
+        lowered = jax.jit(one_round, in_shardings=(ab.t_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
+                          out_shardings=(ab.state_sh, None), donate_argnums=(3,)).lower(*_abstract_args(ab))
+        return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
+
+
+def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
+    spec = ab.eng.spec
+
+    def draft_only(dp, dfz, s):
+        return draft_part(spec, ab.darrays(dp, dfz), s, ctl.sampling)
+
+    with jax.set_mesh(ab.mesh):
+        _, dp, dfz, st = _abstract_args(ab)
+        lowered = jax.jit(draft_only, in_shardings=(ab.dp_sh, ab.dfz_sh, ab.state_sh)).lower(dp, dfz, st)
+        return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
+
+
+def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: tuple[int, int, int],
+                  gamma: int | None = None, kv_pages: tuple[int, int] | None = None, temperature: float = 0.0,
+                  buckets=None, target_only: bool = True, draft_kinds=(), progress=None) -> dict:
+    """A cost dict (scheduler/costs.py's format) for `cfg`'s target and drafter on `topology`,
+    R = `slots` x `context`: t_verify per bucket, t_draft, the target-only step (`target_only`),
+    the draft of each kind in `draft_kinds` (the same preset with that drafter kind) under
+    "t_draft_by_kind", every program's estimate under "programs"."""
+    mesh = plan_mesh(mesh_shape, topology)
+    config = EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
+                          buckets=None if buckets is None else tuple(int(b) for b in buckets))
+    ab = abstract_engine(cfg, mesh, config, drafter_in_target_dtype=True)
+    eng = ab.eng
+    ctl = eng.control(SamplingParams(temperature, 0, 1.0))
+    programs, say = {}, progress or (lambda s: log.info(s))
+
+    def priced(name, fn):
+        t0 = time.perf_counter()
+        c = fn()
+        programs[name] = {**dataclasses.asdict(c), "compile_s": round(time.perf_counter() - t0, 1)}
+        say(f"{name}: {1e3 * c.seconds:.3f} ms ({c.cycles} cycles at {c.clock_hz / 1e9:.2f} GHz; {c.collectives} "
+            f"collectives; loops {sorted({n for _, n in c.loops})}), compiled in {time.perf_counter() - t0:.0f} s")
+        return c.seconds
+
+    t_draft = priced("draft", lambda: _draft_cost(ab, ctl)) if eng.G else 0.0
+    t_round = [priced(f"round@{b}", lambda b=b: _round_cost(ab, b, ctl)) for b in eng.priced_buckets]
+    t_verify = [max(t - t_draft, 1e-9) for t in t_round]
+    out_extra = {}
+    if target_only and eng.G:
+        ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)
+        ctl0 = ab0.eng.control(SamplingParams(temperature, 0, 1.0))
+        out_extra["t_target_step"] = priced("target_only@R", lambda: _round_cost(ab0, slots, ctl0))
+    by_kind = {}
+    for kind in draft_kinds:
+        kcfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, kind=kind))
+        abk = abstract_engine(kcfg, mesh, dataclasses.replace(config, gamma=None), drafter_in_target_dtype=True)
+        t = priced(f"draft[{kind}]", lambda: _draft_cost(abk, abk.eng.control(SamplingParams(temperature, 0, 1.0))))
+        by_kind[kind] = {"draft_requests": [slots], "t_draft_by_requests": [t], "gamma": abk.eng.G}
+    if by_kind:
+        out_extra["t_draft_by_kind"] = by_kind
+    version = libtpu_version()
+    dtype = str(jax.tree.leaves(ab.tstate)[0].dtype)
+    return {"buckets": [int(b) for b in eng.priced_buckets], "t_verify": t_verify, "t_draft": t_draft,
+            "t_round": t_round, "predicted_on": PREDICTED_ON, "programs": programs,
+            "provenance": (f"predicted by the XLA:TPU cost model, {topology}, libtpu {version}: the engine's round "
+                           f"per bucket and its draft compiled for the slice on a CPU host (no TPU), mesh data "
+                           f"{mesh_shape[0]} x fsdp {mesh_shape[1]} x tensor {mesh_shape[2]}, temperature "
+                           f"{temperature:g}, {'paged' if kv_pages else 'dense'} KV; NOT measured"),
+            "engine": {"num_slots": slots, "gamma": eng.G, "mode": eng.mode, "max_len": context,
+                       "hidden_size": cfg.target.model.hidden_size, "num_layers": cfg.target.model.num_layers,
+                       "vocab_size": cfg.target.model.vocab_size, "dtype": dtype, "kv_pages": kv_pages},
+            "topology": topology, "libtpu": version, **out_extra}

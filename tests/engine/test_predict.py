@@ -1,0 +1,82 @@
+"""Cost tables predicted by the TPU compiler (engine/predict.py, `costs predict`): compiled for a
+v6e-4 slice on this CPU machine, marked as predicted, priced per program, and read by the
+simulator; the serving report's arithmetic (bench/tpu_report.py) on them."""
+
+import json
+
+import pytest
+
+from dspark_jax.bench.tpu_report import fixed_speedup
+from dspark_jax.calibration.profiles import parse_profile, profile_traces
+from dspark_jax.commands.costs import main as costs_main
+from dspark_jax.commands.simulate import main as simulate_main
+from dspark_jax.config import from_cli
+from dspark_jax.scheduler.costs import FORMAT, load_cost_file, table_origin, write_checked
+from dspark_jax.scheduler.simulate import Method, simulate_method
+
+pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    from dspark_jax.engine.predict import predict_table
+
+    d = predict_table(from_cli(["micro"]), slots=4, context=64, topology="v6e-4", mesh_shape=(2, 1, 2),
+                      draft_kinds=("mtp1",))
+    d = {"format": FORMAT, "backend": "tpu", "device_kind": "v6e-4", **d, "target": "micro", "drafter": "dspark"}
+    return load_cost_file(write_checked(tmp_path_factory.mktemp("p") / "micro.json", d))
+
+
+def test_every_program_is_priced_with_its_loops_counted(predicted):
+    d = predicted
+    assert table_origin(d) == "predicted"
+    assert d["provenance"].startswith("predicted by the XLA:TPU cost model, v6e-4, libtpu ")
+    assert d["buckets"] == [4, 8, 16, 20] and len(d["t_verify"]) == 4
+    progs = d["programs"]
+    assert set(progs) == {"draft", "round@4", "round@8", "round@16", "round@20", "target_only@R", "draft[mtp1]"}
+    for name, p in progs.items():
+        assert p["seconds"] > 0 and p["cycles"] >= p["once_cycles"] > 0, name
+        assert p["clock_hz"] > 1e8 and not p["unknown_loops"], name
+    # the micro target's layer scan runs num_layers times in the round and the target-only step
+    layers = from_cli(["micro"]).target.model.num_layers
+    assert any(n == layers for _, n in progs["target_only@R"]["loops"])
+    # a round drafts, verifies and updates the drafter: more than the target's step alone
+    assert all(t > d["t_target_step"] for t in d["t_round"])
+    assert d["t_draft"] == pytest.approx(progs["draft"]["seconds"])
+    assert d["t_draft_by_kind"]["mtp1"]["gamma"] == 1
+
+
+def test_simulator_prices_target_only_with_the_predicted_step(predicted):
+    ts = profile_traces(parse_profile("tau:3.0", gamma=predicted["engine"]["gamma"]))
+    ar = simulate_method(Method("target-only", "ar", None), 4, predicted, {"dspark": ts}, None, n_rounds=20)
+    assert ar.total_tps == pytest.approx(4 / predicted["t_target_step"], rel=1e-6)
+    fixed = simulate_method(Method("DSpark", "fixed", "dspark"), 4, predicted, {"dspark": ts}, None, n_rounds=200)
+    # fixed gamma commits tau tokens per request per round of draft + verify(R (G + 1))
+    expect = fixed_speedup(predicted, ts.tau(), predicted["engine"]["gamma"] + 1, 0.0)
+    assert fixed.total_tps / ar.total_tps == pytest.approx(expect, rel=0.1)
+
+
+def test_simulate_command_on_a_predicted_table(predicted, tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(predicted))
+    code = simulate_main(["--costs", str(path), "--acceptance", "tau:3.5", "--concurrency", "1,4", "--rounds", "30",
+                          "--overhead-ms", "0.5", "--expect-topology", "v6e-4", "--out", str(tmp_path / "sim")])
+    out = capsys.readouterr().out
+    assert code == 0 and "PREDICTED (not measured) for v6e-4" in out
+    code = simulate_main(["--costs", str(path), "--acceptance", "tau:3.5", "--expect-topology", "v5e-8",
+                          "--out", str(tmp_path / "sim2")])
+    err = capsys.readouterr().err
+    assert code == 2 and "topology 'v6e-4' (wanted 'v5e-8')" in err
+    g = predicted["engine"]["gamma"]
+    code = simulate_main(["--costs", str(path), "--acceptance", "tpu-inference-4b-dflash-k16",
+                          "--out", str(tmp_path / "sim3")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"is for gamma 15, the cost table's engine drafts gamma {g}" in err
+
+
+def test_predict_command_refuses_bad_slices_and_meshes(capsys):
+    assert costs_main(["predict", "configs/micro.yaml", "--topology", "v6e-3", "--slots", "4", "--out", "x.json"]) == 2
+    assert "unknown TPU slice 'v6e-3'" in capsys.readouterr().err
+    assert costs_main(["predict", "configs/micro.yaml", "--topology", "v6e-4", "--slots", "4", "--mesh", "1,1,8",
+                       "--out", "x.json"]) == 2
+    assert "= 8 devices, but slice v6e-4 has 4" in capsys.readouterr().err
