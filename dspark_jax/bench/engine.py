@@ -53,7 +53,7 @@ def _args(argv):
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sections", default="loop,speed,tau,head")
-    ap.add_argument("--repeats", "--reps", dest="reps", type=int, default=5)
+    ap.add_argument("--repeats", dest="reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the speed section "
                     "(0 = greedy; default 1)")

@@ -41,13 +41,15 @@ def entries() -> list[dict]:
                 context=SGLANG_CONTEXT, kinds="dflash,mtp1") for r in SGLANG_SLOTS]
     # tpu-inference's DFlash on v5p-8 (4 chips), Qwen3-4B, K = 16 at batch 1; K = 128 for "K-flat"
     out += [dict(key="tpu-inference-v5p-8-qwen3_4b_dflash-k16", preset="qwen3_4b_dflash", slice="v5p-8", slots=1,
-                 context=GRID_CONTEXT, gamma=15, kinds=""),
+                 context=GRID_CONTEXT, block=16, kinds=""),
             dict(key="tpu-inference-v5p-8-qwen3_4b_dflash-k128", preset="qwen3_4b_dflash", slice="v5p-8", slots=1,
-                 context=GRID_CONTEXT, gamma=127, kinds="", no_target_only=True)]
-    for target in GRID_TARGETS:
-        for slc in GRID_SLICES:
-            out += [dict(key=f"grid-{slc}-{target}_dspark-r{r}", preset=f"{target}_dspark", slice=slc, slots=r,
-                         context=GRID_CONTEXT, kinds="dflash,mtp1") for r in GRID_SLOTS]
+                 context=GRID_CONTEXT, block=128, kinds="", no_target_only=True)]
+    # Qwen3-8B on every slice first, then the other targets on v6e-8, then the rest
+    order = [(GRID_TARGETS[0], s) for s in GRID_SLICES] + [(t, GRID_SLICES[0]) for t in GRID_TARGETS[1:]]
+    order += [(t, s) for t in GRID_TARGETS[1:] for s in GRID_SLICES[1:]]
+    for target, slc in order:
+        out += [dict(key=f"grid-{slc}-{target}_dspark-r{r}", preset=f"{target}_dspark", slice=slc, slots=r,
+                     context=GRID_CONTEXT, kinds="dflash,mtp1") for r in GRID_SLOTS]
     return out
 
 
@@ -55,8 +57,8 @@ def command(e: dict, cache: Path) -> list[str]:
     cmd = [sys.executable, "-m", "dspark_jax", "costs", "predict", str(ROOT / "configs" / f"{e['preset']}.yaml"),
            "--topology", e["slice"], "--slots", str(e["slots"]), "--context", str(e["context"]),
            "--out", str(cache / f"{e['key']}.json")]
-    if e.get("gamma"):
-        cmd += ["--gamma", str(e["gamma"])]
+    if e.get("block"):
+        cmd += ["--block", str(e["block"])]
     if e.get("kinds"):
         cmd += ["--draft-kinds", e["kinds"]]
     if e.get("no_target_only"):

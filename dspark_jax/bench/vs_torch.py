@@ -1,12 +1,12 @@
 """`python -m dspark_jax bench vs-torch`: our hot paths beside transformers and beside an older commit of ours.
 
-    python -m dspark_jax bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--reps 5] [--json OUT]
+    python -m dspark_jax bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--repeats 5] [--json OUT]
 
 Three worker processes (dspark_jax/bench/vs_torch_worker.py) build the `bench_cpu` preset's shapes
 (target vocab 8192, hidden 256, 8 layers, 8/4 heads, head_dim 32, MLP 768; DSpark drafter 2
 layers, Markov rank 64, gamma 7; sequence 512, 64 anchors, batch 1) and compile: transformers'
 Qwen3ForCausalLM (torch), this checkout, and this repository at `--baseline-ref` (extracted with
-`git archive`). Then, for `--rounds` rounds, every region is timed `--reps` times in each worker
+`git archive`). Then, for `--rounds` rounds, every region is timed `--repeats` times in each worker
 in turn; only one worker runs at a time, so they do not compete for the cores, and a ratio is
 taken within a round (adjacent in time) before the median and range over rounds is printed.
 """
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                     help=f"git commit of this repository to time beside the checkout (default {DEFAULT_BASELINE}, "
                          "where the speed work started); 'none' to skip")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    ap.add_argument("--repeats", "--reps", dest="reps", type=int, default=5,
+    ap.add_argument("--repeats", dest="reps", type=int, default=5,
                     help="timed calls per region per worker per round (default 5)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers worker")
     ap.add_argument("--json", default=None, help="also write every timing to this JSON file")

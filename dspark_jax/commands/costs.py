@@ -118,6 +118,8 @@ def _cmd_predict(args) -> int:
     if cfg.target.model is None:
         raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=args.dtype))
+    if args.block:  # the drafter as trained with another block size (what it drafts per round)
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, gamma=args.block))
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     log = lambda s: print(s, flush=True)
     log(f"{args.config} on {slc.name} ({jax.__version__}, TPU compiler), mesh {mesh_shape}, {args.slots} slots x "
@@ -165,14 +167,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax costs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="time the engine's compiled round per bucket and its draft step")
-    m.add_argument("--target", "--model", dest="model", default="tiny",
+    m.add_argument("--target", dest="model", default="tiny",
                    help="'tiny', a config name/path (e.g. micro, bench_cpu: random weights), or a checkpoint directory")
     m.add_argument("--drafter", default="dspark", metavar="{" + ",".join([*KIND_NAMES, "none"]) + "} or DIR",
                    help="drafter kind (random; with a config --target, DSpark / DFlash take its drafter section's "
                         "shape) or a trained drafter directory (with its checkpoint --target)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target weights and compute dtype (the drafter computes in it), as the engine would run")
-    m.add_argument("--slots", "--num-slots", dest="num_slots", type=int, default=8)
+    m.add_argument("--slots", dest="num_slots", type=int, default=8)
     m.add_argument("--gamma", type=int, default=7)
     m.add_argument("--max-len", type=int, default=256)
     m.add_argument("--temperature", type=float, default=1.0,
@@ -196,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048, help="tokens per slot (prompt + completion)")
     p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR", help="default 1,1,N: tensor parallel")
     p.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
+    p.add_argument("--block", type=int, default=None, help="the drafter's block size (default: the preset's)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="weights and compute of target and drafter, as served")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature folded into the programs")

@@ -28,7 +28,9 @@ per-device memory estimate.
   --compile         also compile the real train and eval steps for the mesh and print their
                     per-chip memory (memory_analysis) and compile time: for the preset's Cloud TPU
                     slice (mesh.slice) with the TPU compiler (libtpu; no TPU needed), else on fake
-                    CPU devices (mesh.slice=null forces that)
+                    CPU devices (mesh.slice=null forces that); for a slice also the compiler's
+                    predicted step time, tokens/s, FLOPs utilisation and hours (per 1000 steps, or
+                    train.steps)
   --topology SLICE  compile for this slice instead (v5e-32, v6e-8, v6e-32, v5p-32, v4-8, v7x-8, ...;
                     implies --compile); its device count must equal mesh.data x fsdp x tensor
   --hbm-gib N       HBM per device for the fit (default: the slice's; v5e 16, v6e 32, v5p 95)
@@ -48,8 +50,10 @@ def main(argv=None) -> int:
         device_hbm_gib,
         format_compiled,
         format_plan,
+        format_predicted,
         misfits,
         plan,
+        predicted_time,
         topology_mesh,
     )
 
@@ -87,6 +91,8 @@ def main(argv=None) -> int:
         mem = compile_steps(cfg, mesh=mesh)
         where = f"{slc.name}, {mesh.devices.size} devices, XLA:TPU" if slc else None
         print(format_compiled(mem, p["total"], hbm, where))
+        if slc is not None and "predicted" in mem.get("train", {}):
+            print(format_predicted(predicted_time(cfg, mem["train"], slc, mesh.devices.size), slc.name))
         bad = misfits(mem, hbm, f"a {slc.name} device" if slc else "a device") if hbm else []
         for line in bad:
             print(f"error: {line}", file=sys.stderr)

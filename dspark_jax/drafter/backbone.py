@@ -28,11 +28,12 @@ from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.layers import (
     MASK_VALUE,
     apply_rope,
+    finish_layer,
+    project_qkv,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
 )
-from dspark_jax.target.transformer import finish_layer, project_qkv
 
 __all__ = [
     "fuse_context", "context_kv", "block_embed", "context_mask", "training_mask", "block_attention",

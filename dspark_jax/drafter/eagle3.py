@@ -36,12 +36,13 @@ from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import (
     apply_rope,
     attention,
+    finish_layer,
     lm_head_logits,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
 )
-from dspark_jax.target.transformer import INIT_STD, finish_layer, layer_param_shapes
+from dspark_jax.target.transformer import INIT_STD, layer_param_shapes
 
 __all__ = [
     "Eagle3Drafter", "attach_target", "eagle3_layer_shapes", "ttt_mask", "eagle3_train_hidden",

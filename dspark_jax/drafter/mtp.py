@@ -40,8 +40,8 @@ from dspark_jax.drafter.eagle3 import (
 from dspark_jax.drafter.frozen import attach_target  # noqa: F401  (re-exported)
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import attention, lm_head_logits, rms_norm
-from dspark_jax.target.transformer import finish_layer, layer_param_shapes, project_qkv
+from dspark_jax.target.layers import attention, finish_layer, lm_head_logits, project_qkv, rms_norm
+from dspark_jax.target.transformer import layer_param_shapes
 
 __all__ = ["MTPDrafter", "attach_target", "mtp_train_logits", "mtp_loss", "mtp_update", "mtp_prefill",
            "mtp_draft_logits", "mtp_draft", "create_cache"]

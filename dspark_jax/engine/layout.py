@@ -11,7 +11,8 @@ from dspark_jax.engine.state import DecodeState
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.paged_kv import PAGE_AXES, PagedKVCache
+from dspark_jax.target.paged_kernel import PAGE_AXES
+from dspark_jax.target.paged_kv import PagedKVCache
 
 __all__ = ["fresh_state", "decode_shardings"]
 

@@ -38,7 +38,7 @@ from dspark_jax.target.layers import lm_head_logits
 from dspark_jax.target.packing import Packing, pack, unpack
 from dspark_jax.target.paged_kv import PagedKVCache
 
-__all__ = ["Packing", "Chunk", "pack", "verify_forward", "write_block", "verify_packed", "target_arrays"]
+__all__ = ["Chunk", "verify_forward", "write_block", "verify_packed", "target_arrays"]
 
 
 def target_arrays(model, dtype=None) -> dict:

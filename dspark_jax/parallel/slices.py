@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["TpuSlice", "parse_slice", "slice_names", "HBM_GIB"]
+__all__ = ["TpuSlice", "parse_slice", "slice_names", "HBM_GIB", "PEAK_BF16_TFLOPS"]
 
 # HBM per chip (GiB), from Cloud TPU's system architecture pages
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v7x": 192.0}
+# peak dense bf16 TFLOP/s per chip, from Cloud TPU's system architecture pages
+PEAK_BF16_TFLOPS = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0, "v5p": 459.0, "v7x": 2307.0}
 # topology-name prefix libtpu knows each generation by
 _TOPOLOGY_PREFIX = {"v4": "v4", "v5e": "v5e", "v6e": "v6e", "v5p": "v5p", "v7x": "tpu7x"}
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "tpu7x": "v7x", "v6": "v6e"}
@@ -46,6 +48,11 @@ class TpuSlice:
     def hbm_gib(self) -> float:
         """HBM of one chip."""
         return HBM_GIB[self.generation]
+
+    @property
+    def peak_tflops(self) -> float:
+        """Peak dense bf16 TFLOP/s of one chip."""
+        return PEAK_BF16_TFLOPS[self.generation]
 
 
 def slice_names() -> list[str]:

@@ -1,6 +1,6 @@
 """Verification cost tables (docs/method.md §3.1): measure on the engine's compiled round, save, load, check.
 
-    python -m dspark_jax costs measure --model tiny --num-slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
+    python -m dspark_jax costs measure --target tiny --slots 8 --gamma 3 --out configs/costs/cpu_tiny.json
     python -m dspark_jax costs roofline --out configs/costs/accelerator_synthetic.json   # synthetic, documented
     python -m dspark_jax costs show configs/costs/accelerator_synthetic.json
 
@@ -147,14 +147,25 @@ def expect_table_for(d: dict, where: str, **expected) -> None:
                              "this one")
 
 
-def with_overhead(d: dict, seconds: float, source: str) -> dict:
+def with_overhead(d: dict, seconds: float, source: str, per_draft_token: float = 0.0) -> dict:
     """The table with `seconds` added to every round (host overhead, launch latency: what a
-    cost model does not see), recorded with its source."""
-    if not seconds >= 0:
-        raise CostTableError(f"overhead {seconds} s: must be >= 0")
+    cost model does not see) and `per_draft_token` x the tokens a drafting round drafts (the
+    table's R x each kind's gamma) added to its draft time, recorded with their source."""
+    if not (seconds >= 0 and per_draft_token >= 0):
+        raise CostTableError(f"overhead {seconds} s per round, {per_draft_token} s per drafted token: must be >= 0")
     out = {**d, "t_verify": [t + seconds for t in d["t_verify"]], "overhead_s": seconds, "overhead_source": source}
     if "t_target_step" in d:
         out["t_target_step"] = d["t_target_step"] + seconds
+    if per_draft_token:
+        r, g = (d.get("engine") or {}).get("num_slots"), (d.get("engine") or {}).get("gamma")
+        if not r or g is None:
+            raise CostTableError("a per-drafted-token overhead needs the table's engine.num_slots and engine.gamma")
+        out["t_draft"] = d["t_draft"] + per_draft_token * r * g
+        out["t_draft_by_kind"] = {
+            k: {**v, "t_draft_by_requests": [t + per_draft_token * n * v.get("gamma", g)
+                                             for n, t in zip(v["draft_requests"], v["t_draft_by_requests"])]}
+            for k, v in d.get("t_draft_by_kind", {}).items()}
+        out["overhead_per_draft_token_s"] = per_draft_token
     return out
 
 
@@ -278,7 +289,7 @@ def bucket_plan(buckets, num_slots: int, gamma: int) -> dict[int, tuple[int, int
             f"cannot time bucket(s) {bad} on an engine with num_slots {R} and gamma {G}: a measured round packs "
             f"k active slots x (1 + g) tokens (k <= {R}, g <= {G}, at most {R * (G + 1)}), and no such count lies "
             "between the previous bucket (exclusive) and these; fix: drop them from --buckets or use buckets the "
-            "engine reaches (e.g. multiples of num_slots up to num_slots * (gamma + 1)), or raise --num-slots")
+            "engine reaches (e.g. multiples of num_slots up to num_slots * (gamma + 1)), or raise --slots")
     return plan
 
 

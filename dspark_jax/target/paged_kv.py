@@ -36,7 +36,7 @@ from dspark_jax.target.paged_kernel import (
     paged_attention_lse,
 )
 
-__all__ = ["NO_PAGE", "PAGE_AXES", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
+__all__ = ["NO_PAGE", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
 
 NO_PAGE = -1
 

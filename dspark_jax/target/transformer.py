@@ -15,12 +15,11 @@ from dspark_jax.target.attention import cache_update, causal_self, masked_self
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.forward import ForwardOut, forward
 from dspark_jax.target.kv_cache import KVCache
-from dspark_jax.target.layers import finish_layer, lm_head_logits, project_qkv
+from dspark_jax.target.layers import lm_head_logits
 from dspark_jax.target.paged_kv import PagedKVCache
 
 # the decoder layer's halves live in target/layers.py; the drafters import them from here too
-__all__ = ["INIT_STD", "DecoderStack", "ForwardOut", "TargetModel", "finish_layer", "layer_param_shapes",
-           "project_qkv"]
+__all__ = ["INIT_STD", "DecoderStack", "ForwardOut", "TargetModel", "layer_param_shapes"]
 
 INIT_STD = 0.02
 

@@ -12,6 +12,7 @@ compiler made of the actual step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -27,8 +28,10 @@ from dspark_jax.drafter import registry
 from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.drafter.losses import LossCoefs
+from dspark_jax.parallel.platform import on_tpu
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.topology import hbm_refusal
+from dspark_jax.parallel.tpu_cost import program_cost
 from dspark_jax.train.step import (
     TrainState,
     make_eval_step,
@@ -65,12 +68,15 @@ def _memory(compiled) -> dict[str, int]:
 def compile_steps(cfg: Config, steps=("train", "eval"), mesh=None) -> dict[str, dict]:
     """{"train": {...}, "eval": {...}}: per-chip bytes of the compiled steps at the config's shapes
     (`_memory`'s keys), "compile_seconds" and "kernels" (Mosaic kernel calls: splash attention on
-    TPU). `mesh`: where to compile (e.g. a TPU slice's, `slice_mesh`); default the config's mesh
+    TPU); compiled for TPU also "predicted", the compiler's time of one step (`ProgramCost`).
+    `mesh`: where to compile (e.g. a TPU slice's, `slice_mesh`); default the config's mesh
     over this host's (fake) devices."""
     out = {}
     for step, (compiled, seconds) in compile_programs(cfg, steps, mesh).items():
         out[step] = {**_memory(compiled), "compile_seconds": seconds,
                      "kernels": compiled.as_text().count("tpu_custom_call")}
+        if mesh is not None and on_tpu(mesh):  # the compiler's time estimate (parallel/tpu_cost.py)
+            out[step]["predicted"] = dataclasses.asdict(program_cost(compiled, mesh.devices.flat[0]))
     return out
 
 

@@ -155,6 +155,29 @@ def format_compiled(mem: dict, estimate: float, hbm_gib: float | None = None, wh
     return "\n".join(lines)
 
 
+def predicted_time(cfg: Config, step: dict, slc, n_devices: int) -> dict:
+    """The TPU compiler's time of one train step (`step["predicted"]`, parallel/tpu_cost.py) as
+    tokens/s, FLOPs utilisation (the program's FLOPs, loop bodies counted as the time counts
+    them, over the devices' bf16 peak) and the wall-clock and chip-hours of the run: `train.steps`
+    when set, else per 1000 steps. A cost-model estimate without host or input-pipeline time."""
+    p = step["predicted"]
+    seconds = p["seconds"]
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    flops = p["flops"] * (p["cycles"] / p["once_cycles"] if p["once_cycles"] else 1.0)
+    peak = slc.peak_tflops * 1e12 * slc.chips / n_devices
+    steps = cfg.train.steps or 1000
+    hours = steps * seconds / 3600
+    return {"step_s": seconds, "tokens_per_s": tokens / seconds, "utilisation": flops / (seconds * peak),
+            "steps": steps, "steps_from": "train.steps" if cfg.train.steps else "per 1000 steps",
+            "hours": hours, "chip_hours": hours * slc.chips}
+
+
+def format_predicted(t: dict, slice_name: str) -> str:
+    return (f"predicted train step on {slice_name} (XLA:TPU cost model, not measured): {t['step_s']:.2f} s, "
+            f"{t['tokens_per_s']:,.0f} tokens/s, FLOPs utilisation {100 * t['utilisation']:.0f} %; "
+            f"{t['steps']} steps ({t['steps_from']}): {t['hours']:.1f} h, {t['chip_hours']:.0f} chip-hours")
+
+
 def misfits(mem: dict, hbm_gib: float, where: str = "a device") -> list[str]:
     """One line per compiled step whose peak exceeds `hbm_gib`."""
 

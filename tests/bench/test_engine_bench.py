@@ -10,7 +10,7 @@ def test_skip_section_reports_both_round_times(embedded_tiny_dir, tmp_path, caps
     from dspark_jax.bench.engine import main
 
     out = tmp_path / "engine.json"
-    assert main(["--target", str(embedded_tiny_dir), "--sections", "skip", "--reps", "1", "--num-prompts", "4",
+    assert main(["--target", str(embedded_tiny_dir), "--sections", "skip", "--repeats", "1", "--num-prompts", "4",
                  "--max-new-tokens", "8", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())["skip"]
     assert rec["slots"] == 4 and rec["rounds"] == 24
@@ -32,7 +32,7 @@ def test_speed_section_times_scheduled_dspark_on_a_table_for_its_batch(embedded_
                                  "buckets": [1, 2, 4, 8], "t_verify": [1.0, 1.1, 1.3, 1.8], "t_draft": 0.6,
                                  "provenance": "a test table"}))
     out = tmp_path / "engine.json"
-    assert main(["--target", str(embedded_tiny_dir), "--sections", "speed", "--reps", "1", "--num-prompts", "8",
+    assert main(["--target", str(embedded_tiny_dir), "--sections", "speed", "--repeats", "1", "--num-prompts", "8",
                  "--max-new-tokens", "6", "--temperature", "0", "--batch-sizes", "1", "--costs", f"1={table}",
                  "--json", str(out)]) == 0
     rec = json.loads(out.read_text())

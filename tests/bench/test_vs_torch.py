@@ -34,7 +34,7 @@ def test_unknown_commit_is_named(tmp_path):
 def test_command_times_every_region_beside_transformers(tmp_path):
     out = tmp_path / "t.json"
     proc = subprocess.run([sys.executable, "-m", "dspark_jax", "bench", "vs-torch", "--baseline-ref", "none",
-                           "--rounds", "1", "--reps", "1", "--json", str(out)], capture_output=True, text=True,
+                           "--rounds", "1", "--repeats", "1", "--json", str(out)], capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     times = json.loads(out.read_text())["times"]

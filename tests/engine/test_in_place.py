@@ -86,7 +86,7 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
         vo = verify_packed(tp, cfg, cache, tokens, start, valid, bucket=bucket, feature_layers=feature_layers)
         vo = vo._replace(k_new=vo.cache.k, v_new=vo.cache.v)  # the written cache leaves the switch
         if packed_logits:  # the packed view the round now asks for
-            from dspark_jax.engine.verify import pack
+            from dspark_jax.target.packing import pack
 
             pk = pack(tokens, start, valid, bucket, cache.max_len)
             r, t = valid.shape

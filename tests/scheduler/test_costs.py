@@ -190,7 +190,7 @@ def test_measure_cli_on_the_engine(tmp_path):
     from dspark_jax.commands.costs import main
 
     out = tmp_path / "m.json"
-    assert main(["measure", "--model", "tiny", "--drafter", "none", "--num-slots", "2", "--max-len", "16",
+    assert main(["measure", "--target", "tiny", "--drafter", "none", "--slots", "2", "--max-len", "16",
                  "--buckets", "1,2", "--repeats", "1", "--warmup", "1", "--temperature", "0", "--out", str(out)]) == 0
     d = load_cost_file(out, expect_backend=jax.default_backend(), expect_buckets=[1, 2])
     assert d["engine"]["num_slots"] == 2 and d["engine"]["gamma"] == 0 and d["t_draft"] == 0

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.parallel.topology import slice_mesh
-from dspark_jax.target.paged_kernel import paged_attention_lse, resolve_impl
-from dspark_jax.target.paged_kv import PAGE_AXES, pages_per_slot
+from dspark_jax.target.paged_kernel import PAGE_AXES, paged_attention_lse, resolve_impl
+from dspark_jax.target.paged_kv import pages_per_slot
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu, not installed: pip install -e '.[aot]'")
 

@@ -5,10 +5,13 @@ The target's attention is the splash kernel, chosen because the program is compi
 (not because this host is one), and the per-chip memory fits the chip. Also the plan command's
 answers: the fit line, and bad input (unknown slice, wrong mesh size, no libtpu, too little HBM)."""
 
+import dataclasses
+
 import pytest
 
 from dspark_jax.commands.train_plan import main as plan_command
 from dspark_jax.config import from_cli
+from dspark_jax.parallel.tpu_cost import program_cost
 from dspark_jax.train import compiled as C
 from dspark_jax.train import plan as train_plan
 
@@ -47,22 +50,28 @@ def test_train_and_eval_steps_compile_for_tpu_with_splash(programs):
         assert seconds > 0
     # the train step donates its state: the updated state is written over it
     assert C._memory(progs["train"][0])["aliased"] > 0
+    # the compiler prices the step with the target's two layers scanned as they run
+    cost = program_cost(progs["train"][0], mesh.devices.flat[0])
+    assert cost.seconds > 0 and any(n == 2 for _, n in cost.loops) and not cost.unknown_loops
 
 
-def _memory(progs):
-    return {step: {**C._memory(c), "compile_seconds": s, "kernels": c.as_text().count("tpu_custom_call")}
+def _memory(progs, device):
+    """What `compile_steps` returns for these programs."""
+    return {step: {**C._memory(c), "compile_seconds": s, "kernels": c.as_text().count("tpu_custom_call"),
+                   "predicted": dataclasses.asdict(program_cost(c, device))}
             for step, (c, s) in progs.items()}
 
 
 def test_plan_prints_the_tpu_figures_and_the_fit(programs, capsys, monkeypatch):
     """The preset's slice (mesh.slice) is compiled for without --topology; the compiled figures
     are the fixture's (the command's own compile is the same call)."""
-    _, _, progs = programs
+    _, mesh, progs = programs
     seen = {}
+    mem = _memory(progs, mesh.devices.flat[0])
 
     def fake_compile(cfg, steps=("train", "eval"), mesh=None):
         seen["mesh"] = mesh
-        return _memory(progs)
+        return mem
 
     monkeypatch.setattr(C, "compile_steps", fake_compile)
     code = plan_command([*REDUCED, "--compile"])
@@ -71,6 +80,14 @@ def test_plan_prints_the_tpu_figures_and_the_fit(programs, capsys, monkeypatch):
     assert seen["mesh"].devices.flat[0].platform == "tpu" and seen["mesh"].devices.size == 4
     assert "v5e-4, 4 devices, XLA:TPU" in out.out and "16 GiB HBM: margin" in out.out and "compiled in" in out.out
     assert "Mosaic kernel call(s)" in out.out
+    # the compiler's time of the step, as tokens/s and hours: batch 2 x 1024 tokens per step
+    t = train_plan.predicted_time(from_cli(REDUCED), mem["train"], train_plan.topology_mesh(
+        from_cli(REDUCED), "v5e-4")[0], 4)
+    assert t["tokens_per_s"] == pytest.approx(2 * 1024 / mem["train"]["predicted"]["seconds"])
+    assert 0 < t["utilisation"] < 1 and t["hours"] == pytest.approx(1000 * t["step_s"] / 3600)
+    assert t["chip_hours"] == pytest.approx(4 * t["hours"])
+    assert "predicted train step on v5e-4 (XLA:TPU cost model, not measured)" in out.out
+    assert f"{t['tokens_per_s']:,.0f} tokens/s" in out.out and "per 1000 steps" in out.out
 
     code = plan_command([*REDUCED, "--compile", "--hbm-gib", "0.01"])
     out = capsys.readouterr()
