@@ -121,8 +121,8 @@ def test_engine_draft_keeps_one_sampling_branch():
         config = EngineConfig(num_slots=2, max_len=16, **({"gamma": 1} if kind == "mtp1" else {}))
         eng = Engine(target, tiny_drafter(kind, target, gamma=2), config)
         st = eng.init_state()
-        samp = eng.control().sampling
-        jaxpr = jax.make_jaxpr(lambda s: draft(eng.spec, eng.dp, s, s.keys, samp))(st)
+        samp = eng.control().sampling  # traced, as the compiled round takes it: one switch over the paths
+        jaxpr = jax.make_jaxpr(lambda s, sp: draft(eng.spec, eng.dp, s, s.keys, sp))(st, samp)
         assert "cond[" in str(jaxpr), kind
 
 

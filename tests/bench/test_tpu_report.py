@@ -1,0 +1,68 @@
+"""The arithmetic of docs/tpu_predictions.md (bench/tpu_report.py): the overhead model fitted to
+sglang-jax's published points recovers a known truth, and the report says which numbers were
+fitted and which are checks."""
+
+import json
+
+import pytest
+
+from dspark_jax.bench.tpu_report import PUBLISHED, Overhead, fit_overhead, fixed_speedup, write_report
+
+G = 7
+TRUTH = Overhead(h0=7e-3, h1=1.2e-4, h2=2e-5, tau=6.0)
+
+
+def _table(c: int, step: float, round_: float, draft: float = 1e-3) -> dict:
+    buckets = [c, 2 * c, 4 * c, 8 * c]
+    return {"format": "dspark_cost_table/1", "backend": "tpu", "device_kind": "v7x-8", "buckets": buckets,
+            "t_verify": [round_ - draft] * 4, "t_draft": draft, "t_target_step": step,
+            "engine": {"num_slots": c, "gamma": G}, "provenance": "a test table", "predicted_on": "xla_tpu_cost_model"}
+
+
+def _consistent(c: int) -> dict:
+    """A compiler table for concurrency c whose published speeds TRUTH reproduces exactly."""
+    pub = PUBLISHED["sglang-jax"]
+    t_ar = 1 / pub["target_only_tps_c1"] if c == 1 else 128 / (pub["dspark_tps_c128"] / pub["speedup"][128])
+    h = TRUTH.h0 + TRUTH.h1 * c
+    return _table(c, t_ar - h, TRUTH.tau * t_ar / pub["speedup"][c] - h - TRUTH.h2 * G * c)
+
+
+def test_the_fit_recovers_the_overhead_and_tau_that_made_the_published_points():
+    fit = fit_overhead({1: _consistent(1), 128: _consistent(128)})
+    for name in ("h0", "h1", "h2", "tau"):
+        assert getattr(fit, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    # and the fitted model reproduces the points it was fitted to
+    for c in (1, 128):
+        speedup = fixed_speedup(fit.apply(_consistent(c)), fit.tau, 8)
+        assert speedup == pytest.approx(PUBLISHED["sglang-jax"]["speedup"][c])
+
+
+def test_without_the_large_table_only_a_fixed_overhead_is_fitted():
+    fit = fit_overhead({1: _consistent(1), 128: None})
+    assert fit.h1 == 0 and fit.h2 == 0
+    assert fixed_speedup(fit.apply(_consistent(1)), fit.tau, 8) == pytest.approx(5.03)
+
+
+def test_applied_overhead_charges_drafting_rounds_per_drafted_token():
+    d = _table(8, 2e-3, 4e-3)
+    o = TRUTH.apply(d)
+    assert o["t_target_step"] == pytest.approx(2e-3 + TRUTH.h0 + 8 * TRUTH.h1)
+    assert o["t_draft"] == pytest.approx(1e-3 + TRUTH.h2 * 8 * G)
+    assert o["t_verify"][0] == pytest.approx(3e-3 + TRUTH.h0 + 8 * TRUTH.h1)
+
+
+def test_the_report_names_what_was_fitted_and_what_is_checked(tmp_path):
+    cache = tmp_path / "figures"
+    cache.mkdir()
+    for c in (1, 8, 128):
+        (cache / f"sglang-v7x-8-qwen3_8b_dspark-r{c}.json").write_text(json.dumps(_consistent(c) if c != 8 else
+                                                                                 _table(8, 3e-3, 5e-3)))
+    out = tmp_path / "report.md"
+    out.write_text("# head\n")
+    write_report(out, cache, [], rounds=10)
+    text = out.read_text()
+    assert text.startswith("# head\n") and "tau = **6.00**" in text
+    rows = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ") and "x |" in ln}
+    assert "(fitted)" in rows["1"] and "(fitted)" in rows["128"] and "(fitted)" not in rows["8"]
+    assert "not predicted yet" in rows["32"]
+    assert "tpu-inference --only" not in text and "tpu-predict --only tpu-inference" in text
