@@ -52,7 +52,7 @@ def test_simulator_prices_target_only_with_the_predicted_step(predicted):
     assert ar.total_tps == pytest.approx(4 / predicted["t_target_step"], rel=1e-6)
     fixed = simulate_method(Method("DSpark", "fixed", "dspark"), 4, predicted, {"dspark": ts}, None, n_rounds=200)
     # fixed gamma commits tau tokens per request per round of draft + verify(R (G + 1))
-    expect = fixed_speedup(predicted, ts.tau(), predicted["engine"]["gamma"] + 1, 0.0)
+    expect = fixed_speedup(predicted, ts.tau(), predicted["engine"]["gamma"] + 1)
     assert fixed.total_tps / ar.total_tps == pytest.approx(expect, rel=0.1)
 
 
