@@ -16,6 +16,7 @@ the comparisons first, then the grid of targets x slices x concurrency.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import subprocess
 import sys
@@ -81,6 +82,18 @@ def run_entry(e: dict, cache: Path, timeout: int) -> bool:
     return True
 
 
+def _reprice(cache: Path) -> None:
+    from dspark_jax.engine.predict import reprice
+    from dspark_jax.parallel.topology import slice_devices
+    from dspark_jax.parallel.tpu_cost import chip_clock_hz
+
+    for path in sorted(cache.glob("*.json")):
+        d = json.loads(path.read_text())
+        clock = chip_clock_hz(slice_devices(d["topology"])[0])
+        path.write_text(json.dumps(reprice(d, clock), indent=1))
+        log.info("%s: %.3f GHz", path.stem, clock / 1e9)
+
+
 @report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax tpu-predict", description=__doc__.split("\n\n")[0],
@@ -94,10 +107,15 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", action="store_true", help="write the document from the cache, compile nothing")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per entry")
     ap.add_argument("--rounds", type=int, default=300, help="simulated rounds per method and concurrency")
+    ap.add_argument("--reprice", action="store_true",
+                    help="re-derive the kept tables' times from their cycles with the current clock calibration "
+                         "(parallel/tpu_cost.py), compiling nothing else")
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.render_only:
+    if args.reprice:
+        _reprice(args.cache)
+    elif not args.render_only:
         from dspark_jax.parallel.topology import require_libtpu
 
         require_libtpu()

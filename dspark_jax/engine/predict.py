@@ -32,7 +32,7 @@ from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
 from dspark_jax.scheduler.costs import PREDICTED_ON
 
-__all__ = ["predict_table", "libtpu_version"]
+__all__ = ["predict_table", "reprice", "libtpu_version"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,23 @@ def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
         _, dp, dfz, st = _abstract_args(ab)
         lowered = jax.jit(draft_only, in_shardings=(ab.dp_sh, ab.dfz_sh, ab.state_sh)).lower(dp, dfz, st)
         return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
+
+
+def reprice(d: dict, clock_hz: float) -> dict:
+    """A predicted table's times re-derived from its programs' cycles at another clock (when the
+    clock calibration changes; tpu_cost.chip_clock_hz), without compiling the programs again."""
+    progs = {n: {**p, "clock_hz": clock_hz, "seconds": p["cycles"] / clock_hz} for n, p in d["programs"].items()}
+    t = {n: p["seconds"] for n, p in progs.items()}
+    t_draft = t.get("draft", 0.0)
+    t_round = [t[f"round@{b}"] for b in d["buckets"]]
+    out = {**d, "programs": progs, "t_draft": t_draft, "t_round": t_round,
+           "t_verify": [max(x - t_draft, 1e-9) for x in t_round]}
+    if "target_only@R" in t:
+        out["t_target_step"] = t["target_only@R"]
+    if "t_draft_by_kind" in d:
+        out["t_draft_by_kind"] = {kind: {**v, "t_draft_by_requests": [t[f"draft[{kind}]"]]}
+                                  for kind, v in d["t_draft_by_kind"].items()}
+    return out
 
 
 def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: tuple[int, int, int],

@@ -9,9 +9,14 @@ and dividing by the chip's clock gives one chip's time:
 
 `compiled.cost_analysis()["optimal_seconds"]` is not used for the total: it counts every loop
 body once (a 36-layer target written as a `lax.scan` over layers is priced as one layer) and
-turns negative where the program offloads to a SparseCore (v7x). The clock is the compiler's
-own: cycles over `optimal_seconds` of a single large bf16 matmul compiled for the same chip
-(`chip_clock_hz`). Collectives carry no cycle estimate: they are counted (`collectives`, weighted
+turns negative where it meets instructions it cannot price (about -1 s each, e.g. SparseCore
+calls). The clock is the compiler's
+own: cycles over `optimal_seconds` of a compute-bound bf16 product compiled for the same chip
+(`chip_clock_hz`), where the cycles are the matrix units' and the seconds flops over the chip's
+peak. That clock is uncertain: a weight-read-bound product gives 1.0-1.7x it on v6e / v5p /
+v7x and 1/28 of it on v5e, whose weight-read-bound cycle estimates fall far below its HBM time. Absolute times carry that
+uncertainty; ratios of programs compiled for one chip (speedups, K-flatness) do not depend on it.
+Collectives carry no cycle estimate: they are counted (`collectives`, weighted
 like the rest) and left to the caller's overhead model, as are host overhead and launch
 latency. A loop whose bound is not a constant is counted once and listed in `unknown_loops`.
 Pallas kernels are priced by the `pl.CostEstimate` they declare.
@@ -162,8 +167,8 @@ def _analysis(compiled) -> dict:
 def _clock(platform: str, device_kind: str, device) -> float:
     mesh = Mesh(np.array([device]), ("x",))
     rep = NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16, sharding=rep)
-    w = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16, sharding=rep)
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=rep)
+    w = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16, sharding=rep)
     with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
         compiled = jax.jit(lambda a, b: a @ b).lower(x, w).compile()
     return hlo_cycles(compiled.as_text())["once_cycles"] / float(_analysis(compiled)["optimal_seconds"])
@@ -171,7 +176,7 @@ def _clock(platform: str, device_kind: str, device) -> float:
 
 def chip_clock_hz(device) -> float:
     """Cycles per second of the compiler's cost model for `device`'s chip: the estimated cycles of
-    a bf16 [8, 4096] x [4096, 14336] product (weight-read bound) over its `optimal_seconds`."""
+    a bf16 [4096, 4096] x [4096, 8192] product (compute bound) over its `optimal_seconds`."""
     return _clock(device.platform, device.device_kind, device)
 
 

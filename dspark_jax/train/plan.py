@@ -175,7 +175,8 @@ def predicted_time(cfg: Config, step: dict, slc, n_devices: int) -> dict:
 def format_predicted(t: dict, slice_name: str) -> str:
     return (f"predicted train step on {slice_name} (XLA:TPU cost model, not measured): {t['step_s']:.2f} s, "
             f"{t['tokens_per_s']:,.0f} tokens/s, FLOPs utilisation {100 * t['utilisation']:.0f} %; "
-            f"{t['steps']} steps ({t['steps_from']}): {t['hours']:.1f} h, {t['chip_hours']:.0f} chip-hours")
+            + ("per 1000 steps" if t["steps_from"] == "per 1000 steps" else f"{t['steps']} steps (train.steps)")
+            + f": {t['hours']:.1f} h, {t['chip_hours']:.0f} chip-hours")
 
 
 def misfits(mem: dict, hbm_gib: float, where: str = "a device") -> list[str]:
