@@ -80,3 +80,18 @@ def test_predict_command_refuses_bad_slices_and_meshes(capsys):
     assert costs_main(["predict", "configs/micro.yaml", "--topology", "v6e-4", "--slots", "4", "--mesh", "1,1,8",
                        "--out", "x.json"]) == 2
     assert "= 8 devices, but slice v6e-4 has 4" in capsys.readouterr().err
+
+
+def test_reprice_rederives_every_time_from_the_cycles(predicted):
+    from dspark_jax.engine.predict import reprice
+
+    clock = predicted["programs"]["draft"]["clock_hz"]
+    before = json.dumps(predicted, sort_keys=True)
+    fast = reprice(predicted, 2 * clock)
+    assert json.dumps(predicted, sort_keys=True) == before  # the input is left as it was
+    assert fast["t_draft"] == pytest.approx(predicted["t_draft"] / 2)
+    assert fast["t_target_step"] == pytest.approx(predicted["t_target_step"] / 2)
+    assert fast["t_round"] == pytest.approx([t / 2 for t in predicted["t_round"]])
+    assert fast["t_draft_by_kind"]["mtp1"]["t_draft_by_requests"] == pytest.approx(
+        [t / 2 for t in predicted["t_draft_by_kind"]["mtp1"]["t_draft_by_requests"]])
+    assert reprice(predicted, clock)["t_verify"] == pytest.approx(predicted["t_verify"])
