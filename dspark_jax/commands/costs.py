@@ -144,12 +144,12 @@ def _cmd_roofline(args) -> int:
 
 
 def _cmd_show(args) -> int:
-    from dspark_jax.scheduler.costs import load_cost_file
+    from dspark_jax.scheduler.costs import describe_table, load_cost_file
 
     d = load_cost_file(args.path)
-    print(f"{args.path}: backend {d['backend']} ({d['device_kind']}); t_draft {1e3 * d['t_draft']:.3f} ms")
+    print(describe_table(d, args.path))
+    print(f"backend {d['backend']} ({d['device_kind']}); t_draft {1e3 * d['t_draft']:.3f} ms")
     print(f"provenance: {d.get('provenance')}")
-    print(f"measured on: {d.get('measured_on', 'standalone verification forward (older table)')}")
     for b, t in zip(d["buckets"], d["t_verify"]):
         print(f"  B={b:6d}  T_verify={1e3 * t:9.3f} ms  SPS={1 / t:9.1f}  tokens/s at full bucket={b / t:12.0f}")
     return 0

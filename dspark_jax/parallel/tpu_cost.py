@@ -14,11 +14,11 @@ calls). The clock is the compiler's
 own: cycles over `optimal_seconds` of a compute-bound bf16 product compiled for the same chip
 (`chip_clock_hz`), where the cycles are the matrix units' and the seconds flops over the chip's
 peak. That clock is uncertain: a weight-read-bound product gives 1.0-1.7x it on v6e / v5p /
-v7x and 1/28 of it on v5e, whose weight-read-bound cycle estimates fall far below its HBM time. Absolute times carry that
-uncertainty; ratios of programs compiled for one chip (speedups, K-flatness) do not depend on it.
-Collectives carry no cycle estimate: they are counted (`collectives`, weighted
-like the rest) and left to the caller's overhead model, as are host overhead and launch
-latency. A loop whose bound is not a constant is counted once and listed in `unknown_loops`.
+v7x and 1/28 of it on v5e, whose weight-read-bound cycle estimates fall far below its HBM time.
+Absolute times carry that uncertainty; ratios of programs compiled for one chip (speedups,
+K-flatness) do not depend on it. Collectives carry no cycle estimate: they are counted
+(`collectives`, weighted like the rest) and left to the caller's overhead model, as are host
+overhead and launch latency. A loop whose bound is not a constant is counted once and listed in `unknown_loops`.
 Pallas kernels are priced by the `pl.CostEstimate` they declare.
 """
 

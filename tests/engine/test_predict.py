@@ -95,3 +95,11 @@ def test_reprice_rederives_every_time_from_the_cycles(predicted):
     assert fast["t_draft_by_kind"]["mtp1"]["t_draft_by_requests"] == pytest.approx(
         [t / 2 for t in predicted["t_draft_by_kind"]["mtp1"]["t_draft_by_requests"]])
     assert reprice(predicted, clock)["t_verify"] == pytest.approx(predicted["t_verify"])
+
+
+def test_show_labels_a_predicted_table(predicted, tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(predicted))
+    assert costs_main(["show", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"cost table {path}: PREDICTED (not measured) for v6e-4 by the XLA:TPU cost model"
