@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +172,8 @@ def _comparison(cache: Path, lines: list[str]) -> Overhead | None:
     return o
 
 
-def _grid(cache: Path, entries: list[dict], o: Overhead, rounds: int, lines: list[str], plots: Path) -> None:
+def _grid(cache: Path, entries: list[dict], o: Overhead, rounds: int, lines: list[str], plots: Path,
+          out_dir: Path) -> None:
     profiles = {"gsm8k": {"dspark": PROFILES["paper-4b-gsm8k-dspark"], "dflash": PROFILES["paper-4b-gsm8k-dflash"]},
                 "arena-hard": {"dspark": PROFILES["paper-4b-arena-hard-dspark"],
                                "dflash": PROFILES["paper-4b-arena-hard-dflash"]}}
@@ -212,7 +214,7 @@ def _grid(cache: Path, entries: list[dict], o: Overhead, rounds: int, lines: lis
         lines.append("")
     _crossovers(results, lines)
     _goal(cache, grid, o, rounds, lines)
-    _plots(results, plots, lines)
+    _plots(results, plots, lines, out_dir)
 
 
 def _goal(cache: Path, grid: list[dict], o: Overhead, rounds: int, lines: list[str]) -> None:
@@ -277,11 +279,12 @@ def _crossovers(results: dict, lines: list[str]) -> None:
     lines.append("")
 
 
-def _plots(results: dict, plots: Path, lines: list[str]) -> None:
+def _plots(results: dict, plots: Path, lines: list[str], out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     plots.mkdir(parents=True, exist_ok=True)
     for preset in sorted({k[0] for k in results}):
@@ -299,6 +302,7 @@ def _plots(results: dict, plots: Path, lines: list[str]) -> None:
                         ax.annotate(str(c), (v[m.name].per_user_tps, v[m.name].total_tps), fontsize=6, alpha=0.6)
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("per-user tokens/s")
             ax.set_ylabel("total tokens/s")
             ax.set_title(f"{preset.removesuffix('_dspark')} on {slc}, GSM8K acceptance\n(solid: model B's overhead; "
@@ -309,14 +313,16 @@ def _plots(results: dict, plots: Path, lines: list[str]) -> None:
         path = plots / f"tpu_predicted_{preset}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
-        lines += [f"![{preset}]({path.parent.name}/{path.name})", ""]
+        lines += [f"![{preset}]({os.path.relpath(path, out_dir)})", "",
+                  "Each point is one concurrency (its label); DSpark gamma=7 lies under DSpark scheduled wherever "
+                  "the scheduler keeps the whole block.", ""]
 
 
 def write_report(out: Path, cache: Path, entries: list[dict], rounds: int = 300) -> None:
     lines: list[str] = []
     fitted = _comparison(cache, lines)
     if fitted is not None:
-        _grid(cache, entries, fitted, rounds, lines, out.parent / "figures")
+        _grid(cache, entries, fitted, rounds, lines, cache, out.parent)
     text = out.read_text() if out.exists() else ""
     block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
     if BEGIN in text and END in text:
