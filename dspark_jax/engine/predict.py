@@ -74,21 +74,26 @@ def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
         return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
 
 
+def _derive_times(d: dict) -> dict:
+    """The table's times from its programs' seconds: as for a measured table, t_verify(b) =
+    t_round(b) - t_draft; the target-only step and other kinds' drafts where they were priced."""
+    t = {n: p["seconds"] for n, p in d["programs"].items()}
+    t_draft = t.get("draft", 0.0)
+    t_round = [t[f"round@{b}"] for b in d["buckets"]]
+    out = {**d, "t_draft": t_draft, "t_round": t_round, "t_verify": [max(x - t_draft, 1e-9) for x in t_round]}
+    if "target_only@R" in t:
+        out["t_target_step"] = t["target_only@R"]
+    if d.get("t_draft_by_kind"):
+        out["t_draft_by_kind"] = {kind: {**v, "t_draft_by_requests": [t[f"draft[{kind}]"]]}
+                                  for kind, v in d["t_draft_by_kind"].items()}
+    return out
+
+
 def reprice(d: dict, clock_hz: float) -> dict:
     """A predicted table's times re-derived from its programs' cycles at another clock (when the
     clock calibration changes; tpu_cost.chip_clock_hz), without compiling the programs again."""
     progs = {n: {**p, "clock_hz": clock_hz, "seconds": p["cycles"] / clock_hz} for n, p in d["programs"].items()}
-    t = {n: p["seconds"] for n, p in progs.items()}
-    t_draft = t.get("draft", 0.0)
-    t_round = [t[f"round@{b}"] for b in d["buckets"]]
-    out = {**d, "programs": progs, "t_draft": t_draft, "t_round": t_round,
-           "t_verify": [max(x - t_draft, 1e-9) for x in t_round]}
-    if "target_only@R" in t:
-        out["t_target_step"] = t["target_only@R"]
-    if "t_draft_by_kind" in d:
-        out["t_draft_by_kind"] = {kind: {**v, "t_draft_by_requests": [t[f"draft[{kind}]"]]}
-                                  for kind, v in d["t_draft_by_kind"].items()}
-    return out
+    return _derive_times({**d, "programs": progs})
 
 
 def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: tuple[int, int, int],
@@ -112,28 +117,25 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         programs[name] = {**dataclasses.asdict(c), "compile_s": round(time.perf_counter() - t0, 1)}
         say(f"{name}: {1e3 * c.seconds:.3f} ms ({c.cycles} cycles at {c.clock_hz / 1e9:.2f} GHz; {c.collectives} "
             f"collectives; loops {sorted({n for _, n in c.loops})}), compiled in {time.perf_counter() - t0:.0f} s")
-        return c.seconds
 
-    t_draft = priced("draft", lambda: _draft_cost(ab, ctl)) if eng.G else 0.0
-    t_round = [priced(f"round@{b}", lambda b=b: _round_cost(ab, b, ctl)) for b in eng.priced_buckets]
-    t_verify = [max(t - t_draft, 1e-9) for t in t_round]
-    out_extra = {}
+    if eng.G:
+        priced("draft", lambda: _draft_cost(ab, ctl))
+    for b in eng.priced_buckets:
+        priced(f"round@{b}", lambda b=b: _round_cost(ab, b, ctl))
     if target_only and eng.G:
         ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)
         ctl0 = ab0.eng.control(SamplingParams(temperature, 0, 1.0))
-        out_extra["t_target_step"] = priced("target_only@R", lambda: _round_cost(ab0, slots, ctl0))
+        priced("target_only@R", lambda: _round_cost(ab0, slots, ctl0))
     by_kind = {}
     for kind in draft_kinds:
         kcfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, kind=kind))
         abk = abstract_engine(kcfg, mesh, dataclasses.replace(config, gamma=None), drafter_in_target_dtype=True)
-        t = priced(f"draft[{kind}]", lambda: _draft_cost(abk, abk.eng.control(SamplingParams(temperature, 0, 1.0))))
-        by_kind[kind] = {"draft_requests": [slots], "t_draft_by_requests": [t], "gamma": abk.eng.G}
-    if by_kind:
-        out_extra["t_draft_by_kind"] = by_kind
+        priced(f"draft[{kind}]", lambda: _draft_cost(abk, abk.eng.control(SamplingParams(temperature, 0, 1.0))))
+        by_kind[kind] = {"draft_requests": [slots], "gamma": abk.eng.G}
     version = libtpu_version()
     dtype = str(jax.tree.leaves(ab.tstate)[0].dtype)
-    return {"buckets": [int(b) for b in eng.priced_buckets], "t_verify": t_verify, "t_draft": t_draft,
-            "t_round": t_round, "predicted_on": PREDICTED_ON, "programs": programs,
+    return _derive_times({
+            "buckets": [int(b) for b in eng.priced_buckets], "predicted_on": PREDICTED_ON, "programs": programs,
             "provenance": (f"predicted by the XLA:TPU cost model, {topology}, libtpu {version}: the engine's round "
                            f"per bucket and its draft compiled for the slice on a CPU host (no TPU), mesh data "
                            f"{mesh_shape[0]} x fsdp {mesh_shape[1]} x tensor {mesh_shape[2]}, temperature "
@@ -141,4 +143,5 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
             "engine": {"num_slots": slots, "gamma": eng.G, "mode": eng.mode, "max_len": context,
                        "hidden_size": cfg.target.model.hidden_size, "num_layers": cfg.target.model.num_layers,
                        "vocab_size": cfg.target.model.vocab_size, "dtype": dtype, "kv_pages": kv_pages},
-            "topology": topology, "libtpu": version, **out_extra}
+            "topology": topology, "libtpu": version,
+            **({"t_draft_by_kind": by_kind} if by_kind else {})})
