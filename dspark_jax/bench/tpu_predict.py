@@ -54,7 +54,7 @@ def entries() -> list[dict]:
     return out
 
 
-def command(e: dict, cache: Path) -> list[str]:
+def command(e: dict, cache: Path, programs: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "dspark_jax", "costs", "predict", str(ROOT / "configs" / f"{e['preset']}.yaml"),
            "--topology", e["slice"], "--slots", str(e["slots"]), "--context", str(e["context"]),
            "--out", str(cache / f"{e['key']}.json")]
@@ -64,13 +64,27 @@ def command(e: dict, cache: Path) -> list[str]:
         cmd += ["--draft-kinds", e["kinds"]]
     if e.get("no_target_only"):
         cmd += ["--no-target-only"]
+    if programs:
+        cmd += ["--programs", programs]
     return cmd
 
 
-def run_entry(e: dict, cache: Path, timeout: int) -> bool:
+def _needs(e: dict, cache: Path, programs: str) -> bool:
+    """Whether `--programs` still has work on the entry's kept table: round@R is done once it
+    is the one-column view."""
+    path = cache / f"{e['key']}.json"
+    if not path.exists():
+        return False
+    if programs != "round@R":
+        return True
+    prog = json.loads(path.read_text())["programs"].get(f"round@{e['slots']}", {})
+    return prog.get("view_width") != 1
+
+
+def run_entry(e: dict, cache: Path, timeout: int, programs: str = "") -> bool:
     t0 = time.perf_counter()
     try:
-        res = subprocess.run(command(e, cache), capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(command(e, cache, programs), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         log.error("%s: no result within %d s", e["key"], timeout)
         return False
@@ -107,6 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", action="store_true", help="write the document from the cache, compile nothing")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per entry")
     ap.add_argument("--rounds", type=int, default=300, help="simulated rounds per method and concurrency")
+    ap.add_argument("--programs", default="", metavar="NAMES",
+                    help="recompile only these programs of the kept tables (`costs predict --programs`), e.g. "
+                         "round@R; with round@R, tables whose bucket-R round is already the one-column view "
+                         "are skipped")
     ap.add_argument("--reprice", action="store_true",
                     help="re-derive the kept tables' times from their cycles with the current clock calibration "
                          "(parallel/tpu_cost.py), compiling nothing else")
@@ -119,11 +137,14 @@ def main(argv=None) -> int:
         from dspark_jax.parallel.topology import require_libtpu
 
         require_libtpu()
-        todo = [e for e in entries() if args.only in e["key"]
-                and (args.redo or not (args.cache / f"{e['key']}.json").exists())]
+        if args.programs:
+            todo = [e for e in entries() if args.only in e["key"] and _needs(e, args.cache, args.programs)]
+        else:
+            todo = [e for e in entries() if args.only in e["key"]
+                    and (args.redo or not (args.cache / f"{e['key']}.json").exists())]
         for i, e in enumerate(todo, 1):
             t0 = time.perf_counter()
-            ok = run_entry(e, args.cache, args.timeout)
+            ok = run_entry(e, args.cache, args.timeout, args.programs)
             log.info("[%d/%d] %s %s in %.0f s", i, len(todo), e["key"], "done" if ok else "FAILED",
                      time.perf_counter() - t0)
     from dspark_jax.bench.tpu_report import write_report

@@ -30,7 +30,7 @@ from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
 from dspark_jax.engine.round import draft_part, round_step
 from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
-from dspark_jax.scheduler.costs import PREDICTED_ON
+from dspark_jax.scheduler.costs import PREDICTED_ON, bucket_plan
 
 __all__ = ["predict_table", "reprice", "libtpu_version"]
 
@@ -50,8 +50,8 @@ def _abstract_args(ab: AbstractEngine):
     return (ab.tstate, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
 
 
-def _round_cost(ab: AbstractEngine, bucket: int, ctl) -> ProgramCost:
-    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),))
+def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None) -> ProgramCost:
+    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),), verify_widths=(width,) if width else ())
 
     def one_round(ts, dp, dfz, s):
         return round_step(spec, target_arrays(nnx.merge(ab.tg, ts)), ab.darrays(dp, dfz), s, ctl)
@@ -98,11 +98,16 @@ def reprice(d: dict, clock_hz: float) -> dict:
 
 def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: tuple[int, int, int],
                   gamma: int | None = None, kv_pages: tuple[int, int] | None = None, temperature: float = 0.0,
-                  buckets=None, target_only: bool = True, draft_kinds=(), progress=None) -> dict:
+                  buckets=None, target_only: bool = True, draft_kinds=(), progress=None,
+                  only=None, keep: dict | None = None) -> dict:
     """A cost dict (scheduler/costs.py's format) for `cfg`'s target and drafter on `topology`,
     R = `slots` x `context`: t_verify per bucket, t_draft, the target-only step (`target_only`),
     the draft of each kind in `draft_kinds` (the same preset with that drafter kind) under
-    "t_draft_by_kind", every program's estimate under "programs"."""
+    "t_draft_by_kind", every program's estimate under "programs". With `only` (program names),
+    just those are compiled and the others taken from `keep` (an earlier prediction of the same
+    entry)."""
+    if only is not None and keep is None:
+        raise ValueError("predict_table(only=...) prices the other programs from `keep`, an earlier table")
     mesh = plan_mesh(mesh_shape, topology)
     config = EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
                           buckets=None if buckets is None else tuple(int(b) for b in buckets))
@@ -111,17 +116,24 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
     ctl = eng.control(SamplingParams(temperature, 0, 1.0))
     programs, say = {}, progress or (lambda s: log.info(s))
 
-    def priced(name, fn):
+    def priced(name, fn, **facts):
+        if only is not None and name not in only:
+            programs[name] = keep["programs"][name]
+            return
         t0 = time.perf_counter()
         c = fn()
-        programs[name] = {**dataclasses.asdict(c), "compile_s": round(time.perf_counter() - t0, 1)}
+        programs[name] = {**dataclasses.asdict(c), **facts, "compile_s": round(time.perf_counter() - t0, 1)}
         say(f"{name}: {1e3 * c.seconds:.3f} ms ({c.cycles} cycles at {c.clock_hz / 1e9:.2f} GHz; {c.collectives} "
             f"collectives; loops {sorted({n for _, n in c.loops})}), compiled in {time.perf_counter() - t0:.0f} s")
 
     if eng.G:
         priced("draft", lambda: _draft_cost(ab, ctl))
+    plan = bucket_plan(eng.priced_buckets, slots, eng.G) if eng.G else {}
     for b in eng.priced_buckets:
-        priced(f"round@{b}", lambda b=b: _round_cost(ab, b, ctl))
+        # a bucket reached only by rows verifying no drafts (skipped or scheduled to none) runs the
+        # round's one-column view, as in a measured table (engine/timing.py times it on that view)
+        width = 1 if plan.get(b, (0, 1))[1] == 0 else None
+        priced(f"round@{b}", lambda b=b, w=width: _round_cost(ab, b, ctl, w), view_width=width or eng.G + 1)
     if target_only and eng.G:
         ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)
         ctl0 = ab0.eng.control(SamplingParams(temperature, 0, 1.0))
@@ -137,7 +149,8 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
     return _derive_times({
             "buckets": [int(b) for b in eng.priced_buckets], "predicted_on": PREDICTED_ON, "programs": programs,
             "provenance": (f"predicted by the XLA:TPU cost model, {topology}, libtpu {version}: the engine's round "
-                           f"per bucket and its draft compiled for the slice on a CPU host (no TPU), mesh data "
+                           f"per bucket (one-column view where only undrafted rows reach it) and its draft "
+                           f"compiled for the slice on a CPU host (no TPU), mesh data "
                            f"{mesh_shape[0]} x fsdp {mesh_shape[1]} x tensor {mesh_shape[2]}, temperature "
                            f"{temperature:g}, {'paged' if kv_pages else 'dense'} KV; NOT measured"),
             "engine": {"num_slots": slots, "gamma": eng.G, "mode": eng.mode, "max_len": context,

@@ -31,7 +31,9 @@ class Spec:
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
     prefill_chunk: int = 0  # prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)
     prefill_rows: int = 0  # ... spread over at most this many slots
-    narrow_verify: bool = False  # also compile a one-column attention view for rounds that verify no drafts
+    # attention views (queries per row) the round picks from; () = G + 1 alone. (1, G + 1) adds a one-column
+    # view for rounds that verify no drafts; a cost prediction compiles one view at a time
+    verify_widths: tuple[int, ...] = ()
 
     @property
     def G(self) -> int:
@@ -47,8 +49,8 @@ class Spec:
     def widths(self) -> tuple[int, ...]:
         """Widths of the verification's attention view the round picks from (by its longest row):
         a round that verifies no drafts (skipped, or scheduled to none) attends with one query per
-        row, not gamma + 1 (a skipped round cost 1.40 x a SmolLM2 target-only step, 1.06 x so)."""
-        return (1, self.G + 1) if self.narrow_verify and self.G else (self.G + 1,)
+        row, not gamma + 1, and so costs about a target-only step."""
+        return self.verify_widths or (self.G + 1,)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

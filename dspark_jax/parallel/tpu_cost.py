@@ -19,7 +19,12 @@ Absolute times carry that uncertainty; ratios of programs compiled for one chip 
 K-flatness) do not depend on it. Collectives carry no cycle estimate: they are counted
 (`collectives`, weighted like the rest) and left to the caller's overhead model, as are host
 overhead and launch latency. A loop whose bound is not a constant is counted once and listed in `unknown_loops`.
-Whether a Pallas kernel's call is priced by the `pl.CostEstimate` it declares is not checked.
+
+A Pallas (Mosaic) kernel's call carries no cycle estimate, only the `pl.CostEstimate` it declares.
+The cost model prices such a call as the slowest of its three declared amounts at the chip's rates,
+``max(flops / F, bytes / B, transcendentals / T)``; the rates are read from the compiler itself
+(`kernel_rates`: the `optimal_seconds` of a trivial kernel declaring one amount at a time), and the
+call is counted at that time times the clock (`kernels` counts the calls priced so).
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ProgramCost", "program_cost", "hlo_cycles", "chip_clock_hz"]
+__all__ = ["ProgramCost", "program_cost", "hlo_cycles", "chip_clock_hz", "kernel_rates"]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _ATTR = {name: re.compile(rf"\b{name}=%?([\w.\-]+)") for name in ("condition", "body", "to_apply", "calls")}
+_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"')
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = \S+ constant\((-?\d+)\)")
 _COMPARE = re.compile(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(LT|GT)")
@@ -62,6 +69,7 @@ class ProgramCost:
     collective_bytes: int  # their result bytes
     loops: tuple[tuple[str, int], ...]  # (body computation, trip count) of every while loop
     unknown_loops: tuple[str, ...]  # loops whose trip count is not a constant (counted once)
+    kernels: int = 0  # Pallas calls as the program runs, priced from their declared cost estimate
 
 
 def _split(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -105,18 +113,22 @@ def _result_bytes(type_text: str) -> int:
                for t, dims in _ARRAY.findall(type_text))
 
 
-def hlo_cycles(hlo: str) -> dict:
-    """{"cycles", "once_cycles", "collectives", "collective_bytes", "loops", "unknown_loops"} over
-    the computations the entry runs (a fusion is priced by its instruction, not entered)."""
+def hlo_cycles(hlo: str, kernel_cycles=None) -> dict:
+    """{"cycles", "once_cycles", "collectives", "collective_bytes", "kernels", "loops",
+    "unknown_loops"} over the computations the entry runs (a fusion is priced by its instruction,
+    not entered). `kernel_cycles(flops, transcendentals, bytes) -> cycles` prices a kernel call
+    from its declared cost estimate; without it such calls count 0 cycles (and are still counted)."""
     comps, entry = _split(hlo)
     loops, unknown = [], []
-    memo: dict[str, np.ndarray] = {}  # per computation: (cycles, once, collectives, collective bytes)
+    memo: dict[str, np.ndarray] = {}  # per computation: (cycles, once, collectives, coll. bytes, kernels)
+    zero = lambda: np.zeros(5, np.int64)
+    per_run = np.array([1, 0, 1, 1, 1])  # what a loop's trip count multiplies (not the once-counted cycles)
 
     def cost(name: str) -> np.ndarray:
         if name in memo:
             return memo[name]
-        memo[name] = np.zeros(4, np.int64)  # recursion guard
-        total = np.zeros(4, np.int64)
+        memo[name] = zero()  # recursion guard
+        total = zero()
         for line in comps.get(name, []):
             m = _INSTRUCTION.match(line)
             if not m:
@@ -125,25 +137,30 @@ def hlo_cycles(hlo: str) -> dict:
             c = _CYCLES.search(line)
             if c:
                 total[:2] += int(c.group(1))
+            elif op == "custom-call" and (k := _KERNEL_COST.search(line)):
+                flops, transcendentals, nbytes = (int(x) for x in k.groups())
+                kc = int(round(kernel_cycles(flops, transcendentals, nbytes))) if kernel_cycles else 0
+                total[:2] += kc
+                total[4] += 1
             if op in _COLLECTIVES:
-                total[2:] += (1, _result_bytes(type_text))
+                total[2:4] += (1, _result_bytes(type_text))
             if op == "while":
                 body, cond = _ATTR["body"].search(line), _ATTR["condition"].search(line)
                 n = _trip_count(comps.get(cond.group(1), [])) if cond else None
-                b = cost(body.group(1)) if body else np.zeros(4, np.int64)
+                b = cost(body.group(1)) if body else zero()
                 if n is None:
                     unknown.append(body.group(1) if body else m.group(1))
                     n = 1
                 else:
                     loops.append((body.group(1) if body else m.group(1), n))
-                total += n * b * np.array([1, 0, 1, 1])
+                total += n * b * per_run
                 total[1] += b[1]
             elif op == "conditional":
                 br = _BRANCHES.search(line)
                 costs = [cost(x.strip().lstrip("%")) for x in br.group(1).split(",")] if br else []
                 if costs:
                     worst = max(costs, key=lambda x: x[0])
-                    total += worst * np.array([1, 0, 1, 1])
+                    total += worst * per_run
                     total[1] += sum(x[1] for x in costs)
             elif op in ("call", "async-start"):
                 callee = _ATTR["to_apply"].search(line) or _ATTR["calls"].search(line)
@@ -152,9 +169,9 @@ def hlo_cycles(hlo: str) -> dict:
         memo[name] = total
         return total
 
-    cycles, once, n_coll, coll_bytes = (int(x) for x in cost(entry))
+    cycles, once, n_coll, coll_bytes, kernels = (int(x) for x in cost(entry))
     return {"cycles": cycles, "once_cycles": once, "collectives": n_coll, "collective_bytes": coll_bytes,
-            "loops": loops, "unknown_loops": unknown}
+            "kernels": kernels, "loops": loops, "unknown_loops": unknown}
 
 
 def _analysis(compiled) -> dict:
@@ -184,13 +201,43 @@ def chip_clock_hz(device) -> float:
     return _CLOCKS[key]
 
 
+_RATES: dict[tuple[str, str], tuple[float, float, float]] = {}
+
+
+def _declared_seconds(device, flops: int, transcendentals: int, nbytes: int) -> float:
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(Mesh(np.array([device]), ("x",)), P()))
+    estimate = pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=nbytes)
+    call = lambda a: pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), cost_estimate=estimate)(a)
+    return float(_analysis(jax.jit(call).lower(x).compile())["optimal_seconds"])
+
+
+def kernel_rates(device) -> tuple[float, float, float]:
+    """(flops/s, bytes/s, transcendentals/s) at which the compiler prices a kernel's declared cost
+    estimate on `device`'s chip: each from a trivial kernel declaring 10^13 flops, 10^9 bytes or
+    10^10 transcendentals alone (its own 8 KiB of data is 10^-5 of the declared bytes)."""
+    key = (device.platform, device.device_kind)
+    if key not in _RATES:
+        f, b, t = 10**13, 10**9, 10**10
+        _RATES[key] = (f / _declared_seconds(device, f, 0, 0), b / _declared_seconds(device, 0, b, 0),
+                       t / _declared_seconds(device, 0, 0, t))
+    return _RATES[key]
+
+
 def program_cost(compiled, device) -> ProgramCost:
     """The estimate of one program compiled for `device`'s chip; see the module doc."""
     ca = _analysis(compiled)
-    h = hlo_cycles(compiled.as_text())
     clock = chip_clock_hz(device)
+    hlo = compiled.as_text()
+    kernel_cycles = None
+    if 'custom_call_target="tpu_custom_call"' in hlo:
+        rf, rb, rt = kernel_rates(device)
+        kernel_cycles = lambda f, t, b: clock * max(f / rf, b / rb, t / rt)
+    h = hlo_cycles(hlo, kernel_cycles)
     return ProgramCost(seconds=h["cycles"] / clock, cycles=h["cycles"], once_cycles=h["once_cycles"], clock_hz=clock,
                        optimal_seconds=float(ca.get("optimal_seconds", float("nan"))),
                        flops=float(ca.get("flops", 0.0)), bytes_accessed=float(ca.get("bytes accessed", 0.0)),
-                       collectives=h["collectives"], collective_bytes=h["collective_bytes"],
+                       collectives=h["collectives"], collective_bytes=h["collective_bytes"], kernels=h["kernels"],
                        loops=tuple(h["loops"]), unknown_loops=tuple(h["unknown_loops"]))

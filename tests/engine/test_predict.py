@@ -103,3 +103,32 @@ def test_show_labels_a_predicted_table(predicted, tmp_path, capsys):
     assert costs_main(["show", str(path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == f"cost table {path}: PREDICTED (not measured) for v6e-4 by the XLA:TPU cost model"
+
+
+def test_the_bucket_only_undrafted_rows_reach_is_priced_on_the_one_column_view(predicted):
+    """Bucket R (every row verifying no drafts: a skipped or scheduled-to-none round) runs the
+    round's one-column attention view in the engine and in a measured table; the prediction prices
+    that view, the other buckets the full G + 1 view."""
+    g = predicted["engine"]["gamma"]
+    widths = {n: p.get("view_width") for n, p in predicted["programs"].items() if n.startswith("round@")}
+    assert widths == {"round@4": 1, "round@8": g + 1, "round@16": g + 1, "round@20": g + 1}
+
+
+def test_programs_recompiles_only_the_named_programs_of_a_kept_table(predicted, tmp_path, capsys):
+    path = tmp_path / "t.json"
+    kept = json.loads(json.dumps(predicted))
+    for name in ("draft", "round@4"):  # marks: what is recompiled loses its mark, what is kept keeps it
+        kept["programs"][name]["seconds"] = 1.0
+    path.write_text(json.dumps(kept))
+    args = ["predict", "configs/micro.yaml", "--topology", "v6e-4", "--slots", "4", "--context", "64",
+            "--mesh", "2,1,2", "--draft-kinds", "mtp1", "--dtype", from_cli(["micro"]).target.dtype, "--out", str(path)]
+    assert costs_main(args + ["--programs", "round@R"]) == 0
+    d = json.loads(path.read_text())
+    assert d["programs"]["draft"]["seconds"] == 1.0 and d["t_draft"] == 1.0
+    assert d["programs"]["round@4"]["seconds"] == pytest.approx(predicted["programs"]["round@4"]["seconds"])
+    assert d["programs"]["round@8"] == predicted["programs"]["round@8"]
+    capsys.readouterr()
+    assert costs_main(args + ["--programs", "round@5"]) == 2
+    assert "--programs round@5: not in" in capsys.readouterr().err
+    assert costs_main(args[:-1] + [str(tmp_path / "none.json"), "--programs", "draft"]) == 2
+    assert "predict the whole table first" in capsys.readouterr().err

@@ -105,3 +105,43 @@ def test_a_layer_scan_costs_what_its_unrolled_layers_cost_on_tpu(v6e_chip):
     # weight-read bound: 12 x 8 MiB of bf16 weights at v6e's 1.64 TB/s is about 61 us; the cycle model at the
     # compute-bound clock is within the clock's uncertainty of it (module doc), not orders of magnitude off
     assert 0.8 < s.seconds / (12 * 2048 * 2048 * 2 / 1.64e12) < 3.0
+
+
+KERNEL = ('  %k = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={'
+          '"custom_call_config":{"body":"...","cost_estimate":{"flops":"400","transcendentals":"2",'
+          '"bytes_accessed":"300","remote_bytes_transferred":"0"}}}\n')
+
+
+def test_a_kernel_call_is_priced_from_its_declared_estimate_as_often_as_it_runs():
+    text = HLO.replace("  %ar = f32[8]{0} all-reduce(%f)", KERNEL + "  %ar = f32[8]{0} all-reduce(%k)")
+    seen = []
+    h = hlo_cycles(text, lambda f, t, b: seen.append((f, t, b)) or 7)
+    assert seen == [(400, 2, 300)]  # the body is parsed once ...
+    assert h["kernels"] == 36 and h["cycles"] == 10 + 36 * (100 + 7) + 70  # ... and runs 36 times
+    assert hlo_cycles(text)["cycles"] == 10 + 36 * 100 + 70  # no pricer: counted, not priced
+
+
+def test_a_pallas_kernel_in_a_layer_scan_is_priced_by_its_estimate_times_the_layers(v6e_chip):
+    """The compiler gives a Mosaic call no cycles; its declared bytes at the rate the compiler
+    itself prices declared bytes (v6e: about its 1.64 TB/s HBM) make the time, once per layer."""
+    from jax.experimental import pallas as pl
+
+    from dspark_jax.parallel.tpu_cost import kernel_rates
+
+    rep = NamedSharding(Mesh(np.array([v6e_chip]), ("x",)), P())
+    declared = 64 * 2**20
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def layers(x):
+        call = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=declared))
+        return jax.lax.scan(lambda c, _: (call(c), None), x, None, length=12)[0]
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=rep)
+    c = program_cost(jax.jit(layers).lower(x).compile(), v6e_chip)
+    _, bytes_per_s, _ = kernel_rates(v6e_chip)
+    assert 1.4e12 < bytes_per_s < 1.8e12
+    assert c.kernels == 12
+    assert 12 * declared / bytes_per_s <= c.seconds < 12 * declared / bytes_per_s + 20e-6  # + the loop's own few cycles

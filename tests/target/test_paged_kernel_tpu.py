@@ -73,7 +73,11 @@ def test_kernel_compiles_for_tpu(slice_name, shape):
     assert len(_kernels(compiled)) == 1  # Mosaic, not interpret mode
     cost = compiled.cost_analysis()
     r, t, nq, nkv, d, _, ctx, dtype = shape
-    assert cost["flops"] >= 4 * r * t * nq * ctx * d and cost["transcendentals"] >= r * t * nq * ctx  # CostEstimate
+    # the kernel's declared CostEstimate against attention's analytic count: QK^T and PV are 4 flops per
+    # (query, key, dim), one exp per (query, key); padding rows to the tile and the context to whole
+    # pages may at most double it
+    flops, exps = 4 * r * t * nq * ctx * d, r * t * nq * ctx
+    assert flops <= cost["flops"] <= 2 * flops and exps <= cost["transcendentals"] <= 2 * exps
     kv_bytes = 2 * r * ctx * nkv * d * jnp.dtype(dtype).itemsize  # the rows' K and V of one layer, read once
     assert cost["bytes accessed"] >= kv_bytes
     if d % 128 == 0:  # the pool read once, in place (with head_dim < 128 XLA relayouts it first: module docstring)
