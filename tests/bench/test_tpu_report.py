@@ -66,3 +66,26 @@ def test_the_report_names_what_was_fitted_and_what_is_checked(tmp_path):
     assert "(fitted)" in rows["1"] and "(fitted)" in rows["128"] and "(fitted)" not in rows["8"]
     assert "not predicted yet" in rows["32"]
     assert "tpu-inference --only" not in text and "tpu-predict --only tpu-inference" in text
+
+
+def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_method(tmp_path):
+    from pathlib import Path
+
+    kept = Path(__file__).resolve().parents[2] / "docs" / "tpu_predictions_figures"
+    cache = tmp_path / "figures"
+    cache.mkdir()
+    for c in (1, 8, 128):
+        (cache / f"sglang-v7x-8-qwen3_8b_dspark-r{c}.json").write_text(json.dumps(_consistent(c)))
+    key = "grid-v6e-8-qwen3_8b_dspark-r1"
+    d = json.loads((kept / f"{key}.json").read_text())
+    (cache / f"{key}.json").write_text(json.dumps(d))
+    entry = dict(key=key, preset="qwen3_8b_dspark", slice="v6e-8", slots=1, context=2048)
+    out = tmp_path / "report.md"
+    write_report(out, cache, [entry], rounds=10)
+    text = out.read_text()
+    section = text[text.index("## One token per program"):]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| qwen3_8b | v6e-8 | "))
+    t1, t2 = 1e3 * d["t_target_step"], 1e3 * d["t_verify"][d["buckets"].index(2)]
+    assert row == f"| qwen3_8b | v6e-8 | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} |"
+    assert (cache / "tpu_predicted_qwen3_8b_dspark.png").stat().st_size > 10_000
+    assert "![qwen3_8b_dspark](figures/tpu_predicted_qwen3_8b_dspark.png)" in text
