@@ -99,6 +99,15 @@ class DrafterKind(ABC):
         next round relies on. Kinds whose state comes only from `update` change nothing."""
         return dcache
 
+    def forced_drafts(self, params, shape: DraftShape, target_out, tokens, anchors):
+        """Greedy drafts at every anchor of whole sequences at once, teacher forced (eval/forced.py):
+        tokens [B, S], the target's ForwardOut over them, anchors [B, A] (positions p >= 1) ->
+        (drafts [B, A, G] int32, z [B, A, G] confidence logits, zeros without a head). Row (b, a)
+        equals `draft` at anchor p = anchors[b, a] at T = 0 up to the first draft that differs from
+        tokens[b, p + 1:], which is all the accepted length reads."""
+        raise NotImplementedError(f"{self.name} drafters have no teacher-forced evaluation: evaluate them by "
+                                  "speculative decoding (eval --mode engine)")
+
     @abstractmethod
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         """After verification: the drafter sees the target's view of [old anchor, accepted drafts].

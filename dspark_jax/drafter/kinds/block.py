@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
 from dspark_jax.drafter.losses import combine, dspark_chunked_sums
@@ -83,6 +84,19 @@ class BlockKind(DrafterKind):
 
         toks, q, z = jax.vmap(one)(keys, h, anchor, sampling)
         return toks, q, z, dcache
+
+    def forced_drafts(self, params, shape, target_out, tokens, anchors):
+        # every anchor's block through the training forward (context < p, as `draft_hidden` reads
+        # it), then the inference head: its sequential slots see their own greedy tokens, so the
+        # confidences are the engine's too
+        b, a = anchors.shape
+        ctx = backbone.fuse_context(params, target_out.features, shape.cfg)
+        h = backbone.backbone_train(params, shape.cfg, tokens, ctx, anchors, jnp.ones((b, a), bool), gamma=shape.G,
+                                    mask_id=shape.mask_id, window=shape.window)
+        anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+        toks, _, z = heads.sample_block(jax.random.key(0), params, h.reshape(b * a, shape.G, -1), anchor_tok,
+                                        SamplingParams(0.0, 0, 1.0))
+        return toks.reshape(b, a, -1), z.reshape(b, a, -1)
 
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         col = jnp.arange(feats.shape[1], dtype=jnp.int32)[None]
