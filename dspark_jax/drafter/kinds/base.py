@@ -16,6 +16,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
+from dspark_jax.decoding.sampling import first_argmax
+
 __all__ = ["DraftShape", "DrafterKind"]
 
 
@@ -99,14 +103,20 @@ class DrafterKind(ABC):
         next round relies on. Kinds whose state comes only from `update` change nothing."""
         return dcache
 
-    def forced_drafts(self, params, shape: DraftShape, target_out, tokens, anchors):
-        """Greedy drafts at every anchor of whole sequences at once, teacher forced (eval/forced.py):
+    def forced_logits(self, params, shape: DraftShape, target_out, tokens, anchors):
+        """The drafter's logits at every anchor of whole sequences at once, teacher forced (eval/forced.py):
         tokens [B, S], the target's ForwardOut over them, anchors [B, A] (positions p >= 1) ->
-        (drafts [B, A, G] int32, z [B, A, G] confidence logits, zeros without a head). Row (b, a)
-        equals `draft` at anchor p = anchors[b, a] at T = 0 up to the first draft that differs from
-        tokens[b, p + 1:], which is all the accepted length reads."""
+        float32 [B, A, G, V], slot j's computed as if drafts 0..j-1 were tokens[p + 1..p + j]. Until
+        the first draft that differs from the tokens that is what `draft` computes at anchor p."""
         raise NotImplementedError(f"{self.name} drafters have no teacher-forced evaluation: evaluate them by "
                                   "speculative decoding (eval --mode engine)")
+
+    def forced_drafts(self, params, shape: DraftShape, target_out, tokens, anchors):
+        """Greedy drafts [B, A, G] int32 and confidence logits [B, A, G] (zeros without a head) at
+        every anchor, as `forced_logits`: row (b, a) equals `draft` at T = 0 up to the first draft
+        that differs from tokens[b, p + 1:], which is all the accepted length reads."""
+        toks = first_argmax(self.forced_logits(params, shape, target_out, tokens, anchors)).astype(jnp.int32)
+        return toks, jnp.zeros(toks.shape, jnp.float32)
 
     @abstractmethod
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):

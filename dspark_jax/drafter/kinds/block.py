@@ -85,14 +85,24 @@ class BlockKind(DrafterKind):
         toks, q, z = jax.vmap(one)(keys, h, anchor, sampling)
         return toks, q, z, dcache
 
-    def forced_drafts(self, params, shape, target_out, tokens, anchors):
-        # every anchor's block through the training forward (context < p, as `draft_hidden` reads
-        # it), then the inference head: its sequential slots see their own greedy tokens, so the
-        # confidences are the engine's too
+    def _forced_hidden(self, params, shape, target_out, tokens, anchors):
+        # every anchor's block through the training forward: context < p, as `draft_hidden` reads it
         b, a = anchors.shape
         ctx = backbone.fuse_context(params, target_out.features, shape.cfg)
-        h = backbone.backbone_train(params, shape.cfg, tokens, ctx, anchors, jnp.ones((b, a), bool), gamma=shape.G,
-                                    mask_id=shape.mask_id, window=shape.window)
+        return backbone.backbone_train(params, shape.cfg, tokens, ctx, anchors, jnp.ones((b, a), bool),
+                                       gamma=shape.G, mask_id=shape.mask_id, window=shape.window)
+
+    def forced_logits(self, params, shape, target_out, tokens, anchors):
+        h = self._forced_hidden(params, shape, target_out, tokens, anchors)
+        prev = jnp.take_along_axis(tokens, (anchors[..., None] + jnp.arange(shape.G)).reshape(anchors.shape[0], -1),
+                                   axis=1).reshape(anchors.shape + (shape.G,))
+        return heads.base_logits(params, h) + heads.head_bias_train(params, h, prev)
+
+    def forced_drafts(self, params, shape, target_out, tokens, anchors):
+        # the inference head on the forced blocks: its sequential slots see their own greedy tokens,
+        # so the confidences are the engine's too, past the first rejected draft as well
+        b, a = anchors.shape
+        h = self._forced_hidden(params, shape, target_out, tokens, anchors)
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
         toks, _, z = heads.sample_block(jax.random.key(0), params, h.reshape(b * a, shape.G, -1), anchor_tok,
                                         SamplingParams(0.0, 0, 1.0))

@@ -8,7 +8,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import first_argmax
 from dspark_jax.drafter import eagle3 as e3
 from dspark_jax.drafter.kinds.base import DraftShape
 from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
@@ -62,13 +61,12 @@ class Eagle3Kind(RecurrentKind):
             raise ValueError(f"Eagle3 drafter fuses {drafter.m} target layers but layer_ids {list(fl)} has {len(fl)}")
         return DraftShape(G, target_cfg, fl)
 
-    def forced_drafts(self, params, shape, target_out, tokens, anchors):
-        # the training-time test over G steps: step s of row t predicts x_{t+s+2}, its inputs the
-        # continuation's tokens (the engine's own drafts up to the first that differs): anchor p is row p - 1
+    def forced_logits(self, params, shape, target_out, tokens, anchors):
+        # the training-time test over G steps: step s of row t predicts x_{t+s+2} from the tokens
+        # before it: anchor p is row p - 1
         h = e3.eagle3_train_hidden(params, tokens, target_out.features, cfg=shape.cfg, ttt_steps=shape.G)
         rows = jnp.take_along_axis(h, (anchors - 1)[None, ..., None], axis=2)  # [G, B, A, H]
-        toks = jnp.moveaxis(first_argmax(e3.eagle3_logits(params, rows)), 0, -1).astype(jnp.int32)
-        return toks, jnp.zeros(toks.shape, jnp.float32)
+        return jnp.moveaxis(e3.eagle3_logits(params, rows), 0, 2)
 
     def carry(self, feats, hidden):
         return feats

@@ -7,7 +7,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import first_argmax
 from dspark_jax.drafter import mtp
 from dspark_jax.drafter.kinds.base import DraftShape
 from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
@@ -41,12 +40,10 @@ class MTP1Kind(RecurrentKind):
             raise ValueError(f"gamma {gamma} exceeds MTP-1's single draft token: use gamma 1")
         return DraftShape(1, target_cfg, ())
 
-    def forced_drafts(self, params, shape, target_out, tokens, anchors):
+    def forced_logits(self, params, shape, target_out, tokens, anchors):
         # row t reads the target's hidden at t and x_{t+1} and predicts x_{t+2}: anchor p is row p - 1
         logits = mtp.mtp_train_logits(params, tokens, target_out.hidden, cfg=shape.cfg)
-        rows = jnp.take_along_axis(logits, (anchors - 1)[..., None], axis=1)
-        toks = first_argmax(rows).astype(jnp.int32)[..., None]
-        return toks, jnp.zeros(toks.shape, jnp.float32)
+        return jnp.take_along_axis(logits, (anchors - 1)[..., None], axis=1)[:, :, None]
 
     def carry(self, feats, hidden):
         return hidden
