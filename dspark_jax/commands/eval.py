@@ -1,4 +1,14 @@
-"""`python -m dspark_jax eval`: judge drafters on prompt sets with real speculative decoding.
+"""`python -m dspark_jax eval`: judge drafters on prompt sets, by speculative decoding or by
+teacher forcing.
+
+Modes (--mode): `engine` decodes every prompt with every drafter by speculative decoding.
+`forced` generates each prompt's continuation once with the target alone and judges every drafter
+along it in one parallel pass (eval/forced.py): at temperature 0 this is exact (the same rounds,
+accepted lengths and confidences as the engine's greedy decoding, at a fraction of the time); at
+T > 0 it reports the EXPECTED accepted length along one sampled continuation per prompt (an
+estimate: slot 0 is exact, later slots are teacher forced), not a sampled tau, and no STS;
+--engine-check N decodes the first N prompts with the engine beside it. `auto` (default): forced
+at temperature 0, engine otherwise.
 
 For every prompt set and drafter: accepted length tau with a 95 % bootstrap interval
 (over requests), conditional acceptance per draft position (the paper's Figure 2
@@ -48,6 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=["auto", "engine", "forced"], default="auto",
+                    help="engine: speculative decoding; forced: teacher forcing along one continuation per prompt "
+                         "(exact at temperature 0, expected tau at T > 0); auto: forced at T = 0, else engine")
+    ap.add_argument("--engine-check", type=int, default=0, metavar="N",
+                    help="with --mode forced at T > 0: also decode the first N prompts of each set with the engine "
+                         "and report its sampled tau beside the expected one")
     ap.add_argument("--sts-split", action=argparse.BooleanOptionalAction, default=True,
                     help="fit STS on half of each set's requests, report calibration before/after on the other half "
                          "(drafters with a confidence head; default on)")
@@ -63,15 +79,18 @@ def main(argv=None) -> int:
         load_temperatures,
     )
     from dspark_jax.commands.generate import load_models
+    from dspark_jax.console import progress_bar
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter.frozen import TargetMismatchError
     from dspark_jax.eval.evaluate import (
         EvalError,
         evaluate_drafter,
+        evaluate_forced,
         load_prompt_sets,
         write_plots,
         write_report,
     )
+    from dspark_jax.eval.forced import greedy_continuations
     from dspark_jax.io import drafter_dir as drafter_io
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -97,22 +116,51 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    mode = args.mode if args.mode != "auto" else ("forced" if args.temperature == 0 else "engine")
+    if mode == "forced" and args.temperature > 0:
+        print(f"[eval] --mode forced at temperature {args.temperature:g}: reporting the EXPECTED accepted length along "
+              "one sampled continuation per prompt (slot 0 exact, later slots teacher forced), not a sampled tau; "
+              "use --mode engine for sampled rounds (and STS)", file=sys.stderr)
+    stop_ids = tuple(tok.stop_ids)
     results: dict = {}
     for sname, prompts in sets.items():
         results[sname] = {}
+        if args.max_prompt_len:
+            prompts = [p[-args.max_prompt_len:] for p in prompts]
+        conts = None
+        if mode == "forced":
+            print(f"[eval] {sname}: the target's continuations of {len(prompts)} prompts", flush=True)
+            conts = greedy_continuations(target.model, prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
+                                         sampling=sampling, seed=args.seed, mesh=mesh)
         for dname, (d, path, temps) in drafters.items():
-            r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 seed=args.seed, stop_ids=tuple(tok.stop_ids), temps=temps,
-                                 max_prompt_len=args.max_prompt_len, groups=info[sname]["groups"],
-                                 sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
-                                 traces_path=(Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir
-                                              else None))
+            groups = info[sname]["groups"]
+            traces_path = Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None
+            if mode == "forced":
+                with progress_bar(total=len(prompts), desc=f"{sname} / {dname}", unit="prompt") as bar:
+                    r = evaluate_forced(target.model, d, prompts, conts, sampling=sampling, seed=args.seed,
+                                        temps=temps, groups=groups, sts_split=args.sts_split,
+                                        sts_min_rounds=args.sts_min_rounds, traces_path=traces_path,
+                                        progress=bar.update)
+                if args.temperature > 0 and args.engine_check:
+                    n = min(args.engine_check, len(prompts))
+                    e = evaluate_drafter(target.model, d, prompts[:n], max_new_tokens=args.max_new_tokens,
+                                         sampling=sampling, seed=args.seed, stop_ids=stop_ids, sts_split=False,
+                                         mesh=mesh)
+                    r["engine_check"] = {"prompts": n, "tau": e["tau"], "ci95": e["ci95"]}
+            else:
+                r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                     seed=args.seed, stop_ids=stop_ids, temps=temps, groups=groups,
+                                     sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
+                                     traces_path=traces_path)
             r["sts"] = temps is not None
             results[sname][dname] = r
-            print(f"[eval] {sname} / {dname}: tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] "
-                  f"over {r['prompts']} prompts")
+            check = r.get("engine_check")
+            print(f"[eval] {sname} / {dname} ({r['mode']}): tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, "
+                  f"{r['ci95'][1]:.3f}] over {r['prompts']} prompts"
+                  + (f"; engine, first {check['prompts']}: {check['tau']:.3f}" if check else ""))
     meta = {"command": "python -m dspark_jax eval " + " ".join(sys.argv[1:] if argv is None else argv),
-            "target": str(target.path), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "target": str(target.path), "mode": mode, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "sets": {k: v["sources"] for k, v in info.items()},
             "drafters": {n: {"path": str(path), **{k: getattr(d.dcfg, k, None) for k in

@@ -1,6 +1,7 @@
-"""Drafters judged on prompt sets with real speculative decoding: tau with bootstrap intervals,
-conditional acceptance per draft position, a confidence-threshold sweep, calibration before and
-after STS, plots and report.md (the command: `python -m dspark_jax eval`, commands/eval.py)."""
+"""Drafters judged on prompt sets, by speculative decoding or by teacher forcing (eval/forced.py):
+tau with bootstrap intervals, conditional acceptance per draft position, a confidence-threshold
+sweep, calibration before and after STS, plots and report.md (the command: `python -m dspark_jax
+eval`, commands/eval.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ from dspark_jax.data.corpora import HELDOUT_MODULES, build_corpus
 from dspark_jax.data.formats import read_conversations
 from dspark_jax.data.regenerate import prompt_messages
 from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.eval.forced import expected_acceptance, forced_traces
 from dspark_jax.text.chat import render_prompt
 
+MODES = {"engine": "speculative decoding with the engine",
+         "forced": "teacher forcing along the target's greedy continuation of each prompt (exactly the engine's "
+                   "greedy rounds; eval/forced.py)",
+         "forced-expected": "teacher forcing along one sampled continuation per prompt: tau is the EXPECTED accepted "
+                            "length (slot 0 exact, later slots teacher forced; an estimate, eval/forced.py), and "
+                            "'engine check' the engine's sampled tau on the first prompts"}
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -173,7 +181,7 @@ def sts_before_after(traces, *, drafter_kind: str, sampling, seed: int = 0, hold
 def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed, stop_ids, temps=None, num_slots=8,
                      max_prompt_len=None, groups=None, sts_split: bool = True, sts_min_rounds: int = 50,
                      traces_path=None, mesh=None):
-
+    """Judge `drafter` by speculative decoding of `prompts` with the engine."""
     G = getattr(drafter, "gamma", None) or drafter.dcfg.gamma
     if max_prompt_len:
         prompts = [p[-max_prompt_len:] for p in prompts]
@@ -183,28 +191,65 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
                        traces=True)
     acc = np.asarray([r.accepted for r in res.results])
     rounds = np.asarray([r.rounds for r in res.results])
+    out = summarise_rounds(res.traces.arrays(), acc, rounds, G, drafter=drafter, sampling=sampling, seed=seed,
+                           temps=temps, groups=groups, sts_split=sts_split, sts_min_rounds=sts_min_rounds,
+                           traces_path=traces_path, source="engine (eval)")
+    out["tokens_per_s"] = float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))
+    return {"mode": "engine", **out}
+
+
+def evaluate_forced(target, drafter, prompts, continuations, *, sampling, seed, temps=None, groups=None,
+                    sts_split: bool = True, sts_min_rounds: int = 50, traces_path=None, progress=None):
+    """Judge `drafter` by teacher forcing along `continuations` (eval/forced.py): at T = 0 the
+    engine's greedy rounds exactly; at T > 0 the expected acceptance along one sampled
+    continuation per prompt (an estimate of tau, slot 0 exact; no rounds, so no STS)."""
+    if sampling.temperature == 0:
+        tr = forced_traces(target, drafter, prompts, continuations, progress=progress)
+        out = summarise_rounds(tr, tr["request_accepted"], tr["request_rounds"], tr["gamma"], drafter=drafter,
+                               sampling=sampling, seed=seed, temps=temps, groups=groups, sts_split=sts_split,
+                               sts_min_rounds=sts_min_rounds, traces_path=traces_path, source="teacher forced (eval)")
+        return {"mode": "forced", **out}
+    ex = expected_acceptance(target, drafter, prompts, continuations, sampling, progress=progress)
+    reqs = [r for r in ex["requests"] if len(r["expected_accepted"])]
+    if not reqs:
+        raise EvalError("no continuation is long enough for a whole block: raise --max-new-tokens")
+    acc = np.asarray([r["expected_accepted"].sum() for r in reqs])
+    blocks = np.asarray([len(r["expected_accepted"]) for r in reqs], float)
+    tau, lo, hi = bootstrap_tau(acc, blocks, seed=seed)
+    rates = np.concatenate([r["rates"] for r in reqs])
+    out = {"mode": "forced-expected", "tau": tau, "ci95": [lo, hi], "prompts": len(reqs), "rounds": 0,
+           "anchors": int(blocks.sum()),
+           # slot j's acceptance given slots < j accepted (teacher forced): the conditional acceptance
+           "conditional_acceptance": np.nanmean(rates, axis=0).tolist(),
+           "conditional_support": np.sum(~np.isnan(rates), axis=0).tolist()}
+    if groups is not None and len(set(groups)) > 1:
+        kept = [g for g, r in zip(groups, ex["requests"]) if len(r["expected_accepted"])]
+        out["by_source"] = tau_by_group(acc, blocks, kept, seed=seed)
+    return out
+
+
+def summarise_rounds(tr: dict, acc, rounds, G: int, *, drafter, sampling, seed, temps, groups, sts_split: bool,
+                     sts_min_rounds: int, traces_path, source: str) -> dict:
+    """tau with its interval, conditional acceptance, STS before / after, the threshold sweep and
+    calibration from per-round traces (`Traces.arrays()` format) and per-request totals."""
     tau, lo, hi = bootstrap_tau(acc, rounds, seed=seed)
-    tr = res.traces.arrays()
-    out = {"tau": tau, "ci95": [lo, hi], "prompts": len(prompts), "rounds": int(rounds.sum()),
+    out = {"tau": tau, "ci95": [lo, hi], "prompts": len(acc), "rounds": int(np.sum(rounds)),
            # rounds cut by a stop token / max_new discarded drafts: not rejections
            "conditional_acceptance": conditional_acceptance(tr["accepted"][~tr["cut"]],
                                                             tr["length"][~tr["cut"]], G).tolist(),
-           "conditional_support": conditional_support(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist(),
-           "tokens_per_s": float(sum(len(r.tokens) for r in res.results) / max(res.seconds, 1e-9))}
+           "conditional_support": conditional_support(tr["accepted"][~tr["cut"]], tr["length"][~tr["cut"]], G).tolist()}
     if groups is not None and len(set(groups)) > 1:
         out["by_source"] = tau_by_group(acc, rounds, groups, seed=seed)
     has_conf = bool(getattr(drafter, "dcfg", None) and drafter.dcfg.confidence_head)
     full = tr["full"]
     if traces_path is not None or (has_conf and sts_split):
-
-        ts = from_engine(res.traces, drafter_kind=drafter.dcfg.kind, sampling=sampling, source="engine (eval)")
+        ts = from_engine(tr, drafter_kind=drafter.dcfg.kind, sampling=sampling, source=source)
         if traces_path is not None:
             out["traces"] = str(save_traces(traces_path, ts))
         if has_conf and sts_split:
             out["sts_split"] = sts_before_after(ts, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
                                                 min_rounds=sts_min_rounds)
     if has_conf and full.any():
-
         out["threshold_sweep"] = threshold_sweep(tr["conf_logits"][full], tr["accepted"][full], temps)
         rep = calibration_report(tr["conf_logits"][full], tr["accepted"][full], np.ones(G) if temps is None else temps)
         out["calibration"] = json.loads(json.dumps(rep, default=lambda x: np.asarray(x).tolist()))
@@ -274,14 +319,21 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
 
 def _tau_cell(r) -> str:
-    return f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] (n={r['prompts']})" if r else ""
+    if not r:
+        return ""
+    check = r.get("engine_check")
+    return (f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] (n={r['prompts']})"
+            + (f"; engine check {check['tau']:.3f} [{check['ci95'][0]:.3f}, {check['ci95'][1]:.3f}] "
+               f"(n={check['prompts']})" if check else ""))
 
 
 def write_report(results: dict, meta: dict, out: Path, plots: list[str]) -> Path:
-
+    mode = meta.get("mode", "engine")
+    mode = "forced-expected" if mode == "forced" and meta["temperature"] > 0 else mode
     lines = ["# Drafter evaluation", "", f"Command: `{meta['command']}`", "",
              f"Target: `{meta['target']}`; sampling: temperature {meta['temperature']}, top-k {meta['top_k']}, "
              f"top-p {meta['top_p']}; {meta['max_new_tokens']} new tokens per prompt; seed {meta['seed']}.", "",
+             f"Judged by {MODES[mode]}.", "",
              "## Accepted length tau (95 % bootstrap interval over requests)", ""]
     drafters = sorted({d for s in results.values() for d in s})
     lines.append("| set | " + " | ".join(drafters) + " |")

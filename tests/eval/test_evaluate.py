@@ -169,3 +169,32 @@ def _foreign_drafter(tmp_path):
     out = tmp_path / "foreign"
     drafter_io.save(d, out)
     return out
+
+
+def test_forced_mode_reports_what_the_engine_reports_at_t0(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
+    """`--mode forced` (the default at temperature 0) against `--mode engine` on the embedded target:
+    the same tau, intervals, conditional acceptance and round count per set."""
+    args = ["--target", str(embedded_tiny_dir), "--drafter", f"mine={tiny_dspark_drafter_dir}", "--num-prompts", "4",
+            "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(args + ["--out", str(tmp_path / "f")]) == 0
+    assert main(args + ["--mode", "engine", "--out", str(tmp_path / "e")]) == 0
+    f, e = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("f", "e"))
+    assert f["meta"]["mode"] == "forced" and e["meta"]["mode"] == "engine"
+    for s in ("code", "math", "prose"):
+        rf, re_ = f["results"][s]["mine"], e["results"][s]["mine"]
+        assert rf["mode"] == "forced" and re_["mode"] == "engine"
+        for k in ("tau", "ci95", "rounds", "prompts", "conditional_support"):
+            assert rf[k] == re_[k], (s, k)
+        np.testing.assert_allclose(rf["conditional_acceptance"], re_["conditional_acceptance"])
+    assert "teacher forcing along the target's greedy continuation" in (tmp_path / "f" / "report.md").read_text()
+
+
+def test_forced_mode_at_t1_says_it_reports_an_expectation(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path,
+                                                          capsys):
+    rc = main(["--target", str(embedded_tiny_dir), "--drafter", f"mine={tiny_dspark_drafter_dir}", "--num-prompts",
+               "3", "--max-new-tokens", "10", "--mode", "forced", "--engine-check", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "EXPECTED accepted length" in capsys.readouterr().err
+    r = json.loads((tmp_path / "results.json").read_text())["results"]["math"]["mine"]
+    assert r["mode"] == "forced-expected" and 1.0 <= r["tau"] <= 5.0 and r["engine_check"]["prompts"] == 2
+    assert "engine check" in (tmp_path / "report.md").read_text()
