@@ -13,7 +13,7 @@ import pytest
 from dspark_jax import notebook_tpu as nbt
 from dspark_jax.config import from_cli
 from dspark_jax.config.loader import ConfigError
-from dspark_jax.eval.evaluate import conditional_acceptance
+from dspark_jax.eval.metrics import conditional_acceptance
 
 GIB = 2 ** 30
 

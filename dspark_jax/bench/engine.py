@@ -234,7 +234,7 @@ def bench_speed(target, drafter, prompts, args, out):
 
 def bench_tau(target, drafters, prompts, args, out, stop_ids):
     from dspark_jax.decoding.sampling import SamplingParams
-    from dspark_jax.eval.evaluate import bootstrap_tau
+    from dspark_jax.eval.metrics import bootstrap_tau
 
     for name, d in drafters.items():
         gamma = getattr(d, "gamma", None) or d.dcfg.gamma

@@ -24,6 +24,13 @@ from dspark_jax.data.formats import read_conversations
 from dspark_jax.data.regenerate import prompt_messages
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.eval.forced import expected_acceptance, forced_traces
+from dspark_jax.eval.metrics import (
+    bootstrap_tau,
+    conditional_acceptance,
+    conditional_support,
+    tau_by_group,
+    threshold_sweep,
+)
 from dspark_jax.text.chat import render_prompt
 
 MODES = {"engine": "speculative decoding with the engine",
@@ -32,70 +39,10 @@ MODES = {"engine": "speculative decoding with the engine",
          "forced-expected": "teacher forcing along one sampled continuation per prompt: tau is the EXPECTED accepted "
                             "length (slot 0 exact, later slots teacher forced; an estimate, eval/forced.py), and "
                             "'engine check' the engine's sampled tau on the first prompts"}
-THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class EvalError(ValueError):
     pass
-
-
-# ---------------------------------------------------------------------------- metrics (pure)
-
-def bootstrap_tau(accepted: np.ndarray, rounds: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """tau = (sum accepted + sum rounds) / sum rounds over requests, and its 95 % percentile interval."""
-    accepted, rounds = np.asarray(accepted, float), np.asarray(rounds, float)
-    tau = (accepted.sum() + rounds.sum()) / max(rounds.sum(), 1.0)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(rounds), (n, len(rounds)))
-    a, r = accepted[idx].sum(1), rounds[idx].sum(1)
-    boot = (a + r) / np.maximum(r, 1.0)
-    return float(tau), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
-
-
-def conditional_acceptance(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
-    """[G]: position k = j+1: #(accepted >= k) / #(accepted >= k-1 and length >= k)."""
-    accepted, length = np.asarray(accepted), np.asarray(length)
-    out = np.full((G,), np.nan)
-    den = conditional_support(accepted, length, G)
-    for k in range(1, G + 1):
-        if den[k - 1]:
-            out[k - 1] = np.sum(accepted >= k) / den[k - 1]
-    return out
-
-
-def conditional_support(accepted: np.ndarray, length: np.ndarray, G: int) -> np.ndarray:
-    """[G] int: the denominators of `conditional_acceptance` (rounds that reached position k),
-    so plots can tell a measured rate from one resting on a handful of rounds."""
-    accepted, length = np.asarray(accepted), np.asarray(length)
-    return np.asarray([int(np.sum((accepted >= k - 1) & (length >= k))) for k in range(1, G + 1)], np.int64)
-
-
-def tau_by_group(accepted, rounds, groups, seed: int = 0) -> dict:
-    """{label: {"tau", "ci95", "prompts"}} over the requests of each group label (in first-seen order)."""
-    acc, rnd, g = np.asarray(accepted), np.asarray(rounds), np.asarray(groups)
-    if not (len(acc) == len(rnd) == len(g)):
-        raise ValueError(f"one group label per request needed: {len(g)} labels for {len(acc)} requests")
-    out = {}
-    for label in dict.fromkeys(g.tolist()):
-        m = g == label
-        t, lo, hi = bootstrap_tau(acc[m], rnd[m], seed=seed)
-        out[label] = {"tau": t, "ci95": [lo, hi], "prompts": int(m.sum())}
-    return out
-
-
-def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) -> list[dict]:
-    """Static thresholds on prefix survival, replayed exactly on full-gamma rounds: a round
-    verifying l drafts accepts min(k, l) of them when k were accepted at full gamma."""
-
-    a = survival(conf_logits, temps)
-    acc = np.asarray(accepted)
-    rows = []
-    for th in thresholds:
-        l = np.sum(np.cumprod(a >= th, axis=1), axis=1)
-        got = np.minimum(acc, l)
-        rows.append({"threshold": float(th), "verified_per_round": float(l.mean()),
-                     "accepted_share": float(got.sum() / max(l.sum(), 1)), "tau": float((got + 1).mean())})
-    return rows
 
 
 # ---------------------------------------------------------------------------- running
@@ -219,6 +166,8 @@ def evaluate_forced(target, drafter, prompts, continuations, *, sampling, seed, 
     rates = np.concatenate([r["rates"] for r in reqs])
     out = {"mode": "forced-expected", "tau": tau, "ci95": [lo, hi], "prompts": len(reqs), "rounds": 0,
            "anchors": int(blocks.sum()),
+           # expected accepted drafts and whole blocks per request: tau's terms, as `rounds` are for decoding
+           "per_request": {"accepted": acc.tolist(), "rounds": blocks.tolist()},
            # slot j's acceptance given slots < j accepted (teacher forced): the conditional acceptance
            "conditional_acceptance": np.nanmean(rates, axis=0).tolist(),
            "conditional_support": np.sum(~np.isnan(rates), axis=0).tolist()}
@@ -234,6 +183,7 @@ def summarise_rounds(tr: dict, acc, rounds, G: int, *, drafter, sampling, seed, 
     calibration from per-round traces (`Traces.arrays()` format) and per-request totals."""
     tau, lo, hi = bootstrap_tau(acc, rounds, seed=seed)
     out = {"tau": tau, "ci95": [lo, hi], "prompts": len(acc), "rounds": int(np.sum(rounds)),
+           "per_request": {"accepted": np.asarray(acc).tolist(), "rounds": np.asarray(rounds).tolist()},
            # rounds cut by a stop token / max_new discarded drafts: not rejections
            "conditional_acceptance": conditional_acceptance(tr["accepted"][~tr["cut"]],
                                                             tr["length"][~tr["cut"]], G).tolist(),

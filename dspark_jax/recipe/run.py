@@ -6,8 +6,9 @@ the command's own output):
   train   `python -m dspark_jax.train PRESET target.path=... train.output_dir=OUT/<kind>` per drafter
           (done: OUT/<kind>/summary.json; an interrupted run resumes from its checkpoints, and the
           regeneration it starts with is cached and shared by drafters with the same data section)
-  eval    `python -m dspark_jax eval` on the prompt sets, all drafters side by side, per temperature
-          (done: OUT/eval_T<t>/results.json)
+  eval    `python -m dspark_jax eval --mode forced` on the prompt sets, all drafters side by side, per
+          temperature: exact at T = 0, the expected tau at T > 0 with the engine's sampled tau on a
+          few prompts beside it (done: OUT/eval_T<t>/results.json)
   speed   `python -m dspark_jax bench engine --sections speed` per drafter and temperature; for DSpark
           first `python -m dspark_jax costs measure` per batch size (OUT/costs/) and a scheduled row on
           those tables (done: OUT/speed_<kind>_T<t>.json)
@@ -22,10 +23,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark_jax.eval.metrics import paired_tau_ratio
 from dspark_jax.recipe.recipes import Recipe
 
 STAGES = ("train", "eval", "speed")
 SCHEDULED_KIND = "dspark"  # the drafter whose speed stage also times the scheduled policy (its confidence head)
+ENGINE_CHECK_PROMPTS = 8  # at T > 0: prompts per set also decoded by the engine, beside the expected tau
 COST_MAX_LEN = 256  # the cost tables' cache length: the speed stage's prompts + 64 new tokens fit
 
 
@@ -89,7 +92,8 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
             cmd = _py("eval", "--target", target,
                       *[a for k, d in drafter_dir.items() for a in ("--drafter", f"{k}={d}")],
                       "--prompts", *sets, "--num-prompts", num_eval_prompts, "--max-new-tokens", eval_max_new_tokens,
-                      "--temperature", t, "--out", res)
+                      "--temperature", t, "--mode", "forced",
+                      *(["--engine-check", ENGINE_CHECK_PROMPTS] if t > 0 else []), "--out", res)
             run_stage(f"eval T={t:g}", cmd, logs / f"eval_T{t:g}.log", echo)
     speed_set = eval_dir / f"{recipe.speed_set}.jsonl"
     for kind, d in drafter_dir.items():
@@ -159,17 +163,28 @@ def report_markdown(s: dict) -> str:
             lines.append(f"| {k} | not trained yet | | | |")
     base = "dflash" if "dflash" in kinds else None
     for t, res in s["eval"].items():
-        lines += ["", f"## Accepted length tau on the prompt sets, T = {t}", ""]
+        how = "exact greedy rounds, teacher forced" if float(t) == 0 else "expected tau, teacher forced"
+        lines += ["", f"## Accepted length tau on the prompt sets, T = {t} ({how})", ""]
         if not res:
             lines.append("not evaluated yet")
             continue
-        head = "| set | " + " | ".join(kinds) + (" | dspark / dflash |" if base and "dspark" in kinds else " |")
+        ratio = base and "dspark" in kinds
+        head = "| set | " + " | ".join(kinds) + (" | dspark / dflash [paired 95% CI] |" if ratio else " |")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for sname, per in res.items():
             row = f"| {sname} | " + " | ".join(_ci(per.get(k)) for k in kinds) + " |"
-            if base and "dspark" in kinds and per.get("dspark") and per.get(base):
-                row += f" {per['dspark']['tau'] / per[base]['tau']:.3f} |"
+            a, b = per.get("dspark"), per.get(base) if ratio else None
+            if a and b and "per_request" in a and "per_request" in b:
+                r, lo, hi = paired_tau_ratio(a["per_request"]["accepted"], a["per_request"]["rounds"],
+                                             b["per_request"]["accepted"], b["per_request"]["rounds"])
+                row += f" {r:.3f} [{lo:.3f}, {hi:.3f}] |"
+            elif a and b:
+                row += f" {a['tau'] / b['tau']:.3f} |"
             lines.append(row)
+        checks = [f"{sname} / {k}: {per[k]['engine_check']['tau']:.3f} (n={per[k]['engine_check']['prompts']})"
+                  for sname, per in res.items() for k in kinds if (per.get(k) or {}).get("engine_check")]
+        if checks:
+            lines += ["", "The engine's sampled tau on the first prompts of each set: " + "; ".join(checks) + "."]
     lines += ["", "## Wall clock (tokens/s, `bench engine --sections speed`)", "",
               "| drafter | T | batch | target-only | speculative | speedup [range over runs] | tau | "
               "T_ar ms | T_draft ms | "

@@ -32,7 +32,7 @@ from dspark_jax.data.pipeline import (
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter.losses import LossCoefs
-from dspark_jax.eval.evaluate import bootstrap_tau
+from dspark_jax.eval.metrics import bootstrap_tau
 from dspark_jax.io import drafter_dir as drafter_io
 from dspark_jax.io.reference import write_reference
 from dspark_jax.parallel.sharding import (

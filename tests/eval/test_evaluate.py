@@ -6,34 +6,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.commands.eval import main
-from dspark_jax.eval.evaluate import (
-    bootstrap_tau,
-    conditional_acceptance,
-    conditional_support,
-    sts_before_after,
-    tau_by_group,
-    threshold_sweep,
-)
-
-
-def test_conditional_acceptance_by_hand():
-    # rounds: (accepted, verified length)
-    acc = np.array([0, 1, 2, 2, 3])
-    length = np.array([3, 3, 3, 2, 3])
-    ca = conditional_acceptance(acc, length, 3)
-    # k=1: #(acc>=1)=4 / #(acc>=0 & l>=1)=5; k=2: #(acc>=2)=3 / #(acc>=1 & l>=2)=4;
-    # k=3: #(acc>=3)=1 / #(acc>=2 & l>=3)=2 (the round verified at length 2 cannot count)
-    np.testing.assert_allclose(ca, [0.8, 0.75, 0.5])
-    np.testing.assert_array_equal(conditional_support(acc, length, 3), [5, 4, 2])
-
-
-def test_tau_by_group_splits_requests():
-    acc, rounds = np.array([4, 0, 2, 0]), np.array([2, 2, 2, 2])
-    out = tau_by_group(acc, rounds, ["a", "b", "a", "b"])
-    assert list(out) == ["a", "b"]
-    assert out["a"]["tau"] == (6 + 4) / 4 and out["b"]["tau"] == 1.0 and out["a"]["prompts"] == 2
-    with pytest.raises(ValueError, match="one group label per request"):
-        tau_by_group(acc, rounds, ["a"])
+from dspark_jax.eval.evaluate import sts_before_after
 
 
 def _overconfident_traces(n_req=80, rounds=12, G=4, seed=0):
@@ -80,26 +53,6 @@ def test_sts_before_after_too_few_rounds_says_why():
     tr = {k: v[:30] for k, v in _overconfident_traces().items()}
     out = sts_before_after(tr, drafter_kind="dspark", sampling=(1.0, 0, 1.0))
     assert set(out) == {"error"} and "need >= 50" in out["error"]
-
-
-def test_threshold_sweep_replays_prefixes():
-    z = np.array([[10.0, 10.0, -10.0], [10.0, -10.0, 10.0]])  # survival ~ [1,1,0], [1,0,0]
-    acc = np.array([3, 1])
-    rows = {r["threshold"]: r for r in threshold_sweep(z, acc, thresholds=(0.0, 0.5))}
-    assert rows[0.0]["verified_per_round"] == 3 and rows[0.0]["tau"] == 3.0  # (3+1 + 1+1) / 2
-    # threshold 0.5 verifies 2 and 1 drafts, accepting min(3,2)=2 and min(1,1)=1: share 3/3, tau 2.5
-    assert rows[0.5]["verified_per_round"] == 1.5
-    assert rows[0.5]["accepted_share"] == 1.0 and rows[0.5]["tau"] == 2.5
-
-
-def test_bootstrap_tau_interval_contains_estimate_and_shrinks():
-    rng = np.random.default_rng(0)
-    rounds = rng.integers(5, 20, 400)
-    acc = rng.binomial(rounds * 3, 0.5)
-    tau, lo, hi = bootstrap_tau(acc, rounds)
-    assert lo < tau < hi
-    _, lo2, hi2 = bootstrap_tau(acc[:40], rounds[:40])
-    assert hi2 - lo2 > hi - lo
 
 
 def test_report_end_to_end(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
