@@ -1,5 +1,4 @@
-"""Exact greedy acceptance without speculative decoding (docs/method.md, "Evaluation by teacher
-forcing").
+"""Exact greedy acceptance without speculative decoding (docs/method.md §5.1).
 
 At T = 0 speculative decoding commits exactly the target's greedy continuation y of a prompt,
 whatever the drafter, and a round anchored at position p accepts the longest prefix of its drafts
