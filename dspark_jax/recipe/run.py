@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from dspark_jax.eval.metrics import paired_tau_ratio
+from dspark_jax.recipe.curves import curve_table, plot_curves, training_curves
 from dspark_jax.recipe.recipes import Recipe
 
 STAGES = ("train", "eval", "speed")
@@ -117,6 +118,8 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
                           "--batch-sizes", ",".join(map(str, speed_batch_sizes)), *tables, "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
     summary = collect(recipe, out, target, temps)
+    if plot_curves(summary["curves"], out / "tau_vs_steps.png"):
+        summary["curves_plot"] = "tau_vs_steps.png"
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     (out / "report.md").write_text(report_markdown(summary))
     print(f"[recipe] report: {out / 'report.md'}", flush=True)
@@ -141,7 +144,7 @@ def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
     evals = {f"{t:g}": (_read(out / f"eval_T{t:g}" / "results.json") or {}).get("results") for t in temps}
     speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in temps} for k in recipe.kinds}
     return {"recipe": recipe.name, "target": str(target), "notes": recipe.notes, "kinds": list(recipe.kinds),
-            "train": train, "eval": evals, "speed": speed}
+            "train": train, "curves": training_curves(out, recipe.kinds), "eval": evals, "speed": speed}
 
 
 def _ci(r) -> str:
@@ -161,6 +164,10 @@ def report_markdown(s: dict) -> str:
                          f"{t['measured_tau'] or float('nan'):.3f} | {(t['wall_s'] or 0) / 60:.1f} min |")
         else:
             lines.append(f"| {k} | not trained yet | | | |")
+    if s.get("curves"):
+        lines += ["", "## Held-out expected tau against training steps", ""] + curve_table(s["curves"])
+        if s.get("curves_plot"):
+            lines += ["", f"![tau against steps]({s['curves_plot']})"]
     base = "dflash" if "dflash" in kinds else None
     for t, res in s["eval"].items():
         how = "exact greedy rounds, teacher forced" if float(t) == 0 else "expected tau, teacher forced"
