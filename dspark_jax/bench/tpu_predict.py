@@ -35,6 +35,7 @@ GRID_CONTEXT = 2048
 # sglang-jax's published DSpark run: 1024-token prompts, 4096 output tokens, so a request holds
 # 3072 tokens of KV on average over its decode; TP over the 8 devices of a v7x-8
 SGLANG_SLOTS, SGLANG_CONTEXT = (1, 8, 32, 128), 3072
+PAGED_SLOTS, PAGE_SIZE = (8, 64), 16
 
 
 def entries() -> list[dict]:
@@ -51,6 +52,10 @@ def entries() -> list[dict]:
     for target, slc in order:
         out += [dict(key=f"grid-{slc}-{target}_dspark-r{r}", preset=f"{target}_dspark", slice=slc, slots=r,
                      context=GRID_CONTEXT, kinds="dflash,mtp1") for r in GRID_SLOTS]
+    # the paged cache (its Pallas kernel priced from its declared cost) beside the dense grid entries
+    out += [dict(key=f"paged-v6e-8-qwen3_8b_dspark-r{r}", preset="qwen3_8b_dspark", slice="v6e-8", slots=r,
+                 context=GRID_CONTEXT, kinds="", kv_pages=(r * GRID_CONTEXT // PAGE_SIZE, PAGE_SIZE))
+            for r in PAGED_SLOTS]
     return out
 
 
@@ -64,6 +69,8 @@ def command(e: dict, cache: Path, programs: str = "") -> list[str]:
         cmd += ["--draft-kinds", e["kinds"]]
     if e.get("no_target_only"):
         cmd += ["--no-target-only"]
+    if e.get("kv_pages"):
+        cmd += ["--kv-pages", ",".join(map(str, e["kv_pages"]))]
     if programs:
         cmd += ["--programs", programs]
     return cmd

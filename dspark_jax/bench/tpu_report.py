@@ -215,6 +215,7 @@ def _grid(cache: Path, entries: list[dict], o: Overhead, rounds: int, lines: lis
     _crossovers(results, lines)
     _goal(cache, grid, o, rounds, lines)
     _one_token(cache, grid, lines)
+    _paged(cache, entries, lines)
     plot_methods(results, METHODS, NO_OVERHEAD, plots, lines, out_dir)
 
 
@@ -277,6 +278,35 @@ def _crossovers(results: dict, lines: list[str]) -> None:
                                 f"(c = {c})")
             cells.append("; ".join(vals))
         lines.append(f"| {preset.removesuffix('_dspark')} | {slc} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
+def _paged(cache: Path, entries: list[dict], lines: list[str]) -> None:
+    """Paged against dense KV on the same slice, target and concurrency."""
+    pairs = []
+    for e in entries:
+        if e["key"].startswith("paged-"):
+            dense = _load(cache, e["key"].replace("paged-", "grid-", 1))
+            paged = _load(cache, e["key"])
+            if dense is not None and paged is not None:
+                pairs.append((e, dense, paged))
+    if not pairs:
+        return
+    lines += ["## Paged KV", "",
+              "The engine's paged cache reads the KV pages with its Pallas kernel (target/paged_kernel.py), which the "
+              "cost model prices from the kernel's declared cost (bytes of every page the row's table names, flops "
+              "and exponentials of every key: an upper bound, as the context is known at run time only), once per "
+              "layer. Against the dense cache of the same shape (times in ms; fixed gamma's round verifies R (G + 1) "
+              "tokens):", "",
+              "| target | slice | c | target-only step dense / paged | verify R (G + 1) dense / paged | draft dense / "
+              "paged | kernel calls in the round |", "|---|---|---|---|---|---|---|"]
+    for e, d, p in pairs:
+        r, g = e["slots"], d["engine"]["gamma"]
+        kernels = p["programs"][f"round@{p['buckets'][-1]}"].get("kernels", 0)
+        lines.append(f"| {e['preset'].removesuffix('_dspark')} | {e['slice']} | {r} | {_ms(d['t_target_step'])} / "
+                     f"{_ms(p['t_target_step'])} | {_ms(_round_at(d, r * (g + 1)) - d['t_draft'])} / "
+                     f"{_ms(_round_at(p, r * (g + 1)) - p['t_draft'])} | {_ms(d['t_draft'])} / {_ms(p['t_draft'])} | "
+                     f"{kernels} |")
     lines.append("")
 
 

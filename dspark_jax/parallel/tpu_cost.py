@@ -208,10 +208,12 @@ def _declared_seconds(device, flops: int, transcendentals: int, nbytes: int) -> 
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]
 
-    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(Mesh(np.array([device]), ("x",)), P()))
+    mesh = Mesh(np.array([device]), ("x",))
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
     estimate = pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=nbytes)
     call = lambda a: pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), cost_estimate=estimate)(a)
-    return float(_analysis(jax.jit(call).lower(x).compile())["optimal_seconds"])
+    with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
+        return float(_analysis(jax.jit(call).lower(x).compile())["optimal_seconds"])
 
 
 def kernel_rates(device) -> tuple[float, float, float]:

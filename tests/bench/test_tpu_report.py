@@ -89,3 +89,27 @@ def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_met
     assert row == f"| qwen3_8b | v6e-8 | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} |"
     assert (cache / "tpu_predicted_qwen3_8b_dspark.png").stat().st_size > 10_000
     assert "![qwen3_8b_dspark](figures/tpu_predicted_qwen3_8b_dspark.png)" in text
+
+
+def test_paged_tables_sit_beside_their_dense_twins(tmp_path):
+    from pathlib import Path
+
+    kept = Path(__file__).resolve().parents[2] / "docs" / "tpu_predictions_figures"
+    cache = tmp_path / "figures"
+    cache.mkdir()
+    for c in (1, 8, 128):
+        (cache / f"sglang-v7x-8-qwen3_8b_dspark-r{c}.json").write_text(json.dumps(_consistent(c)))
+    dense = json.loads((kept / "grid-v6e-8-qwen3_8b_dspark-r8.json").read_text())
+    paged = json.loads(json.dumps(dense))
+    paged["t_target_step"] *= 1.5
+    paged["programs"][f"round@{paged['buckets'][-1]}"]["kernels"] = 37
+    (cache / "grid-v6e-8-qwen3_8b_dspark-r8.json").write_text(json.dumps(dense))
+    (cache / "paged-v6e-8-qwen3_8b_dspark-r8.json").write_text(json.dumps(paged))
+    entries = [dict(key=k, preset="qwen3_8b_dspark", slice="v6e-8", slots=8, context=2048)
+               for k in ("grid-v6e-8-qwen3_8b_dspark-r8", "paged-v6e-8-qwen3_8b_dspark-r8")]
+    out = tmp_path / "report.md"
+    write_report(out, cache, entries, rounds=10)
+    section = out.read_text().split("## Paged KV")[1]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| qwen3_8b | v6e-8 | 8 |"))
+    t = 1e3 * dense["t_target_step"]
+    assert f"| {t:.2f} / {1.5 * t:.2f} |" in row and row.endswith("| 37 |")

@@ -132,3 +132,18 @@ def test_programs_recompiles_only_the_named_programs_of_a_kept_table(predicted, 
     assert "--programs round@5: not in" in capsys.readouterr().err
     assert costs_main(args[:-1] + [str(tmp_path / "none.json"), "--programs", "draft"]) == 2
     assert "predict the whole table first" in capsys.readouterr().err
+
+
+def test_a_paged_table_prices_the_kernel_once_per_layer(tmp_path):
+    """With a paged KV cache the target's attention is the Pallas kernel, which carries no cycle
+    estimate of its own: each call is priced from its declared cost (parallel/tpu_cost.py), once per
+    layer of the target-only step and per layer of target and drafter in a round."""
+    out = tmp_path / "paged.json"
+    assert costs_main(["predict", "configs/micro.yaml", "--topology", "v6e-4", "--slots", "4", "--context", "64",
+                       "--mesh", "2,1,2", "--kv-pages", "32,16", "--buckets", "4,20", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    layers = from_cli(["micro"]).target.model.num_layers
+    progs = d["programs"]
+    assert progs["target_only@R"]["kernels"] == layers
+    assert all(progs[f"round@{b}"]["kernels"] == layers + 1 for b in (4, 20))  # the drafter's layer reads pages too
+    assert "paged KV" in d["provenance"] and d["engine"]["kv_pages"] == [32, 16]
