@@ -3,12 +3,14 @@ sglang-jax's published points recovers a known truth, and the report says which 
 fitted and which are checks."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from dspark_jax.bench.tpu_report import PUBLISHED, Overhead, fit_overhead, fixed_speedup, write_report
 
 G = 7
+KEPT = Path(__file__).resolve().parents[2] / "docs" / "tpu_predictions_figures"  # the predicted tables in the repo
 TRUTH = Overhead(h0=7e-3, h1=1.2e-4, h2=2e-5, tau=6.0)
 
 
@@ -68,16 +70,19 @@ def test_the_report_names_what_was_fitted_and_what_is_checked(tmp_path):
     assert "tpu-inference --only" not in text and "tpu-predict --only tpu-inference" in text
 
 
-def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_method(tmp_path):
-    from pathlib import Path
-
-    kept = Path(__file__).resolve().parents[2] / "docs" / "tpu_predictions_figures"
+def _fitted_cache(tmp_path):
+    """A table cache holding the comparison tables the overhead fit needs (TRUTH's)."""
     cache = tmp_path / "figures"
     cache.mkdir()
     for c in (1, 8, 128):
         (cache / f"sglang-v7x-8-qwen3_8b_dspark-r{c}.json").write_text(json.dumps(_consistent(c)))
+    return cache
+
+
+def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_method(tmp_path):
+    cache = _fitted_cache(tmp_path)
     key = "grid-v6e-8-qwen3_8b_dspark-r1"
-    d = json.loads((kept / f"{key}.json").read_text())
+    d = json.loads((KEPT / f"{key}.json").read_text())
     (cache / f"{key}.json").write_text(json.dumps(d))
     entry = dict(key=key, preset="qwen3_8b_dspark", slice="v6e-8", slots=1, context=2048)
     out = tmp_path / "report.md"
@@ -92,14 +97,8 @@ def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_met
 
 
 def test_paged_tables_sit_beside_their_dense_twins(tmp_path):
-    from pathlib import Path
-
-    kept = Path(__file__).resolve().parents[2] / "docs" / "tpu_predictions_figures"
-    cache = tmp_path / "figures"
-    cache.mkdir()
-    for c in (1, 8, 128):
-        (cache / f"sglang-v7x-8-qwen3_8b_dspark-r{c}.json").write_text(json.dumps(_consistent(c)))
-    dense = json.loads((kept / "grid-v6e-8-qwen3_8b_dspark-r8.json").read_text())
+    cache = _fitted_cache(tmp_path)
+    dense = json.loads((KEPT / "grid-v6e-8-qwen3_8b_dspark-r8.json").read_text())
     paged = json.loads(json.dumps(dense))
     paged["t_target_step"] *= 1.5
     paged["programs"][f"round@{paged['buckets'][-1]}"]["kernels"] = 37
