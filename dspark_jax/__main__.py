@@ -42,6 +42,9 @@ COMMANDS = {
                        "with the answer mask"),
     "regenerate": Command("dspark_jax.commands.regenerate",
                           "regenerate assistant turns with the target into a training dataset"),
+    "features": Command("dspark_jax.commands.features",
+                        "the target's drafter inputs for a config's training set, computed once "
+                        "(train with data.features=cache)"),
     "generate": Command("dspark_jax.commands.generate", "speculative (or target-only) decoding of prompts"),
     "eval": Command("dspark_jax.commands.eval",
                     "tau with intervals, conditional acceptance, calibration report and plots"),

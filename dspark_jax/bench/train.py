@@ -1,7 +1,9 @@
 """Training-step throughput on the `bench_cpu` shape (or any config).
 
 Prints the median step time, target tokens/s, analytic FLOPs per step and the achieved
-FLOP/s as a ratio of this machine's measured float32 matmul rate, all from one run.
+FLOP/s as a ratio of this machine's measured float32 matmul rate, and the step time with the
+target's features read from the feature cache (`data.features: cache`) against the online
+step, as a ratio: all from one run, on the same batch.
 """
 
 from __future__ import annotations
@@ -51,21 +53,47 @@ def step_flops(cfg) -> dict[str, float]:
             "target LM-head rows": target_rows}
 
 
+def _step(tr, state, batch):
+    """(state, seconds) of one training step, its results on the host."""
+    t0 = time.perf_counter()
+    state, m, _ = tr.train_step(state, tr.frozen, tr.t_state, batch)
+    jax.block_until_ready(m["loss"])
+    return state, time.perf_counter() - t0
+
+
+def time_steps(tr, batches: dict, steps: int):
+    """({name: compile + first step seconds}, {name: per-step seconds}) of the named device batches'
+    steps, taken in turn (one step of each per round), so a change of the machine's load during the
+    run weighs on every variant alike and their ratio stays fair."""
+    state, compile_s, times = tr.state, {}, {name: [] for name in batches}
+    for name, batch in batches.items():
+        state, compile_s[name] = _step(tr, state, batch)
+    for _ in range(steps):
+        for name, batch in batches.items():
+            state, t = _step(tr, state, batch)
+            times[name].append(t)
+    return compile_s, times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench train", description=__doc__)
     ap.add_argument("config", nargs="?", default="bench_cpu", help="config preset or path (default: bench_cpu)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up (default 10)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="timed steps after one warm-up, per variant, alternating (default 10)")
     args = ap.parse_args(argv)
     import tempfile
+    from pathlib import Path
 
     from dspark_jax.config import from_cli
+    from dspark_jax.data.features import bytes_per_token, ensure_features
     from dspark_jax.data.pipeline import make_example
+    from dspark_jax.drafter import registry
     from dspark_jax.train.run import prepare_target
     from dspark_jax.train.trainer import Trainer
 
-    cfg = from_cli([args.config, *args.overrides, f"train.output_dir={tempfile.mkdtemp(prefix='bench_train_')}",
-                    "train.checkpoint_every=0"])
+    scratch = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    cfg = from_cli([args.config, *args.overrides, f"train.output_dir={scratch / 'out'}", "train.checkpoint_every=0"])
     target = prepare_target(cfg)
 
     class _Synthetic:  # random tokens, everything an assistant span: no dataset needed
@@ -84,20 +112,18 @@ def main(argv=None) -> int:
     ds = _Synthetic(max(4, cfg.train.batch_size * 2), cfg.data.seq_len, cfg.target.model.vocab_size - 1)
     tr = Trainer(cfg, target.model, ds, None, progress=False)
     spec = tr.spec
-    batch = {k: np.stack([make_example(ds[j], j, spec)[k] for j in range(cfg.train.batch_size)])
-             for k in make_example(ds[0], 0, spec)}
-    dev = tr._device_batch(batch)
-    t0 = time.perf_counter()
-    state, m, _ = tr.train_step(tr.state, tr.frozen, tr.t_state, dev)
-    jax.block_until_ready(m["loss"])
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, m, _ = tr.train_step(state, tr.frozen, tr.t_state, dev)
-        jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t0)
+    cache = None
+    if not registry.get_kind(tr.dcfg.kind).needs_target_logits:
+        cache = ensure_features(target.model, ds, scratch / "features", layers=tr.dcfg.target_layer_ids,
+                                seq_len=spec.seq_len, pad_id=spec.pad_id, progress=False)
+    rows = [make_example(ds[j], j, spec, cache) for j in range(cfg.train.batch_size)]
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    variants = {"online": tr._device_batch({k: v for k, v in batch.items() if k not in ("features", "hidden")})}
+    if cache is not None:
+        variants["cache"] = tr._device_batch(batch)
+    compiles, all_times = time_steps(tr, variants, args.steps)
     tr.close()
+    compile_s, times = compiles["online"], all_times["online"]
     med = statistics.median(times)
     flops = step_flops(cfg)
     total = sum(flops.values())
@@ -115,4 +141,19 @@ def main(argv=None) -> int:
     print(f"achieved:             {total / med / 1e9:.2f} GFLOP/s")
     print(f"matmul peak (1024^2 fp32, this machine, this run): {rate / 1e9:.2f} GFLOP/s")
     print(f"ratio achieved / matmul peak: {total / med / rate:.3f}")
+    if cache is None:
+        print(f"feature cache: not available for {tr.dcfg.kind} (its loss reads the target's logits)")
+        return 0
+    compile_c, times_c = compiles["cache"], all_times["cache"]
+    med_c = statistics.median(times_c)
+    ratios = [a / b for a, b in zip(times, times_c)]
+    per_token = bytes_per_token(len(tr.dcfg.target_layer_ids), cfg.target.model.hidden_size)
+    print(f"with the feature cache (data.features=cache, {per_token:,} bytes per token on disk):")
+    print(f"  compile + first step: {compile_c:.2f} s")
+    print(f"  median step time:     {med_c * 1e3:.1f} ms over {args.steps} steps "
+          f"(min {min(times_c) * 1e3:.1f}, max {max(times_c) * 1e3:.1f})")
+    print(f"  target tokens/s:      {tokens / med_c:,.0f}")
+    print(f"step time online / cache: {med / med_c:.2f}x (median of the per-round ratios "
+          f"{statistics.median(ratios):.2f}x, min {min(ratios):.2f}, max {max(ratios):.2f}; the steps alternate)")
+    print(f"the target forward's analytic share of the online step's FLOPs: {flops['target forward'] / total:.2f}")
     return 0

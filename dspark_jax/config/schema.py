@@ -16,6 +16,7 @@ from dspark_jax.target.config import ModelConfig
 
 DrafterKind = Literal[KIND_NAMES]
 HeadType = Literal["vanilla", "gated", "rnn"]
+FEATURE_SOURCES = ("online", "cache")
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,17 @@ class DataSection:
     regen_top_k: int = 20
     seq_len: int = 256  # the embedded target's context; real presets use 4096
     num_anchors: int = 64
+    # the frozen target's drafter inputs: "online" = a target forward in every step; "cache" =
+    # computed once (data/features.py) and read with the tokens (not for kinds whose loss reads logits)
+    features: str = "online"
+    features_path: str | None = None  # the feature cache's directory; None = <data.path>/features
 
     def __post_init__(self):
         if self.seq_len < 2 or self.num_anchors < 1:
             raise ValueError("seq_len must be >= 2 and num_anchors >= 1")
+        if self.features not in FEATURE_SOURCES:
+            raise ValueError(f"features must be 'online' (a target forward per step) or 'cache' (computed once, "
+                             f"read from disk), got {self.features!r}")
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ from dspark_jax.config import Config
 from dspark_jax.config.loader import ConfigError
 from dspark_jax.data.corpora import build_corpus
 from dspark_jax.data.dataset import TokenDataset
+from dspark_jax.data.features import FeatureCache, FeatureCacheError, default_dir, ensure_features
 from dspark_jax.data.formats import read_conversations
-from dspark_jax.data.pipeline import NoAssistantTokensError
+from dspark_jax.data.pipeline import PAD_ID, NoAssistantTokensError
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.drafter import registry
 from dspark_jax.drafter.frozen import TargetMismatchError
 from dspark_jax.drafter.model import DrafterConfigError
 from dspark_jax.embedded.target import embedded_target_dir
@@ -32,10 +34,12 @@ from dspark_jax.io.keymap import CheckpointMismatchError
 from dspark_jax.parallel.sharding import create_model, make_mesh
 from dspark_jax.target import TargetModel
 from dspark_jax.target.config import UnsupportedModelError
+from dspark_jax.train.step import require_cacheable
 from dspark_jax.train.trainer import Phases, Trainer, TrainingError, output_paths
 
 EXPECTED_ERRORS = (ConfigError, TrainingError, DrafterConfigError, NoAssistantTokensError, NotACheckpointError,
-                   CheckpointMismatchError, UnsupportedModelError, TargetMismatchError, FileNotFoundError)
+                   CheckpointMismatchError, UnsupportedModelError, TargetMismatchError, FileNotFoundError,
+                   FeatureCacheError)
 
 
 def prepare_target(cfg: Config, phases: Phases | None = None, mesh=None) -> LoadedTarget:
@@ -146,6 +150,25 @@ def prepare_data(cfg: Config, target: LoadedTarget, phases: Phases) -> tuple[Tok
     return out["train"], out["heldout"]
 
 
+def prepare_features(cfg: Config, target: LoadedTarget, train_ds, phases: Phases | None = None, mesh=None,
+                     progress: bool = True) -> FeatureCache | None:
+    """With `data.features: cache`, the training set's feature cache: computed where missing
+    (resuming an interrupted write), then opened; None when the features are computed online."""
+    d = cfg.data
+    if d.features != "cache":
+        return None
+    require_cacheable(registry.get_kind(cfg.drafter.kind))  # before any work
+    path = d.features_path
+    if path is None:
+        if getattr(train_ds, "path", None) is None:
+            raise ConfigError("data.features=cache needs data.features_path for a dataset that is not on disk")
+        path = default_dir(train_ds.path)
+    dcfg = registry.resolve(target.cfg, cfg.drafter)
+    with (phases or Phases())("features"):
+        return ensure_features(target.model, train_ds, path, layers=dcfg.target_layer_ids, seq_len=d.seq_len,
+                               pad_id=PAD_ID, progress=progress, mesh=mesh)
+
+
 def heldout_prompts(ds, n: int) -> list[list[int]]:
     """The prompt part (tokens before the first assistant token) of the first n records."""
     out = []
@@ -208,8 +231,10 @@ def run(cfg: Config, progress: bool = True) -> dict:
     target = prepare_target(cfg, phases, mesh)
     cfg = with_mask_token(cfg, target)
     train_ds, held_ds = prepare_data(cfg, target, phases)
+    features = prepare_features(cfg, target, train_ds, phases, mesh, progress)
     with phases("setup and compile"):
-        trainer = Trainer(cfg, target.model, train_ds, held_ds, progress=progress, phases=phases, mesh=mesh)
+        trainer = Trainer(cfg, target.model, train_ds, held_ds, progress=progress, phases=phases, mesh=mesh,
+                          features=features)
     try:
         summary = trainer.fit()
     finally:

@@ -1,9 +1,9 @@
-"""One training step: frozen target features online -> drafter -> chunked loss -> AdamW.
+"""One training step: frozen target features -> drafter -> chunked loss -> AdamW.
 
-The target runs inside the step on the same devices, so no offline feature cache is
-needed. The loss is computed over chunks of anchors under `jax.checkpoint`, so the
-vocabulary-sized tensors (q, p: [B, chunk, G, V]) exist for one chunk at a time, also in
-the backward pass.
+The target runs inside the step on the same devices (`data.features: online`), or its outputs
+come with the batch from the feature cache (`data.features: cache`, data/features.py). The
+loss is computed over chunks of anchors under `jax.checkpoint`, so the vocabulary-sized
+tensors (q, p: [B, chunk, G, V]) exist for one chunk at a time, also in the backward pass.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from flax import nnx
 
 from dspark_jax.config.loader import ConfigError
 from dspark_jax.drafter.losses import LossCoefs
+from dspark_jax.target.forward import ForwardOut
 from dspark_jax.toolkit.optim import adamw, warmup_cosine_schedule
 
 
@@ -35,6 +36,24 @@ def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, b1: f
     return adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay, clip_norm=clip_norm), sched
 
 
+def require_cacheable(kind) -> None:
+    """The cache holds features and the last hidden, not logits (a vocabulary-sized row per token,
+    far larger than the rest): kinds whose loss reads the target's logits train online."""
+    if kind.needs_target_logits:
+        raise ConfigError(f"data.features=cache is not available for {kind.name} drafters: their loss reads the "
+                          "target's logits, which the feature cache does not hold; set data.features=online")
+
+
+def cached_target_out(target, batch, kind) -> ForwardOut:
+    """The target's outputs a kind's loss reads, from a batch that carries the feature cache's
+    `features` [B, S, m, H] and `hidden` [B, S, H] (bfloat16), in the dtype the online forward
+    gives them."""
+    require_cacheable(kind)
+    dtype = target.dtype or target.embed[...].dtype
+    return ForwardOut(logits=None, hidden=batch["hidden"].astype(dtype), features=batch["features"].astype(dtype),
+                      cache=None)
+
+
 def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, compute_dtype=None,
                  eagle3_steps: int = 7, remat: str = "none"):
     """(params, frozen, target_state, batch) -> (loss, (metrics, sums)) for any drafter kind: the
@@ -48,10 +67,14 @@ def make_loss_fn(d_graphdef, t_graphdef, kind, coefs: LossCoefs, chunk: int, com
     def loss_fn(params, frozen, target_state, batch):
         drafter = nnx.merge(d_graphdef, params, frozen)
         target = nnx.merge(t_graphdef, target_state)
-        with jax.named_scope("target_forward"):  # profiles read by stage
-            out = target(batch["tokens"], valid=batch["seq_valid"], feature_layers=tuple(drafter.dcfg.target_layer_ids),
-                         return_logits=kind.needs_target_logits)
-            out = jax.tree.map(jax.lax.stop_gradient, out)
+        if "features" in batch:  # the feature cache's rows: no target forward
+            out = cached_target_out(target, batch, kind)
+        else:
+            with jax.named_scope("target_forward"):  # profiles read by stage
+                out = target(batch["tokens"], valid=batch["seq_valid"],
+                             feature_layers=tuple(drafter.dcfg.target_layer_ids),
+                             return_logits=kind.needs_target_logits)
+        out = jax.tree.map(jax.lax.stop_gradient, out)
         with jax.named_scope(f"drafter_{kind.name}_loss"):
             return kind.loss(drafter.arrays(compute_dtype), drafter, out, batch, coefs=coefs, chunk=chunk,
                              ttt_steps=eagle3_steps, remat=remat == "drafter_layers")

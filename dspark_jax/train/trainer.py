@@ -24,6 +24,7 @@ from dspark_jax.config import Config
 from dspark_jax.config.loader import to_dict
 from dspark_jax.console import progress_bar
 from dspark_jax.data.pipeline import (
+    PAD_ID,
     RecordSpec,
     check_dataset,
     heldout_batches,
@@ -49,6 +50,7 @@ from dspark_jax.train.step import (
     make_loss_fn,
     make_optimizer,
     make_train_step,
+    require_cacheable,
 )
 
 
@@ -164,6 +166,16 @@ def check_vocabulary(ds, vocab_size: int, name: str) -> None:
         )
 
 
+def check_cache(features, spec: RecordSpec, layer_ids) -> None:
+    """A feature cache must be the one this run's pipeline and drafter read."""
+    ident = features.meta["identity"]
+    want = {"seq_len": spec.seq_len, "pad_id": spec.pad_id, "layers": [int(i) for i in layer_ids]}
+    diff = {k: (ident.get(k), v) for k, v in want.items() if ident.get(k) != v}
+    if diff:
+        raise TrainingError(f"feature cache {features.path} does not fit this run ({diff}: cache, run); "
+                            "compute it for this config with `python -m dspark_jax features CONFIG`")
+
+
 def model_signature(drafter, target_cfg) -> dict:
     """What must match to resume: the drafter's shape and the target it belongs to."""
     sig = drafter_io.config_json(drafter)
@@ -175,7 +187,9 @@ def model_signature(drafter, target_cfg) -> dict:
 class Trainer:
     """Holds the sharded target, drafter and optimiser; `fit` runs the loop."""
     def __init__(self, cfg: Config, target, train_ds, heldout_ds=None, *, log=print, progress: bool = True,
-                 phases: Phases | None = None, mesh=None):
+                 phases: Phases | None = None, mesh=None, features=None):
+        """`features`: the training set's feature cache (data.features.FeatureCache); its rows then
+        replace the target forward in the training step (held-out evaluation stays online)."""
         self.cfg = cfg
         self.log = log if jax.process_index() == 0 else (lambda *a, **k: None)
         self.progress = progress and jax.process_index() == 0
@@ -212,7 +226,11 @@ class Trainer:
         self.local_batch = global_batch // jax.process_count()
         steps_per_epoch = max(1, len(train_ds) // global_batch)
         self.total_steps = tc.steps if tc.steps is not None else max(1, int(math.ceil(tc.epochs * steps_per_epoch)))
-        self.spec = RecordSpec(cfg.data.seq_len, cfg.data.num_anchors, dcfg.gamma, pad_id=0, seed=cfg.seed)
+        self.spec = RecordSpec(cfg.data.seq_len, cfg.data.num_anchors, dcfg.gamma, pad_id=PAD_ID, seed=cfg.seed)
+        self.features = features
+        if features is not None:
+            require_cacheable(registry.get_kind(dcfg.kind))
+            check_cache(features, self.spec, dcfg.target_layer_ids)
         self.tx, self.schedule = make_optimizer(tc.lr, self.total_steps,
                                                 tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
         # Adam moments are laid out like their parameters; counters are replicated.
@@ -255,7 +273,7 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sh, np.asarray(v)) for k, v in batch.items()}
 
     def _new_iter(self):
-        return iter(make_pipeline(self.train_ds, self.spec, self.local_batch, shuffle=True))
+        return iter(make_pipeline(self.train_ds, self.spec, self.local_batch, shuffle=True, features=self.features))
 
     # ------------------------------------------------------------------ checkpoints
     def _abstract_state(self):
