@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from dspark_jax.recipe.recipes import RECIPES
-from dspark_jax.recipe.run import STAGES, RecipeError, run_recipe
+from dspark_jax.recipe.run import STAGES, RecipeError, record_time, run_recipe
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval_datasets"
 
@@ -57,7 +58,9 @@ def main(argv=None) -> int:
         elif recipe.model:
             from dspark_jax.io.models import fetch
 
+            t0 = time.perf_counter()
             target = fetch(recipe.model, args.dtype)
+            record_time(Path(args.out) / "logs", "fetch target", time.perf_counter() - t0)
         else:
             raise RecipeError(f"recipe {recipe.name} has no model to fetch: pass --target DIR")
         run_recipe(recipe, Path(args.out), target, overrides=args.overrides, eval_dir=Path(args.eval_dir),

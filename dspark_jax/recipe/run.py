@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dspark_jax.eval.metrics import paired_tau_ratio
@@ -37,10 +38,33 @@ class RecipeError(RuntimeError):
     pass
 
 
+def record_time(logs: Path, stage: str, seconds: float) -> None:
+    """Append a finished (or failed) stage's wall time to LOGS/timings.jsonl: a resumed recipe's
+    total is the sum over every run of it."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "timings.jsonl", "a") as f:
+        f.write(json.dumps({"stage": stage, "seconds": round(seconds, 1), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
+                + "\n")
+
+
+def stage_times(logs: Path) -> dict[str, float]:
+    """{stage: seconds summed over runs} from LOGS/timings.jsonl, and "total"."""
+    path = logs / "timings.jsonl"
+    out: dict[str, float] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            out[rec["stage"]] = out.get(rec["stage"], 0.0) + float(rec["seconds"])
+    if out:
+        out["total"] = sum(out.values())
+    return out
+
+
 def run_stage(name: str, cmd: list[str], log_path: Path, echo: bool = True) -> None:
     """Run `cmd`, its output passed through as it comes (progress bars included) and appended to
-    `log_path`; a failure names the log."""
+    `log_path`; its wall time is recorded beside the logs; a failure names the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     print(f"[recipe] {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a piped child would otherwise hold its output back
     with open(log_path, "ab") as log:
@@ -55,6 +79,7 @@ def run_stage(name: str, cmd: list[str], log_path: Path, echo: bool = True) -> N
                 raw.write(chunk) if raw is not None else sys.stdout.write(chunk.decode(errors="replace"))
                 sys.stdout.flush()
         rc = proc.wait()
+    record_time(log_path.parent, name, time.perf_counter() - t0)
     if rc:
         raise RecipeError(f"stage '{name}' failed (exit {rc}); its output is in {log_path}. Fix the cause and "
                           "rerun the same command: finished stages are skipped, training resumes from its checkpoints")
@@ -144,7 +169,8 @@ def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
     evals = {f"{t:g}": (_read(out / f"eval_T{t:g}" / "results.json") or {}).get("results") for t in temps}
     speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in temps} for k in recipe.kinds}
     return {"recipe": recipe.name, "target": str(target), "notes": recipe.notes, "kinds": list(recipe.kinds),
-            "train": train, "curves": training_curves(out, recipe.kinds), "eval": evals, "speed": speed}
+            "train": train, "curves": training_curves(out, recipe.kinds), "eval": evals, "speed": speed,
+            "wall_s": stage_times(out / "logs")}
 
 
 def _ci(r) -> str:
@@ -153,7 +179,12 @@ def _ci(r) -> str:
 
 def report_markdown(s: dict) -> str:
     kinds = s["kinds"]
-    lines = [f"# Recipe `{s['recipe']}`", "", s["notes"], "", f"Target: `{s['target']}`", "", "## Training", "",
+    lines = [f"# Recipe `{s['recipe']}`", "", s["notes"], "", f"Target: `{s['target']}`", ""]
+    wall = s.get("wall_s") or {}
+    if wall:
+        lines += [f"Wall clock: {wall['total'] / 60:.1f} min over every run of the recipe ("
+                  + ", ".join(f"{k} {v / 60:.1f}" for k, v in wall.items() if k != "total") + " min).", ""]
+    lines += ["## Training", "",
              "| drafter | steps | held-out expected tau [95% CI] | measured tau | wall of its last run (a resumed run "
              "counts only itself) |", "|---|---|---|---|---|"]
     for k in kinds:

@@ -54,6 +54,11 @@ def test_recipe_runs_every_stage_then_resumes_without_work(embedded_tiny_dir, ev
     assert "scheduled speedup" in report and "(tau " in report
     assert "dspark / dflash" in report and "| math |" in report and "| dflash | 0 | 1 |" in report
     assert json.loads((out / "summary.json").read_text())["recipe"] == "tiny"
+    wall = s["wall_s"]  # every stage's wall time, summed over runs of the recipe
+    assert wall["train dspark"] > 0 and wall["eval T=0"] > 0 and wall["total"] == pytest.approx(
+        sum(v for k, v in wall.items() if k != "total"))
+    assert "Wall clock:" in report and "forced" not in report.split("## Training")[0]
+    assert "(exact greedy rounds, teacher forced)" in report
 
     def no_work(name, *a, **k):
         raise AssertionError(f"stage {name} ran again")
