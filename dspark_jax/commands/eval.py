@@ -132,15 +132,20 @@ def main(argv=None) -> int:
             print(f"[eval] {sname}: the target's continuations of {len(prompts)} prompts", flush=True)
             conts = greedy_continuations(target.model, prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
                                          sampling=sampling, seed=args.seed, mesh=mesh)
+        groups = info[sname]["groups"]
+        paths = {dname: Path(args.traces_dir) / f"{sname}_{dname}.npz" for dname in drafters} if args.traces_dir \
+            else {}
+        forced = {}
+        if mode == "forced":
+            with progress_bar(total=len(prompts), desc=f"{sname}: {', '.join(drafters)}", unit="prompt") as bar:
+                forced = evaluate_forced(target.model, {n: v[0] for n, v in drafters.items()}, prompts, conts,
+                                         sampling=sampling, seed=args.seed,
+                                         temps={n: v[2] for n, v in drafters.items()}, groups=groups,
+                                         sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds,
+                                         traces_paths=paths, progress=bar.update)
         for dname, (d, path, temps) in drafters.items():
-            groups = info[sname]["groups"]
-            traces_path = Path(args.traces_dir) / f"{sname}_{dname}.npz" if args.traces_dir else None
             if mode == "forced":
-                with progress_bar(total=len(prompts), desc=f"{sname} / {dname}", unit="prompt") as bar:
-                    r = evaluate_forced(target.model, d, prompts, conts, sampling=sampling, seed=args.seed,
-                                        temps=temps, groups=groups, sts_split=args.sts_split,
-                                        sts_min_rounds=args.sts_min_rounds, traces_path=traces_path,
-                                        progress=bar.update)
+                r = forced[dname]
                 if args.temperature > 0 and args.engine_check:
                     n = min(args.engine_check, len(prompts))
                     e = evaluate_drafter(target.model, d, prompts[:n], max_new_tokens=args.max_new_tokens,
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
                 r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                      seed=args.seed, stop_ids=stop_ids, temps=temps, groups=groups,
                                      sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
-                                     traces_path=traces_path)
+                                     traces_path=paths.get(dname))
             r["sts"] = temps is not None
             results[sname][dname] = r
             check = r.get("engine_check")

@@ -145,18 +145,27 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     return {"mode": "engine", **out}
 
 
-def evaluate_forced(target, drafter, prompts, continuations, *, sampling, seed, temps=None, groups=None,
-                    sts_split: bool = True, sts_min_rounds: int = 50, traces_path=None, progress=None):
-    """Judge `drafter` by teacher forcing along `continuations` (eval/forced.py): at T = 0 the
-    engine's greedy rounds exactly; at T > 0 the expected acceptance along one sampled
-    continuation per prompt (an estimate of tau, slot 0 exact; no rounds, so no STS)."""
+def evaluate_forced(target, drafters: dict, prompts, continuations, *, sampling, seed, temps=None, groups=None,
+                    sts_split: bool = True, sts_min_rounds: int = 50, traces_paths=None, progress=None) -> dict:
+    """{name: result} for `drafters` ({name: drafter}) judged by teacher forcing along
+    `continuations` (eval/forced.py), one target pass per prompt for all of them: at T = 0 the
+    engine's greedy rounds exactly; at T > 0 the expected acceptance along one sampled continuation
+    per prompt (an estimate of tau, slot 0 exact; no rounds, so no STS). `temps` / `traces_paths`:
+    {name: ...} (STS temperatures, where to save the traces)."""
+    temps, traces_paths = temps or {}, traces_paths or {}
     if sampling.temperature == 0:
-        tr = forced_traces(target, drafter, prompts, continuations, progress=progress)
-        out = summarise_rounds(tr, tr["request_accepted"], tr["request_rounds"], tr["gamma"], drafter=drafter,
-                               sampling=sampling, seed=seed, temps=temps, groups=groups, sts_split=sts_split,
-                               sts_min_rounds=sts_min_rounds, traces_path=traces_path, source="teacher forced (eval)")
-        return {"mode": "forced", **out}
-    ex = expected_acceptance(target, drafter, prompts, continuations, sampling, progress=progress)
+        traces = forced_traces(target, drafters, prompts, continuations, progress=progress)
+        return {name: {"mode": "forced", **summarise_rounds(
+                    tr, tr["request_accepted"], tr["request_rounds"], tr["gamma"], drafter=drafters[name],
+                    sampling=sampling, seed=seed, temps=temps.get(name), groups=groups, sts_split=sts_split,
+                    sts_min_rounds=sts_min_rounds, traces_path=traces_paths.get(name),
+                    source="teacher forced (eval)")}
+                for name, tr in traces.items()}
+    expected = expected_acceptance(target, drafters, prompts, continuations, sampling, progress=progress)
+    return {name: _expected_summary(ex, groups, seed) for name, ex in expected.items()}
+
+
+def _expected_summary(ex: dict, groups, seed: int) -> dict:
     reqs = [r for r in ex["requests"] if len(r["expected_accepted"])]
     if not reqs:
         raise EvalError("no continuation is long enough for a whole block: raise --max-new-tokens")

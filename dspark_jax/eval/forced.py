@@ -30,13 +30,14 @@ from dspark_jax.decoding.sampling import SamplingParams, probs_from_params
 from dspark_jax.drafter.losses import soft_label
 from dspark_jax.drafter.registry import kind_of
 from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.target.forward import ForwardOut
 
 __all__ = ["GREEDY", "greedy_continuations", "accepted_at", "forced_rounds", "forced_traces",
            "expected_acceptance"]
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingParams(0.0, 0, 1.0)
-_PAD = 32  # sequence and anchor counts are padded to multiples of this: few compiled shapes
+_PAD = 64  # sequence and anchor counts are padded to multiples of this: few compiled shapes
 
 
 def greedy_continuations(target, prompts, *, max_new_tokens: int, stop_ids=(), num_slots: int = 8,
@@ -78,18 +79,27 @@ def forced_rounds(accepted: np.ndarray, n_new: int) -> dict[str, np.ndarray]:
             "cut": np.asarray(cut, bool)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _drafts(kind, shape, graph, tparams, dparams, tokens, anchors):
-    target = nnx.merge(graph, tparams)
-    out = target(tokens, feature_layers=shape.feature_layers, return_logits=False)
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _target_pass(graph, tparams, feature_layers, return_logits, tokens):
+    """The target's features (of every layer any drafter reads), hidden and logits over whole sequences."""
+    return nnx.merge(graph, tparams)(tokens, feature_layers=feature_layers, return_logits=return_logits)
+
+
+def _view(out, layers: tuple[int, ...], shape) -> ForwardOut:
+    """The target pass as one drafter reads it: its own feature layers, in its order."""
+    idx = [layers.index(i) for i in shape.feature_layers]
+    feats = out.features[:, :, jnp.asarray(idx)] if idx else None
+    return ForwardOut(logits=out.logits, hidden=out.hidden, features=feats, cache=None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _drafts(kind, shape, dparams, out, tokens, anchors):
     return kind.forced_drafts(dparams, shape, out, tokens, anchors)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def _rates(kind, shape, graph, tparams, dparams, tokens, anchors, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1, 6))
+def _rates(kind, shape, dparams, out, tokens, anchors, sampling):
     """[B, A, G]: 1 - TV between the drafter's and the target's sampling distributions per slot."""
-    target = nnx.merge(graph, tparams)
-    out = target(tokens, feature_layers=shape.feature_layers, return_logits=True)
     q = probs_from_params(kind.forced_logits(dparams, shape, out, tokens, anchors), sampling)
     rows = anchors[..., None] + jnp.arange(shape.G)  # slot j of anchor p is checked on the target's row p + j
     p_logits = jnp.take_along_axis(out.logits, rows.reshape(rows.shape[0], -1)[..., None], axis=1)
@@ -101,19 +111,24 @@ def _round_up(n: int) -> int:
     return -(-n // _PAD) * _PAD
 
 
-def _parts(target, drafter, gamma, layer_ids):
-    kind = kind_of(drafter)
-    shape = kind.draft_shape(drafter, target.cfg, gamma, layer_ids)
+def _parts(target, drafters: dict, gamma, layer_ids):
+    """Per drafter (kind, shape, arrays), the target's graph and weights, and the union of the
+    drafters' feature layers (one target pass serves them all)."""
+    parts = {}
+    for name, d in drafters.items():
+        kind = kind_of(d)
+        parts[name] = (kind, kind.draft_shape(d, target.cfg, gamma, layer_ids), d.arrays())
     graph, tparams = nnx.split(target)
-    return kind, shape, graph, tparams, drafter.arrays()
+    layers = tuple(sorted({i for _, shape, _ in parts.values() for i in shape.feature_layers}))
+    return parts, graph, tparams, layers
 
 
-def _padded(r: int, prompt, seq: np.ndarray, m: int, G: int, kind):
+def _padded(r: int, prompt, seq: np.ndarray, m: int, G: int, min_prompt_len: int):
     """The sequence and its m anchors (the prompt's last token and the new tokens but the last),
     padded to few shapes: pad tokens come after every token the anchors read, pad anchors repeat
     the last."""
     n = len(prompt)
-    if n < max(kind.min_prompt_len, 2):
+    if n < max(min_prompt_len, 2):
         raise ValueError(f"prompt {r} has {n} tokens; teacher-forced evaluation needs at least 2")
     anchors = n - 1 + np.arange(m)
     tok = np.zeros((1, _round_up(len(seq) + G)), np.int32)
@@ -123,58 +138,66 @@ def _padded(r: int, prompt, seq: np.ndarray, m: int, G: int, kind):
     return jnp.asarray(tok), jnp.asarray(anc), anchors
 
 
-def forced_traces(target, drafter, prompts, continuations, *, gamma: int | None = None, layer_ids=None,
-                  progress=None) -> dict:
-    """Per-round traces of greedy speculative decoding of `prompts` (each continued by its greedy
-    continuation) with `drafter`, computed by teacher forcing: the arrays of `Traces.arrays()`
-    (request, round, conf_logits, length, accepted, full, cut) plus per-request "accepted" and
-    "rounds" totals, as `Engine.generate` reports them."""
-
-    kind, shape, graph, tparams, dparams = _parts(target, drafter, gamma, layer_ids)
-    rows = {k: [] for k in ("request", "round", "conf_logits", "length", "accepted", "cut")}
-    per_req_acc, per_req_rounds = [], []
+def _sequences(prompts, continuations, parts: dict):
+    """(request, seq, tokens, anchors padded, anchors) per prompt, padded for the widest block."""
+    G = max(shape.G for _, shape, _ in parts.values())
+    need = max(kind.min_prompt_len for kind, _, _ in parts.values())
     for r, (prompt, cont) in enumerate(zip(prompts, continuations)):
         seq = np.asarray(list(prompt) + list(cont), np.int32)
-        m = len(cont)
-        tok, anc, anchors = _padded(r, prompt, seq, m, shape.G, kind)
-        drafts, z = _drafts(kind, shape, graph, tparams, dparams, tok, anc)
-        drafts, z = np.asarray(drafts[0, :m]), np.asarray(z[0, :m], np.float32)
-        rounds = forced_rounds(accepted_at(drafts, seq, anchors), m)
-        k = len(rounds["start"])
-        rows["request"].append(np.full(k, r))
-        rows["round"].append(np.arange(k))
-        rows["conf_logits"].append(z[rounds["start"]])
-        rows["length"].append(np.full(k, shape.G))
-        rows["accepted"].append(rounds["accepted"])
-        rows["cut"].append(rounds["cut"])
-        per_req_acc.append(int(rounds["accepted"].sum()))
-        per_req_rounds.append(k)
-        if progress is not None:
-            progress(1)
-    out = {k: np.concatenate(v) if v else np.zeros((0,)) for k, v in rows.items()}
-    out["full"] = (out["length"] == shape.G) & ~out["cut"]
-    return {**out, "request_accepted": np.asarray(per_req_acc), "request_rounds": np.asarray(per_req_rounds),
-            "gamma": shape.G}
+        yield (r, seq, *_padded(r, prompt, seq, len(cont), G, need))
 
 
-def expected_acceptance(target, drafter, prompts, continuations, sampling: SamplingParams, *,
-                        gamma: int | None = None, layer_ids=None, progress=None) -> dict:
-    """Per request, along its continuation (drawn at `sampling`): "rates" [anchors, G] (each slot's
-    acceptance probability with the slots before it teacher forced; NaN where the slot's token lies
-    past the continuation), "expected_accepted" [anchors] (sum_j prod_{i<=j} rate_i over whole
-    blocks) and "tau" (1 + their mean). See the module doc for what is exact and what estimated."""
-    kind, shape, graph, tparams, dparams = _parts(target, drafter, gamma, layer_ids)
-    out = []
-    for r, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        seq = np.asarray(list(prompt) + list(cont), np.int32)
-        m = len(cont)
-        tok, anc, anchors = _padded(r, prompt, seq, m, shape.G, kind)
-        c = np.asarray(_rates(kind, shape, graph, tparams, dparams, tok, anc, sampling)[0, :m], np.float64)
-        inside = anchors[:, None] + 1 + np.arange(shape.G)[None] < len(seq)
-        whole = inside.all(axis=1)
-        acc = np.cumprod(c, axis=1).sum(axis=1)
-        out.append({"rates": np.where(inside, c, np.nan), "expected_accepted": acc[whole],
-                    "tau": float(1.0 + acc[whole].mean()) if whole.any() else float("nan")})
+def forced_traces(target, drafters: dict, prompts, continuations, *, gamma: int | None = None, layer_ids=None,
+                  progress=None) -> dict[str, dict]:
+    """{name: per-round traces} of greedy speculative decoding of `prompts` (each continued by its
+    greedy continuation) with each of `drafters` ({name: drafter}), by teacher forcing, one target
+    pass per prompt for all of them: the arrays of `Traces.arrays()` (request, round, conf_logits,
+    length, accepted, full, cut) plus per-request "request_accepted" and "request_rounds" totals,
+    as `Engine.generate` reports them, and "gamma"."""
+    parts, graph, tparams, layers = _parts(target, drafters, gamma, layer_ids)
+    keys = ("request", "round", "conf_logits", "length", "accepted", "cut", "request_accepted", "request_rounds")
+    rows = {name: {k: [] for k in keys} for name in drafters}
+    for r, seq, tok, anc, anchors in _sequences(prompts, continuations, parts):
+        m = len(anchors)
+        out = _target_pass(graph, tparams, layers, False, tok)
+        for name, (kind, shape, dparams) in parts.items():
+            drafts, z = _drafts(kind, shape, dparams, _view(out, layers, shape), tok, anc)
+            drafts, z = np.asarray(drafts[0, :m]), np.asarray(z[0, :m], np.float32)
+            rounds = forced_rounds(accepted_at(drafts, seq, anchors), m)
+            k, into = len(rounds["start"]), rows[name]
+            for key, v in (("request", np.full(k, r)), ("round", np.arange(k)), ("conf_logits", z[rounds["start"]]),
+                           ("length", np.full(k, shape.G)), ("accepted", rounds["accepted"]), ("cut", rounds["cut"]),
+                           ("request_accepted", [int(rounds["accepted"].sum())]), ("request_rounds", [k])):
+                into[key].append(np.asarray(v))
         if progress is not None:
             progress(1)
-    return {"requests": out, "gamma": shape.G}
+    out = {}
+    for name, (_, shape, _) in parts.items():
+        t = {k: np.concatenate(v) for k, v in rows[name].items()}
+        out[name] = {**t, "full": (t["length"] == shape.G) & ~t["cut"], "gamma": shape.G}
+    return out
+
+
+def expected_acceptance(target, drafters: dict, prompts, continuations, sampling: SamplingParams, *,
+                        gamma: int | None = None, layer_ids=None, progress=None) -> dict[str, dict]:
+    """{name: {"requests": [...], "gamma"}}: per request, along its continuation (drawn at
+    `sampling`), "rates" [anchors, G] (each slot's acceptance probability with the slots before it
+    teacher forced; NaN where the slot's token lies past the continuation), "expected_accepted"
+    [anchors] (sum_j prod_{i<=j} rate_i over whole blocks) and "tau" (1 + their mean). One target
+    pass per prompt serves every drafter. See the module doc for what is exact and what estimated."""
+    parts, graph, tparams, layers = _parts(target, drafters, gamma, layer_ids)
+    res = {name: {"requests": [], "gamma": shape.G} for name, (_, shape, _) in parts.items()}
+    for r, seq, tok, anc, anchors in _sequences(prompts, continuations, parts):
+        m = len(anchors)
+        out = _target_pass(graph, tparams, layers, True, tok)
+        for name, (kind, shape, dparams) in parts.items():
+            c = np.asarray(_rates(kind, shape, dparams, _view(out, layers, shape), tok, anc, sampling)[0, :m],
+                           np.float64)
+            inside = anchors[:, None] + 1 + np.arange(shape.G)[None] < len(seq)
+            whole = inside.all(axis=1)
+            acc = np.cumprod(c, axis=1).sum(axis=1)
+            res[name]["requests"].append({"rates": np.where(inside, c, np.nan), "expected_accepted": acc[whole],
+                                          "tau": float(1.0 + acc[whole].mean()) if whole.any() else float("nan")})
+        if progress is not None:
+            progress(1)
+    return res

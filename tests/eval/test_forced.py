@@ -51,7 +51,7 @@ def test_forced_rounds_are_the_engines_rounds(target, prompts, continuations, ki
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=(7,), traces=True)
     assert [r.tokens for r in res.results] == continuations  # what greedy speculative decoding commits
     want = res.traces.arrays()
-    got = forced_traces(target, d, prompts, continuations, **kw)
+    got = forced_traces(target, {kind: d}, prompts, continuations, **kw)[kind]
     for r in range(len(prompts)):
         w = want["request"] == r
         order = np.argsort(want["round"][w], kind="stable")
@@ -73,17 +73,16 @@ def test_block_kinds_forced_logits_accept_what_their_inference_head_accepts(targ
     """The teacher-forced logits (what T > 0 reads) give the greedy drafts' accepted lengths too."""
     import jax.numpy as jnp
 
-    from dspark_jax.eval.forced import _drafts, _padded, _parts
+    from dspark_jax.eval.forced import _drafts, _parts, _sequences
 
     d = tiny_drafter("dspark", target, gamma=G)
-    kind, shape, graph, tparams, dparams = _parts(target, d, None, None)
-    for r, (p, c) in enumerate(zip(prompts, continuations)):
-        seq = np.asarray(p + c)
-        tok, anc, anchors = _padded(r, p, seq, len(c), G, kind)
-        drafts, _ = _drafts(kind, shape, graph, tparams, dparams, tok, anc)
+    parts, *_ = _parts(target, {"d": d}, None, None)
+    kind, shape, dparams = parts["d"]
+    for r, seq, tok, anc, anchors in _sequences(prompts, continuations, parts):
         out = target(tok, feature_layers=shape.feature_layers, return_logits=False)
+        drafts, _ = _drafts(kind, shape, dparams, out, tok, anc)
         argmax = jnp.argmax(kind.forced_logits(dparams, shape, out, tok, anc), -1)
-        m = len(c)
+        m = len(anchors)
         np.testing.assert_array_equal(accepted_at(np.asarray(argmax[0, :m]), seq, anchors),
                                       accepted_at(np.asarray(drafts[0, :m]), seq, anchors))
 
@@ -100,8 +99,8 @@ def test_expected_first_slot_acceptance_is_the_engines_rate_at_t1(target):
     t1 = SamplingParams(1.0, 0, 1.0)
     d = tiny_drafter("dspark", target, gamma=G)
     candidates = [[3, 9, 4, 1], [5, 2, 8], [12, 0, 6, 6, 2], [1, 14, 3]]
-    rates = [expected_acceptance(target, d, [p], [[0] * (G + 1)], t1)["requests"][0]["rates"][0, 0]
-             for p in candidates]
+    ex = expected_acceptance(target, {"d": d}, candidates, [[0] * (G + 1)] * len(candidates), t1)["d"]
+    rates = [r["rates"][0, 0] for r in ex["requests"]]
     i = int(np.argmin(np.abs(np.asarray(rates) - 0.5)))
     prompt, rate = candidates[i], float(rates[i])
     assert 0.2 < rate < 0.8, rates  # a rate a wrong one cannot match by accident at 0 or 1
@@ -116,3 +115,34 @@ def test_expected_first_slot_acceptance_is_the_engines_rate_at_t1(target):
     assert abs(share - rate) < 4 * se, (share, rate)
     broken = max(0.0, 1 - 2 * (1 - rate))  # 1 - ||q - p||_1 = 1 - 2 TV
     assert abs(share - broken) > 4 * se
+
+
+def test_one_target_pass_serves_drafters_of_different_feature_layers(prompts):
+    """Several drafters at once (the target's features gathered for the union of their layers) give
+    each the traces it gets alone."""
+    from flax import nnx
+
+    from dspark_jax.config import DrafterSection
+    from dspark_jax.drafter import registry
+    from dspark_jax.drafter.frozen import attach_target
+    from dspark_jax.parallel.sharding import create_model
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=4), logit_scale=1.0)
+    conts = greedy_continuations(target, prompts, max_new_tokens=MAX_NEW, num_slots=3)
+
+    def drafter(kind, layers, seed):
+        dcfg = DrafterSection(kind=kind, num_layers=1, gamma=G, target_layer_ids=layers,
+                              num_target_features=len(layers), markov_rank=8, mask_token_id=target.cfg.vocab_size - 1)
+        d = create_model(lambda: registry.build(target.cfg, dcfg, rngs=nnx.Rngs(seed)))
+        attach_target(d, target)
+        return d
+
+    ds = {"a": drafter("dspark", (2,), 4), "b": drafter("dflash", (0, 2), 5), "c": drafter("dspark", (1,), 6)}
+    both = forced_traces(target, ds, prompts, conts)
+    for name, d in ds.items():
+        alone = forced_traces(target, {name: d}, prompts, conts)[name]
+        for k in ("accepted", "cut", "request_rounds"):
+            np.testing.assert_array_equal(both[name][k], alone[k])
+        np.testing.assert_allclose(both[name]["conf_logits"], alone["conf_logits"], atol=1e-5)
+    # the drafters differ (else a mix-up of their features could go unseen)
+    assert not np.array_equal(both["a"]["conf_logits"], both["c"]["conf_logits"])
