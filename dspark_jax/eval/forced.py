@@ -40,7 +40,7 @@ GREEDY = SamplingParams(0.0, 0, 1.0)
 _PAD = 64  # sequence and anchor counts are padded to multiples of this: few compiled shapes
 
 
-def greedy_continuations(target, prompts, *, max_new_tokens: int, stop_ids=(), num_slots: int = 8,
+def greedy_continuations(target, prompts, *, max_new_tokens: int, stop_ids=(), num_slots: int = 32,
                          sampling: SamplingParams = GREEDY, seed: int = 0, mesh=None) -> list[list[int]]:
     """The target's continuation of each prompt (a stop token ends it and is kept) by the engine
     without a drafter: at T = 0 the tokens greedy speculative decoding commits with any drafter;
