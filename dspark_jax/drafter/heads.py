@@ -18,13 +18,15 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import (
     SamplingParams,
     exponential_noise,
+    first_argmax,
     probs_from_params,
     sample_with_noise,
 )
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
 from dspark_jax.target.layers import lm_head_logits
 
-__all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block"]
+__all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block",
+           "greedy_block"]
 
 
 def head_type(params: dict) -> str | None:
@@ -137,3 +139,20 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     xs = (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0), noise)
     _, (toks, q, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), xs)
     return toks.T, jnp.moveaxis(q, 0, 1), z.T
+
+
+def greedy_block(params: dict, h, anchor):
+    """`sample_block` at temperature 0 (each slot's argmax, previous slots' own tokens feeding the
+    head) without what sampling needs: no noise, no distributions. -> tokens [R, G] int32, z [R, G]."""
+    u = base_logits(params, h)
+
+    def body(carry, xs):
+        prev, s = carry
+        u_j, h_j = xs
+        s, b_j = step_bias(params, s, h_j, prev)
+        tok = first_argmax(u_j + b_j).astype(jnp.int32)
+        return (tok, s), (tok, confidence_logits(params, h_j, prev))
+
+    s0 = init_state(params, (h.shape[0],), h.dtype)
+    _, (toks, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0)))
+    return toks.T, z.T

@@ -8,7 +8,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
 from dspark_jax.drafter.losses import combine, dspark_chunked_sums
@@ -104,8 +103,7 @@ class BlockKind(DrafterKind):
         b, a = anchors.shape
         h = self._forced_hidden(params, shape, target_out, tokens, anchors)
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
-        toks, _, z = heads.sample_block(jax.random.key(0), params, h.reshape(b * a, shape.G, -1), anchor_tok,
-                                        SamplingParams(0.0, 0, 1.0))
+        toks, z = heads.greedy_block(params, h.reshape(b * a, shape.G, -1), anchor_tok)
         return toks.reshape(b, a, -1), z.reshape(b, a, -1)
 
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
