@@ -39,7 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-max-new-tokens", type=int, default=64)
     ap.add_argument("--speed-repeats", type=int, default=3, help="alternating runs per speed row (default 3)")
     ap.add_argument("--speed-batch-sizes", default="1,8", help="comma-separated batch sizes timed (default 1,8)")
-    ap.add_argument("--temperatures", default=None, help="comma-separated (default: the recipe's, 0,1)")
+    ap.add_argument("--temperatures", default=None, help="evaluation temperatures, comma-separated (default: the "
+                                                           "recipe's, 0,1)")
+    ap.add_argument("--speed-temperatures", default=None,
+                    help="temperatures of the wall-clock rows, comma-separated (default: the recipe's)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run (default all)")
     args = ap.parse_intermixed_args(argv)  # overrides before or after the options
     recipe = RECIPES[args.name]
@@ -52,6 +55,8 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--speed-batch-sizes {args.speed_batch_sizes!r}: give comma-separated integers, e.g. 1,8")
     temps = None if args.temperatures is None else tuple(float(t) for t in args.temperatures.split(","))
+    speed_temps = None if args.speed_temperatures is None else \
+        tuple(float(t) for t in args.speed_temperatures.split(","))
     try:
         if args.target:
             target = Path(args.target)
@@ -67,7 +72,7 @@ def main(argv=None) -> int:
                    num_eval_prompts=args.num_eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
                    speed_prompts=args.speed_prompts, speed_max_new_tokens=args.speed_max_new_tokens,
                    speed_repeats=args.speed_repeats, speed_batch_sizes=batch_sizes,
-                   temperatures=temps, stages=stages)
+                   temperatures=temps, speed_temperatures=speed_temps, stages=stages)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

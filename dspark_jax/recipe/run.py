@@ -30,7 +30,7 @@ from dspark_jax.recipe.recipes import Recipe
 
 STAGES = ("train", "eval", "speed")
 SCHEDULED_KIND = "dspark"  # the drafter whose speed stage also times the scheduled policy (its confidence head)
-ENGINE_CHECK_PROMPTS = 8  # at T > 0: prompts per set also decoded by the engine, beside the expected tau
+ENGINE_CHECK_PROMPTS = 4  # at T > 0: prompts per set also decoded by the engine, beside the expected tau
 COST_MAX_LEN = 256  # the cost tables' cache length: the speed stage's prompts + 64 new tokens fit
 
 
@@ -100,11 +100,12 @@ def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
 
 def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_dir: Path, num_eval_prompts: int = 80,
                eval_max_new_tokens: int = 128, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
-               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None,
+               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None, speed_temperatures=None,
                stages=STAGES, echo: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     temps = tuple(recipe.eval_temperatures if temperatures is None else temperatures)
+    speed_temps = tuple(recipe.speed_temperatures if speed_temperatures is None else speed_temperatures)
     sets = prompt_set_files(recipe, eval_dir) if {"eval", "speed"} & set(stages) else []
     drafter_dir = {k: out / k / "drafter" for k in recipe.kinds}
     for kind, (preset, kind_overrides) in recipe.kinds.items():
@@ -123,7 +124,7 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
             run_stage(f"eval T={t:g}", cmd, logs / f"eval_T{t:g}.log", echo)
     speed_set = eval_dir / f"{recipe.speed_set}.jsonl"
     for kind, d in drafter_dir.items():
-        for t in temps:
+        for t in speed_temps:
             res = out / f"speed_{kind}_T{t:g}.json"
             if "speed" in stages and not res.is_file():
                 tables = []
@@ -142,7 +143,7 @@ def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_di
                           "--temperature", t, "--repeats", speed_repeats,
                           "--batch-sizes", ",".join(map(str, speed_batch_sizes)), *tables, "--json", res)
                 run_stage(f"speed {kind} T={t:g}", cmd, logs / f"speed_{kind}_T{t:g}.log", echo)
-    summary = collect(recipe, out, target, temps)
+    summary = collect(recipe, out, target, temps, speed_temps)
     if plot_curves(summary["curves"], out / "tau_vs_steps.png"):
         summary["curves_plot"] = "tau_vs_steps.png"
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
@@ -155,7 +156,7 @@ def _read(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
+def collect(recipe: Recipe, out: Path, target: Path, temps, speed_temps) -> dict:
     """Everything the finished stages wrote, in one dict (missing stages are None)."""
     train = {}
     for kind in recipe.kinds:
@@ -167,7 +168,7 @@ def collect(recipe: Recipe, out: Path, target: Path, temps) -> dict:
                            "measured_tau": s.get("measured_tau"),
                            "wall_s": s.get("wall_s"), "phases_s": s.get("phases_s")}
     evals = {f"{t:g}": (_read(out / f"eval_T{t:g}" / "results.json") or {}).get("results") for t in temps}
-    speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in temps} for k in recipe.kinds}
+    speed = {k: {f"{t:g}": _read(out / f"speed_{k}_T{t:g}.json") for t in speed_temps} for k in recipe.kinds}
     return {"recipe": recipe.name, "target": str(target), "notes": recipe.notes, "kinds": list(recipe.kinds),
             "train": train, "curves": training_curves(out, recipe.kinds), "eval": evals, "speed": speed,
             "wall_s": stage_times(out / "logs")}

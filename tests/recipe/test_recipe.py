@@ -89,6 +89,8 @@ def test_smollm2_recipe_names_its_sets_and_presets():
 
     a, b = from_cli(["smollm2_135m_dspark"]), from_cli(["smollm2_135m_dflash"])
     assert b.drafter.kind == "dflash" and a.data == b.data  # same data section: one shared regeneration
+    assert a.data.features == "cache"  # ... and one feature cache for both trainings
+    assert r.speed_temperatures == (0.0,) and r.eval_temperatures == (0.0, 1.0)
     assert {"gsm8k", "math500", "humaneval", "mbpp", "mt-bench"} <= set(r.eval_sets)
 
 
