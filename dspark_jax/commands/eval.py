@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     from dspark_jax.drafter.frozen import TargetMismatchError
     from dspark_jax.eval.evaluate import (
         EvalError,
+        engine_check,
         evaluate_drafter,
         evaluate_forced,
         load_prompt_sets,
@@ -146,12 +147,6 @@ def main(argv=None) -> int:
         for dname, (d, path, temps) in drafters.items():
             if mode == "forced":
                 r = forced[dname]
-                if args.temperature > 0 and args.engine_check:
-                    n = min(args.engine_check, len(prompts))
-                    e = evaluate_drafter(target.model, d, prompts[:n], max_new_tokens=args.max_new_tokens,
-                                         sampling=sampling, seed=args.seed, stop_ids=stop_ids, sts_split=False,
-                                         mesh=mesh)
-                    r["engine_check"] = {"prompts": n, "tau": e["tau"], "ci95": e["ci95"]}
             else:
                 r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                      seed=args.seed, stop_ids=stop_ids, temps=temps, groups=groups,
@@ -159,10 +154,18 @@ def main(argv=None) -> int:
                                      traces_path=paths.get(dname))
             r["sts"] = temps is not None
             results[sname][dname] = r
-            check = r.get("engine_check")
             print(f"[eval] {sname} / {dname} ({r['mode']}): tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, "
-                  f"{r['ci95'][1]:.3f}] over {r['prompts']} prompts"
-                  + (f"; engine, first {check['prompts']}: {check['tau']:.3f}" if check else ""))
+                  f"{r['ci95'][1]:.3f}] over {r['prompts']} prompts")
+    if mode == "forced" and args.temperature > 0 and args.engine_check:
+        firsts = {sname: [p[-args.max_prompt_len:] if args.max_prompt_len else p for p in prompts[:args.engine_check]]
+                  for sname, prompts in sets.items()}
+        for dname, (d, _, _) in drafters.items():
+            checks = engine_check(target.model, d, firsts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                  seed=args.seed, stop_ids=stop_ids, mesh=mesh)
+            for sname, c in checks.items():
+                results[sname][dname]["engine_check"] = c
+                print(f"[eval] {sname} / {dname}: the engine's sampled tau on the first {c['prompts']} prompts "
+                      f"{c['tau']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]")
     meta = {"command": "python -m dspark_jax eval " + " ".join(sys.argv[1:] if argv is None else argv),
             "target": str(target.path), "mode": mode, "temperature": args.temperature, "top_k": args.top_k,
             "top_p": args.top_p,

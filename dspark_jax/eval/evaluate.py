@@ -145,6 +145,26 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     return {"mode": "engine", **out}
 
 
+def engine_check(target, drafter, prompts_by_set: dict, *, max_new_tokens, sampling, seed, stop_ids,
+                 mesh=None) -> dict:
+    """{set: {"prompts", "tau", "ci95"}}: the engine's sampled tau on a few prompts of every set,
+    decoded in one engine run (one compile), beside an expected tau from teacher forcing."""
+    names = [s for s, ps in prompts_by_set.items() if ps]
+    prompts = [p for s in names for p in prompts_by_set[s]]
+    if not prompts:
+        return {}
+    r = evaluate_drafter(target, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                         stop_ids=stop_ids, sts_split=False, mesh=mesh)
+    acc, rounds = (np.asarray(r["per_request"][k]) for k in ("accepted", "rounds"))
+    out, i = {}, 0
+    for s in names:
+        n = len(prompts_by_set[s])
+        tau, lo, hi = bootstrap_tau(acc[i:i + n], rounds[i:i + n], seed=seed)
+        out[s] = {"prompts": n, "tau": tau, "ci95": [lo, hi]}
+        i += n
+    return out
+
+
 def evaluate_forced(target, drafters: dict, prompts, continuations, *, sampling, seed, temps=None, groups=None,
                     sts_split: bool = True, sts_min_rounds: int = 50, traces_paths=None, progress=None) -> dict:
     """{name: result} for `drafters` ({name: drafter}) judged by teacher forcing along

@@ -148,6 +148,10 @@ def test_forced_mode_at_t1_says_it_reports_an_expectation(embedded_tiny_dir, tin
                "3", "--max-new-tokens", "10", "--mode", "forced", "--engine-check", "2", "--out", str(tmp_path)])
     assert rc == 0
     assert "EXPECTED accepted length" in capsys.readouterr().err
-    r = json.loads((tmp_path / "results.json").read_text())["results"]["math"]["mine"]
-    assert r["mode"] == "forced-expected" and 1.0 <= r["tau"] <= 5.0 and r["engine_check"]["prompts"] == 2
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    r = res["math"]["mine"]
+    assert r["mode"] == "forced-expected" and 1.0 <= r["tau"] <= 5.0
+    # one engine run for every set's first prompts, split back per set
+    assert {s: res[s]["mine"]["engine_check"]["prompts"] for s in res} == {"code": 2, "math": 2, "prose": 2}
+    assert all(1.0 <= res[s]["mine"]["engine_check"]["tau"] <= 5.0 for s in res)
     assert "engine check" in (tmp_path / "report.md").read_text()
