@@ -77,15 +77,17 @@ def command(e: dict, cache: Path, programs: str = "") -> list[str]:
 
 
 def _needs(e: dict, cache: Path, programs: str) -> bool:
-    """Whether `--programs` still has work on the entry's kept table: round@R is done once it
-    is the one-column view."""
+    """Whether `--programs` still has work on the entry's kept table: a named program it lacks,
+    or round@R that is not yet the one-column view (other named programs are compiled again)."""
     path = cache / f"{e['key']}.json"
     if not path.exists():
         return False
-    if programs != "round@R":
-        return True
-    prog = json.loads(path.read_text())["programs"].get(f"round@{e['slots']}", {})
-    return prog.get("view_width") != 1
+    kept = json.loads(path.read_text())["programs"]
+    for name in (n for n in programs.split(",") if n):
+        prog = kept.get(name.replace("@R", f"@{e['slots']}") if name in ("round@R", "skip@R") else name)
+        if prog is None or (name == "round@R" and prog.get("view_width") != 1) or name not in ("round@R", "skip@R"):
+            return True
+    return False
 
 
 def run_entry(e: dict, cache: Path, timeout: int, programs: str = "") -> bool:
@@ -130,8 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=300, help="simulated rounds per method and concurrency")
     ap.add_argument("--programs", default="", metavar="NAMES",
                     help="recompile only these programs of the kept tables (`costs predict --programs`), e.g. "
-                         "round@R; with round@R, tables whose bucket-R round is already the one-column view "
-                         "are skipped")
+                         "round@R,skip@R; tables that already hold them (round@R on the one-column view) are "
+                         "left as they are")
     ap.add_argument("--reprice", action="store_true",
                     help="re-derive the kept tables' times from their cycles with the current clock calibration "
                          "(parallel/tpu_cost.py), compiling nothing else")

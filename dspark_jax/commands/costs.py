@@ -128,18 +128,20 @@ def _cmd_predict(args) -> int:
             raise ConfigError(f"--programs recompiles part of the table in --out, and {args.out} does not exist: "
                               "predict the whole table first (drop --programs)")
         keep = json.loads(Path(args.out).read_text())
-        only = {f"round@{args.slots}" if n == "round@R" else n for n in args.programs.split(",") if n}
-        missing = sorted(only - set(keep.get("programs", {})))
-        if missing:
-            raise ConfigError(f"--programs {','.join(missing)}: not in {args.out}, whose programs are "
-                              f"{', '.join(keep.get('programs', {}))}")
+        only = {n.replace("@R", f"@{args.slots}") if n in ("round@R", "skip@R") else n
+                for n in args.programs.split(",") if n}
     log = lambda s: print(s, flush=True)
     log(f"{args.config} on {slc.name} ({jax.__version__}, TPU compiler), mesh {mesh_shape}, {args.slots} slots x "
         f"{args.context} tokens: compiling the draft, one round per bucket and the target-only step")
-    d = predict_table(cfg, slots=args.slots, context=args.context, topology=slc.name, mesh_shape=mesh_shape,
-                      gamma=args.gamma, kv_pages=args.kv_pages, temperature=args.temperature, buckets=buckets,
-                      target_only=not args.no_target_only, progress=log, only=only, keep=keep,
-                      draft_kinds=tuple(k for k in args.draft_kinds.split(",") if k))
+    try:
+        d = predict_table(cfg, slots=args.slots, context=args.context, topology=slc.name, mesh_shape=mesh_shape,
+                          gamma=args.gamma, kv_pages=args.kv_pages, temperature=args.temperature, buckets=buckets,
+                          target_only=not args.no_target_only, progress=log, only=only, keep=keep,
+                          draft_kinds=tuple(k for k in args.draft_kinds.split(",") if k))
+    except ValueError as e:
+        if only is None:
+            raise
+        raise ConfigError(f"--programs: {e}") from None
     d = {"format": FORMAT, "backend": "tpu", "device_kind": slc.name, **d,
          "target": Path(args.config).stem, "drafter": cfg.drafter.kind}
     path = write_checked(args.out, d)
@@ -220,7 +222,8 @@ def main(argv=None) -> int:
     add_kv_pages_argument(p)
     p.add_argument("--programs", default="", metavar="NAMES",
                    help="compile only these programs of the table already in --out, keeping the others, e.g. "
-                        "round@R (the round at bucket R: the one-column view), draft, target_only@R")
+                        "round@R (the round at bucket R: the one-column view), skip@R (a round that skips "
+                        "drafting), draft, target_only@R")
     p.add_argument("--out", required=True, help="output JSON, e.g. configs/costs/predicted/v6e-8_qwen3_8b_r8.json")
     r = sub.add_parser("roofline", help="write the synthetic accelerator-shaped table (documented roofline model)")
     r.add_argument("--out", default="configs/costs/accelerator_synthetic.json")

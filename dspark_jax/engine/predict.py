@@ -6,7 +6,9 @@ compiler cannot price that program (its `lax.switch` over buckets and sampling p
 single time), so here each bucket is a program of its own: the round with that one bucket, its
 sampling settings folded in as constants (the published TPU figures are greedy), plus the
 round's draft part alone. As for a measured table, ``t_verify(b) = t_round(b) - t_draft``, and
-the target-only step is the round of an engine without a drafter at R tokens.
+the target-only step is the round of an engine without a drafter at R tokens. A round that skips
+drafting is priced as a program of its own (``t_skip``): the draft timed alone is not what the
+draft adds to a round, so ``t_verify(R)`` is no price for it.
 
 The figures are the compiler's estimates of one chip's time for the sharded program (the mesh's
 collectives included as the compiler prices them), not measurements: host overhead, launch
@@ -50,8 +52,9 @@ def _abstract_args(ab: AbstractEngine):
     return (ab.tstate, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
 
 
-def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None) -> ProgramCost:
-    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),), verify_widths=(width,) if width else ())
+def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
+    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),), verify_widths=(width,) if width else (),
+                               **({"skip_drafting": "always"} if skip else {}))
 
     def one_round(ts, dp, dfz, s):
         return round_step(spec, target_arrays(nnx.merge(ab.tg, ts)), ab.darrays(dp, dfz), s, ctl)
@@ -81,6 +84,9 @@ def _derive_times(d: dict) -> dict:
     t_draft = t.get("draft", 0.0)
     t_round = [t[f"round@{b}"] for b in d["buckets"]]
     out = {**d, "t_draft": t_draft, "t_round": t_round, "t_verify": [max(x - t_draft, 1e-9) for x in t_round]}
+    skip = f"skip@{d['engine']['num_slots']}"
+    if skip in t:
+        out["t_skip"] = t[skip]
     if "target_only@R" in t:
         out["t_target_step"] = t["target_only@R"]
     if d.get("t_draft_by_kind"):
@@ -118,7 +124,8 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
 
     def priced(name, fn, **facts):
         if only is not None and name not in only:
-            programs[name] = keep["programs"][name]
+            if name in keep["programs"]:  # a program the kept table predates is left out
+                programs[name] = keep["programs"][name]
             return
         t0 = time.perf_counter()
         c = fn()
@@ -134,6 +141,10 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         # round's one-column view, as in a measured table (engine/timing.py times it on that view)
         width = 1 if plan.get(b, (0, 1))[1] == 0 else None
         priced(f"round@{b}", lambda b=b, w=width: _round_cost(ab, b, ctl, w), view_width=width or eng.G + 1)
+    if eng.G:
+        # the skipped round: no draft (a constant predicate, so the compiled round holds none), the
+        # R anchors verified on the one-column view; what a skip rule's rounds cost
+        priced(f"skip@{slots}", lambda: _round_cost(ab, slots, ctl, 1, skip=True))
     if target_only and eng.G:
         ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)
         ctl0 = ab0.eng.control(SamplingParams(temperature, 0, 1.0))
@@ -144,6 +155,9 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         abk = abstract_engine(kcfg, mesh, dataclasses.replace(config, gamma=None), drafter_in_target_dtype=True)
         priced(f"draft[{kind}]", lambda: _draft_cost(abk, abk.eng.control(SamplingParams(temperature, 0, 1.0))))
         by_kind[kind] = {"draft_requests": [slots], "gamma": abk.eng.G}
+    if only is not None and not set(only) <= set(programs):
+        raise ValueError(f"no program named {', '.join(sorted(set(only) - set(programs)))} in this prediction; "
+                         f"its programs are {', '.join(programs)}")
     version = libtpu_version()
     dtype = str(jax.tree.leaves(ab.tstate)[0].dtype)
     return _derive_times({

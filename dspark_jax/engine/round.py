@@ -155,6 +155,8 @@ def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     """"best_case": some admission count beats plain decoding even with every draft accepted.
     "known": also on the last known survivals (past rounds only, so lossless), except after
     `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them."""
+    if spec.skip_drafting == "always":  # a round that never drafts: how a cost prediction prices the skip
+        return jnp.bool_(False)
     pays = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
     if spec.skip_drafting == "known":
         known = st.a_hist[0]

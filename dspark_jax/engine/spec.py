@@ -25,7 +25,9 @@ class Spec:
     max_len: int
     policy: Callable
     verify: Callable = rejection.verify  # batched rejection sampling (tests inject broken variants)
-    skip_drafting: str | None = None  # None | "best_case" | "known": when to skip the draft (engine.py)
+    # None | "best_case" | "known": when to skip the draft (engine.py); "always" (cost predictions
+    # only, engine/predict.py): every round skips, so the compiled round is the skipped one
+    skip_drafting: str | None = None
     theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
     probe_every: int = 8  # "known" rule: first probe interval (rounds) to refresh the survivals ...
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this

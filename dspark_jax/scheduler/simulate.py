@@ -263,6 +263,8 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     acc = np.minimum(k, l)
     B = np.sum(1 + l, axis=1)
     times = np.where(drafted, t_draft, 0.0) + _verify_cost(B, table_np, charge)
+    if method.kind in SCHEDULED:
+        times = np.where(drafted, times, skipped_round_cost(cost, R, table_np, charge))
     if method.kind == "ar" and "t_target_step" in cost and (cost.get("engine") or {}).get("num_slots") == R:
         times = np.full(T, float(cost["t_target_step"]))  # a predicted table prices the target-only step at its R
     tokens = np.sum(acc + 1, axis=1)
@@ -273,6 +275,23 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         res.rounds = {"lengths": l, "k": k, "accepted": acc, "B": B,
                       "times": times, "tokens": tokens, "drafted": drafted}
     return res
+
+
+def skipped_round_cost(cost: dict, R: int, table_np=None, charge: str = "interp") -> float:
+    """Seconds of a round that skips drafting at R requests: the table's `t_skip` (a predicted
+    table prices that round as a program of its own) where it was made for R; else verifying R
+    tokens, and for a table that also prices the target-only step at R no less than that step
+    (a skipped round runs it and more: the draft timed alone is not what it adds to a round, so
+    t_verify(R) alone can fall below it)."""
+    same_r = (cost.get("engine") or {}).get("num_slots") == R
+    if same_r and "t_skip" in cost:
+        return float(cost["t_skip"])
+    if table_np is None:
+        table_np = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
+    t = float(_verify_cost(np.asarray([R]), table_np, charge)[0])
+    if same_r and "t_target_step" in cost:
+        t = max(t, float(cost["t_target_step"]))
+    return t
 
 
 def run_sweep(methods, concurrency, cost: dict, traces: dict, temps, **kw) -> list[SimResult]:

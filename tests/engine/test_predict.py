@@ -33,7 +33,8 @@ def test_every_program_is_priced_with_its_loops_counted(predicted):
     assert d["provenance"].startswith("predicted by the XLA:TPU cost model, v6e-4, libtpu ")
     assert d["buckets"] == [4, 8, 16, 20] and len(d["t_verify"]) == 4
     progs = d["programs"]
-    assert set(progs) == {"draft", "round@4", "round@8", "round@16", "round@20", "target_only@R", "draft[mtp1]"}
+    assert set(progs) == {"draft", "round@4", "round@8", "round@16", "round@20", "skip@4", "target_only@R",
+                          "draft[mtp1]"}
     for name, p in progs.items():
         assert p["seconds"] > 0 and p["cycles"] >= p["once_cycles"] > 0, name
         assert p["clock_hz"] > 1e8 and not p["unknown_loops"], name
@@ -122,14 +123,14 @@ def test_programs_recompiles_only_the_named_programs_of_a_kept_table(predicted, 
     path.write_text(json.dumps(kept))
     args = ["predict", "configs/micro.yaml", "--topology", "v6e-4", "--slots", "4", "--context", "64",
             "--mesh", "2,1,2", "--draft-kinds", "mtp1", "--dtype", from_cli(["micro"]).target.dtype, "--out", str(path)]
-    assert costs_main(args + ["--programs", "round@R"]) == 0
+    assert costs_main(args + ["--programs", "round@R"]) == 0  # a program the kept table lacks is left out
     d = json.loads(path.read_text())
     assert d["programs"]["draft"]["seconds"] == 1.0 and d["t_draft"] == 1.0
     assert d["programs"]["round@4"]["seconds"] == pytest.approx(predicted["programs"]["round@4"]["seconds"])
     assert d["programs"]["round@8"] == predicted["programs"]["round@8"]
     capsys.readouterr()
     assert costs_main(args + ["--programs", "round@5"]) == 2
-    assert "--programs round@5: not in" in capsys.readouterr().err
+    assert "--programs: no program named round@5 in this prediction" in capsys.readouterr().err
     assert costs_main(args[:-1] + [str(tmp_path / "none.json"), "--programs", "draft"]) == 2
     assert "predict the whole table first" in capsys.readouterr().err
 
@@ -147,3 +148,13 @@ def test_a_paged_table_prices_the_kernel_once_per_layer(tmp_path):
     assert progs["target_only@R"]["kernels"] == layers
     assert all(progs[f"round@{b}"]["kernels"] == layers + 1 for b in (4, 20))  # the drafter's layer reads pages too
     assert "paged KV" in d["provenance"] and d["engine"]["kv_pages"] == [32, 16]
+
+
+def test_the_skipped_round_is_priced_without_its_draft(predicted):
+    """A round that skips drafting is compiled with a constant predicate, so it holds no draft: its
+    program has none of the draft's loops and costs less than the round at bucket R, which drafts."""
+    progs = predicted["programs"]
+    skip, drafted = progs["skip@4"], progs["round@4"]
+    draft_loops = {n for _, n in progs["draft"]["loops"]}
+    assert draft_loops and not ({n for _, n in skip["loops"]} >= {n for _, n in drafted["loops"]})
+    assert predicted["t_skip"] == pytest.approx(skip["seconds"]) and skip["seconds"] < drafted["seconds"]

@@ -183,3 +183,26 @@ def test_carried_stale_is_the_engines_a_hist():
     got = _carried_stale(a_all, skip)[:, 0, 0].tolist()
     # rows: t=0 -> row 0, t=1 -> 1, t=2 -> 2 (round 0 drafted), t=3 -> 2 (round 1 skipped), t=4 -> 2, t=5 -> 5
     assert got == [0, 1, 2, 2, 2, 5]
+
+
+def test_skipped_rounds_cost_the_tables_skipped_round():
+    """A drafter whose drafting never pays (expensive verification of drafts): the scheduled
+    method skips nearly every round, so its time per round is the table's skipped round
+    (`t_skip`, or no less than the target-only step where only that is priced), not t_verify(R)."""
+    from dspark_jax.calibration.profiles import parse_profile, profile_traces
+    from dspark_jax.scheduler.simulate import skipped_round_cost
+
+    R = 8
+    base = {"buckets": [R, 2 * R, 8 * R], "t_verify": [1e-2, 1.0, 1.0], "t_draft": 0.5,
+            "engine": {"num_slots": R}}
+    traces = {"dspark": profile_traces(parse_profile("tau:1.2", gamma=G))}
+    m = Method("DSpark scheduled", "production", "dspark", skip="known")
+    for extra, want in (({"t_skip": 3e-2}, 3e-2), ({"t_target_step": 2e-2}, 2e-2), ({}, 1e-2),
+                        ({"t_target_step": 5e-3}, 1e-2)):
+        cost = {**base, **extra}
+        assert skipped_round_cost(cost, R) == pytest.approx(want)
+        res = simulate_method(m, R, cost, traces, None, n_rounds=400)
+        assert res.skip_frac > 0.8
+        skipped = want * res.skip_frac  # what the skipped rounds add to the mean round
+        assert 1e3 * skipped - 1e-9 <= res.round_ms <= 1e3 * (skipped + (1 - res.skip_frac) * 1.6) + 1e-9
+    assert skipped_round_cost({**base, "t_skip": 3e-2}, 2 * R) == pytest.approx(1.0)  # another R: t_verify(2R)
