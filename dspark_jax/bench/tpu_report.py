@@ -205,7 +205,10 @@ def _grid(cache: Path, entries: list[dict], o: Overhead, rounds: int, lines: lis
             res = results.get((e["preset"], e["slice"], e["slots"], pname))
             if res is None:
                 if pname == passes[0][0]:
-                    lines.append(f"| {e['preset']} | {e['slice']} | {e['slots']} | not predicted yet |"
+                    failed = cache / f"{e['key']}.failed"
+                    why = "does not fit the chips' HBM (the compiler's words in the .failed file)" if \
+                        failed.exists() and "Ran out of memory" in failed.read_text() else "not predicted yet"
+                    lines.append(f"| {e['preset'].removesuffix('_dspark')} | {e['slice']} | {e['slots']} | {why} |"
                                  + " |" * (len(names) - 1))
                 continue
             base = res["target-only"].total_tps
