@@ -103,13 +103,12 @@ class DrafterKind(ABC):
         next round relies on. Kinds whose state comes only from `update` change nothing."""
         return dcache
 
+    @abstractmethod
     def forced_logits(self, params, shape: DraftShape, target_out, tokens, anchors):
         """The drafter's logits at every anchor of whole sequences at once, teacher forced (eval/forced.py):
         tokens [B, S], the target's ForwardOut over them, anchors [B, A] (positions p >= 1) ->
         float32 [B, A, G, V], slot j's computed as if drafts 0..j-1 were tokens[p + 1..p + j]. Until
         the first draft that differs from the tokens that is what `draft` computes at anchor p."""
-        raise NotImplementedError(f"{self.name} drafters have no teacher-forced evaluation: evaluate them by "
-                                  "speculative decoding (eval --mode engine)")
 
     def forced_drafts(self, params, shape: DraftShape, target_out, tokens, anchors):
         """Greedy drafts [B, A, G] int32 and confidence logits [B, A, G] (zeros without a head) at
