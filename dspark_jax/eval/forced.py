@@ -86,20 +86,22 @@ def _target_pass(graph, tparams, feature_layers, return_logits, tokens):
 
 
 def _view(out, layers: tuple[int, ...], shape) -> ForwardOut:
-    """The target pass as one drafter reads it: its own feature layers, in its order."""
+    """The target pass as one drafter reads it: its own feature layers, in its order (traced inside
+    the drafter's program, so the gather fuses there)."""
     idx = [layers.index(i) for i in shape.feature_layers]
     feats = out.features[:, :, jnp.asarray(idx)] if idx else None
     return ForwardOut(logits=out.logits, hidden=out.hidden, features=feats, cache=None)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _drafts(kind, shape, dparams, out, tokens, anchors):
-    return kind.forced_drafts(dparams, shape, out, tokens, anchors)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _drafts(kind, shape, layers, dparams, out, tokens, anchors):
+    return kind.forced_drafts(dparams, shape, _view(out, layers, shape), tokens, anchors)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 6))
-def _rates(kind, shape, dparams, out, tokens, anchors, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
+def _rates(kind, shape, layers, dparams, out, tokens, anchors, sampling):
     """[B, A, G]: 1 - TV between the drafter's and the target's sampling distributions per slot."""
+    out = _view(out, layers, shape)
     q = probs_from_params(kind.forced_logits(dparams, shape, out, tokens, anchors), sampling)
     rows = anchors[..., None] + jnp.arange(shape.G)  # slot j of anchor p is checked on the target's row p + j
     p_logits = jnp.take_along_axis(out.logits, rows.reshape(rows.shape[0], -1)[..., None], axis=1)
@@ -161,7 +163,7 @@ def forced_traces(target, drafters: dict, prompts, continuations, *, gamma: int 
         m = len(anchors)
         out = _target_pass(graph, tparams, layers, False, tok)
         for name, (kind, shape, dparams) in parts.items():
-            drafts, z = _drafts(kind, shape, dparams, _view(out, layers, shape), tok, anc)
+            drafts, z = _drafts(kind, shape, layers, dparams, out, tok, anc)
             drafts, z = np.asarray(drafts[0, :m]), np.asarray(z[0, :m], np.float32)
             rounds = forced_rounds(accepted_at(drafts, seq, anchors), m)
             k, into = len(rounds["start"]), rows[name]
@@ -191,8 +193,7 @@ def expected_acceptance(target, drafters: dict, prompts, continuations, sampling
         m = len(anchors)
         out = _target_pass(graph, tparams, layers, True, tok)
         for name, (kind, shape, dparams) in parts.items():
-            c = np.asarray(_rates(kind, shape, dparams, _view(out, layers, shape), tok, anc, sampling)[0, :m],
-                           np.float64)
+            c = np.asarray(_rates(kind, shape, layers, dparams, out, tok, anc, sampling)[0, :m], np.float64)
             inside = anchors[:, None] + 1 + np.arange(shape.G)[None] < len(seq)
             whole = inside.all(axis=1)
             acc = np.cumprod(c, axis=1).sum(axis=1)

@@ -80,7 +80,7 @@ def test_block_kinds_forced_logits_accept_what_their_inference_head_accepts(targ
     kind, shape, dparams = parts["d"]
     for r, seq, tok, anc, anchors in _sequences(prompts, continuations, parts):
         out = target(tok, feature_layers=shape.feature_layers, return_logits=False)
-        drafts, _ = _drafts(kind, shape, dparams, out, tok, anc)
+        drafts, _ = _drafts(kind, shape, shape.feature_layers, dparams, out, tok, anc)
         argmax = jnp.argmax(kind.forced_logits(dparams, shape, out, tok, anc), -1)
         m = len(anchors)
         np.testing.assert_array_equal(accepted_at(np.asarray(argmax[0, :m]), seq, anchors),
