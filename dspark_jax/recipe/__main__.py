@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-dir", default=str(DEFAULT_EVAL_DIR),
                     help=f"folder of the prompt-set jsonl files (default {DEFAULT_EVAL_DIR})")
     ap.add_argument("--num-eval-prompts", type=int, default=80, help="prompts per set (default 80)")
-    ap.add_argument("--eval-max-new-tokens", type=int, default=128)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=64,
+                    help="new tokens per prompt in the evaluation (default 64: about 50 rounds a prompt)")
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--speed-max-new-tokens", type=int, default=64)
-    ap.add_argument("--speed-repeats", type=int, default=3, help="alternating runs per speed row (default 3)")
+    ap.add_argument("--speed-repeats", type=int, default=2, help="alternating runs per speed row (default 2)")
     ap.add_argument("--speed-batch-sizes", default="1,8", help="comma-separated batch sizes timed (default 1,8)")
     ap.add_argument("--temperatures", default=None, help="evaluation temperatures, comma-separated (default: the "
                                                            "recipe's, 0,1)")

@@ -99,8 +99,8 @@ def prompt_set_files(recipe: Recipe, eval_dir: Path) -> list[Path]:
 
 
 def run_recipe(recipe: Recipe, out: Path, target: Path, *, overrides=(), eval_dir: Path, num_eval_prompts: int = 80,
-               eval_max_new_tokens: int = 128, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
-               speed_repeats: int = 3, speed_batch_sizes=(1, 8), temperatures=None, speed_temperatures=None,
+               eval_max_new_tokens: int = 64, speed_prompts: int = 8, speed_max_new_tokens: int = 64,
+               speed_repeats: int = 2, speed_batch_sizes=(1, 8), temperatures=None, speed_temperatures=None,
                stages=STAGES, echo: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
