@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,15 +125,19 @@ def main(argv=None) -> int:
               "use --mode engine for sampled rounds (and STS)", file=sys.stderr)
     stop_ids = tuple(tok.stop_ids)
     results: dict = {}
+    seconds: dict = {}  # where the evaluation's wall time goes, per set and part (results.json's meta)
     for sname, prompts in sets.items():
         results[sname] = {}
+        secs = seconds[sname] = {}
         if args.max_prompt_len:
             prompts = [p[-args.max_prompt_len:] for p in prompts]
         conts = None
         if mode == "forced":
             print(f"[eval] {sname}: the target's continuations of {len(prompts)} prompts", flush=True)
+            t0 = time.perf_counter()
             conts = greedy_continuations(target.model, prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
                                          sampling=sampling, seed=args.seed, mesh=mesh)
+            secs["continuations"] = time.perf_counter() - t0
         groups = info[sname]["groups"]
         paths = {dname: Path(args.traces_dir) / f"{sname}_{dname}.npz" for dname in drafters} if args.traces_dir \
             else {}
@@ -143,25 +148,31 @@ def main(argv=None) -> int:
                                          sampling=sampling, seed=args.seed,
                                          temps={n: v[2] for n, v in drafters.items()}, groups=groups,
                                          sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds,
-                                         traces_paths=paths, progress=bar.update)
+                                         traces_paths=paths, progress=bar.update, seconds=secs)
         for dname, (d, path, temps) in drafters.items():
             if mode == "forced":
                 r = forced[dname]
             else:
+                t0 = time.perf_counter()
                 r = evaluate_drafter(target.model, d, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                      seed=args.seed, stop_ids=stop_ids, temps=temps, groups=groups,
                                      sts_split=args.sts_split, sts_min_rounds=args.sts_min_rounds, mesh=mesh,
                                      traces_path=paths.get(dname))
+                secs[f"engine {dname}"] = time.perf_counter() - t0
             r["sts"] = temps is not None
             results[sname][dname] = r
             print(f"[eval] {sname} / {dname} ({r['mode']}): tau {r['tau']:.3f} [{r['ci95'][0]:.3f}, "
                   f"{r['ci95'][1]:.3f}] over {r['prompts']} prompts")
+        print(f"[eval] {sname}: seconds " + ", ".join(f"{k} {v:.0f}" for k, v in secs.items()), flush=True)
     if mode == "forced" and args.temperature > 0 and args.engine_check:
         firsts = {sname: [p[-args.max_prompt_len:] if args.max_prompt_len else p for p in prompts[:args.engine_check]]
                   for sname, prompts in sets.items()}
         for dname, (d, _, _) in drafters.items():
+            t0 = time.perf_counter()
             checks = engine_check(target.model, d, firsts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   seed=args.seed, stop_ids=stop_ids, mesh=mesh)
+            seconds[f"engine check {dname}"] = time.perf_counter() - t0
+            print(f"[eval] engine check {dname}: {seconds[f'engine check {dname}']:.0f} s", flush=True)
             for sname, c in checks.items():
                 results[sname][dname]["engine_check"] = c
                 print(f"[eval] {sname} / {dname}: the engine's sampled tau on the first {c['prompts']} prompts "
@@ -169,7 +180,7 @@ def main(argv=None) -> int:
     meta = {"command": "python -m dspark_jax eval " + " ".join(sys.argv[1:] if argv is None else argv),
             "target": str(target.path), "mode": mode, "temperature": args.temperature, "top_k": args.top_k,
             "top_p": args.top_p,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "seconds": seconds,
             "sets": {k: v["sources"] for k, v in info.items()},
             "drafters": {n: {"path": str(path), **{k: getattr(d.dcfg, k, None) for k in
                                                    ("kind", "gamma", "num_layers", "confidence_head")}}

@@ -6,6 +6,7 @@ eval`, commands/eval.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -166,22 +167,31 @@ def engine_check(target, drafter, prompts_by_set: dict, *, max_new_tokens, sampl
 
 
 def evaluate_forced(target, drafters: dict, prompts, continuations, *, sampling, seed, temps=None, groups=None,
-                    sts_split: bool = True, sts_min_rounds: int = 50, traces_paths=None, progress=None) -> dict:
+                    sts_split: bool = True, sts_min_rounds: int = 50, traces_paths=None, progress=None,
+                    seconds: dict | None = None) -> dict:
     """{name: result} for `drafters` ({name: drafter}) judged by teacher forcing along
     `continuations` (eval/forced.py), one target pass per prompt for all of them: at T = 0 the
     engine's greedy rounds exactly; at T > 0 the expected acceptance along one sampled continuation
     per prompt (an estimate of tau, slot 0 exact; no rounds, so no STS). `temps` / `traces_paths`:
-    {name: ...} (STS temperatures, where to save the traces)."""
+    {name: ...} (STS temperatures, where to save the traces). `seconds`, a dict: gets the wall time
+    of the teacher-forced pass and of the summaries (STS, sweep, calibration)."""
     temps, traces_paths = temps or {}, traces_paths or {}
+    seconds = {} if seconds is None else seconds
+    t0 = time.perf_counter()
     if sampling.temperature == 0:
         traces = forced_traces(target, drafters, prompts, continuations, progress=progress)
-        return {name: {"mode": "forced", **summarise_rounds(
+        seconds["forced pass"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = {name: {"mode": "forced", **summarise_rounds(
                     tr, tr["request_accepted"], tr["request_rounds"], tr["gamma"], drafter=drafters[name],
                     sampling=sampling, seed=seed, temps=temps.get(name), groups=groups, sts_split=sts_split,
                     sts_min_rounds=sts_min_rounds, traces_path=traces_paths.get(name),
                     source="teacher forced (eval)")}
-                for name, tr in traces.items()}
+               for name, tr in traces.items()}
+        seconds["summaries"] = time.perf_counter() - t0
+        return out
     expected = expected_acceptance(target, drafters, prompts, continuations, sampling, progress=progress)
+    seconds["forced pass"] = time.perf_counter() - t0
     return {name: _expected_summary(ex, groups, seed) for name, ex in expected.items()}
 
 

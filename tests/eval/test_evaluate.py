@@ -140,6 +140,10 @@ def test_forced_mode_reports_what_the_engine_reports_at_t0(embedded_tiny_dir, ti
             assert rf[k] == re_[k], (s, k)
         np.testing.assert_allclose(rf["conditional_acceptance"], re_["conditional_acceptance"])
     assert "teacher forcing along the target's greedy continuation" in (tmp_path / "f" / "report.md").read_text()
+    # where the time went, per set and part: the forced run's three parts, the engine run's drafter
+    assert {k for v in f["meta"]["seconds"].values() for k in v} == {"continuations", "forced pass", "summaries"}
+    assert all(x >= 0 for v in f["meta"]["seconds"].values() for x in v.values())
+    assert set(e["meta"]["seconds"]["code"]) == {"engine mine"}
 
 
 def test_forced_mode_at_t1_says_it_reports_an_expectation(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path,
@@ -155,3 +159,5 @@ def test_forced_mode_at_t1_says_it_reports_an_expectation(embedded_tiny_dir, tin
     assert {s: res[s]["mine"]["engine_check"]["prompts"] for s in res} == {"code": 2, "math": 2, "prose": 2}
     assert all(1.0 <= res[s]["mine"]["engine_check"]["tau"] <= 5.0 for s in res)
     assert "engine check" in (tmp_path / "report.md").read_text()
+    secs = json.loads((tmp_path / "results.json").read_text())["meta"]["seconds"]
+    assert set(secs["math"]) == {"continuations", "forced pass"} and "engine check mine" in secs
