@@ -11,13 +11,27 @@ from tqdm.auto import tqdm
 __all__ = ["progress_bar", "show_logs"]
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time (a notebook's or a test's capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def show_logs(level: int = logging.INFO) -> None:
     """Library code logs (`logging.getLogger(__name__)`); a command shows those lines on stderr as
-    `[module] message`, once however often it is called."""
+    `[module] message`, once however often it is called, and only there: they do not also reach
+    the root logger, where absl (imported by orbax and grain) installs a handler of its own."""
     root = logging.getLogger("dspark_jax")
     root.setLevel(level)
+    root.propagate = False
     if not any(getattr(h, "_dspark_console", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[%(module)s] %(message)s"))
         handler._dspark_console = True
         root.addHandler(handler)

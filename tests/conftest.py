@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -37,6 +38,17 @@ if _CACHE:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def dspark_caplog(caplog):
+    """caplog for the package's log lines at INFO, which a command's `show_logs` keeps from the root
+    logger (caplog's own place)."""
+    lg = logging.getLogger("dspark_jax")
+    lg.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="dspark_jax")
+    yield caplog
+    lg.removeHandler(caplog.handler)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -144,14 +143,13 @@ def test_sampled_text_is_not_degenerate(sampled):
     assert distinct_ngram_ratio([[1, 2, 3, 4] * 10]) < 0.2  # the metric catches loops
 
 
-def test_cli_writes_dataset_from_turns_jsonl(tiny, tmp_path, caplog):
+def test_cli_writes_dataset_from_turns_jsonl(tiny, tmp_path, dspark_caplog):
     p = tmp_path / "prompts.jsonl"
     p.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("What is 2 + 3?", "Write a loop.")) + "\n")
     out = tmp_path / "cli"
-    caplog.set_level(logging.INFO, logger="dspark_jax")
     main(["--target", str(tiny.path), "--prompts", str(p), "--out", str(out), "--num-prompts", "2", "--batch", "2",
           "--max-new-tokens", "4", "--max-prompt-len", str(MAX_PROMPT), "--no-progress"])
-    assert "tokens/s" in caplog.text  # the summary line, logged by data/regenerate.py
+    assert "tokens/s" in dspark_caplog.text  # the summary line, logged by data/regenerate.py
     ds = TokenDataset(out)
     assert len(ds) == 2 and ds.meta["info"]["regenerate"]["top_k"] == 20
     assert all(1 <= ds[i]["loss_mask"].sum() <= 4 for i in range(2))

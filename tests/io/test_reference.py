@@ -2,7 +2,6 @@
 tensors, export/import round trips, and bad-input errors."""
 
 import json
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -256,7 +255,7 @@ def _dspark(model, **kw):
     return d
 
 
-def test_export_config_read_by_transformers_has_every_engine_field(target, tmp_path, caplog):
+def test_export_config_read_by_transformers_has_every_engine_field(target, tmp_path, dspark_caplog):
     """What vLLM / SGLang read (ENGINE_FIELDS), read back through transformers' config machinery
     as the engines do; bfloat16 tensors by default; the run's num_anchors."""
     transformers = pytest.importorskip("transformers")
@@ -266,9 +265,8 @@ def test_export_config_read_by_transformers_has_every_engine_field(target, tmp_p
     model, tdir = target
     d = _dspark(model)
     drafter_dir.save(d, tmp_path / "ours", training={"num_anchors": 24})
-    caplog.set_level(logging.INFO, logger="dspark_jax")  # convert's notes are log lines
     assert main(["export", str(tmp_path / "ours"), str(tmp_path / "ref"), "--target", str(tdir)]) == 0
-    assert "num_anchors 24 (read from" in caplog.text
+    assert "num_anchors 24 (read from" in dspark_caplog.text
     raw = json.loads((tmp_path / "ref" / "config.json").read_text())
     auto = transformers.AutoConfig.from_pretrained(tmp_path / "ref")
     plain = transformers.PretrainedConfig.from_json_file(str(tmp_path / "ref" / "config.json"))
@@ -306,10 +304,9 @@ def test_export_config_read_by_transformers_has_every_engine_field(target, tmp_p
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2.0**-8, atol=1e-30), a, b)
 
 
-def test_num_anchors_recorded_or_given(target, tmp_path, capsys, caplog):
+def test_num_anchors_recorded_or_given(target, tmp_path, capsys, dspark_caplog):
     """Export writes the run's num_anchors (training.num_anchors in drafter_config.json) or
     --num-anchors; a drafter that records none is refused in one line naming the flag."""
-    caplog.set_level(logging.INFO, logger="dspark_jax")  # convert's notes are log lines
     from dspark_jax.io import drafter_dir
 
     model, tdir = target
@@ -327,10 +324,10 @@ def test_num_anchors_recorded_or_given(target, tmp_path, capsys, caplog):
     assert "records no training num_anchors" in err and "--num-anchors N" in err
     rc, n, err = export("--num-anchors", "64")
     assert (rc, n) == (0, 64)
-    assert "markov_head_type 'gated'" in caplog.text  # the engines build only the vanilla head
+    assert "markov_head_type 'gated'" in dspark_caplog.text  # the engines build only the vanilla head
     drafter_dir.save(d, tmp_path / "drafter", training={"num_anchors": 32})
     rc, n, err = export()
-    assert (rc, n) == (0, 32) and "num_anchors 32 (read from" in caplog.text
+    assert (rc, n) == (0, 32) and "num_anchors 32 (read from" in dspark_caplog.text
     assert export("--num-anchors", "48")[:2] == (0, 48)
 
 
