@@ -11,18 +11,6 @@ from tqdm.auto import tqdm
 __all__ = ["progress_bar", "show_logs"]
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (a notebook's or a test's capture)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _):
-        pass
-
-
 def show_logs(level: int = logging.INFO) -> None:
     """Library code logs (`logging.getLogger(__name__)`); a command shows those lines on stderr as
     `[module] message`, once however often it is called, and only there: they do not also reach
@@ -31,7 +19,7 @@ def show_logs(level: int = logging.INFO) -> None:
     root.setLevel(level)
     root.propagate = False
     if not any(getattr(h, "_dspark_console", False) for h in root.handlers):
-        handler = _StderrHandler()
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[%(module)s] %(message)s"))
         handler._dspark_console = True
         root.addHandler(handler)
