@@ -193,7 +193,7 @@ def report_markdown(s: dict) -> str:
         if t:
             ci = t["heldout_tau_ci95"] or [float("nan")] * 2
             lines.append(f"| {k} | {t['steps']} | {t['heldout_tau'] or float('nan'):.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | "
-                         f"{t['measured_tau'] or float('nan'):.3f} | {(t['wall_s'] or 0) / 60:.1f} min |")
+                         f"{_measured(t['measured_tau'])} | {(t['wall_s'] or 0) / 60:.1f} min |")
         else:
             lines.append(f"| {k} | not trained yet | | | |")
     if s.get("curves"):
@@ -241,6 +241,11 @@ def report_markdown(s: dict) -> str:
                                  f"{r['T_ar_ms']:.1f} | {r['T_draft_ms']:.1f} | "
                                  f"{r['T_verify_ms']:.1f} | x{r['bound']:.2f} | {_scheduled(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _measured(tau) -> str:
+    """The training run's decoded tau, or a dash where the preset decodes nothing (measure_prompts 0)."""
+    return "-" if tau is None or tau != tau else f"{tau:.3f}"
 
 
 def _scheduled(r: dict) -> str:

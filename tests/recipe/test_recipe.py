@@ -106,3 +106,13 @@ def test_overrides_may_follow_the_options(tmp_path, monkeypatch):
                   "data.num_prompts=4"]):
         assert cli.main(argv) == 0
     assert got == [["data.num_prompts=4"]] * 2
+
+
+@pytest.mark.parametrize("measured, shown", [(None, "| - |"), (float("nan"), "| - |"), (1.2345, "| 1.234 |")])
+def test_training_table_shows_a_dash_when_nothing_was_decoded(measured, shown):
+    train = {"steps": 240, "heldout_tau": 1.36, "heldout_tau_ci95": [1.32, 1.40], "measured_tau": measured,
+             "wall_s": 60.0, "phases_s": None}
+    s = {"recipe": "r", "notes": "", "target": "t", "kinds": ["dspark"], "train": {"dspark": train}, "eval": {},
+         "speed": {}}
+    row = next(line for line in recipe_run.report_markdown(s).splitlines() if line.startswith("| dspark | 240"))
+    assert shown in row and "nan" not in row
