@@ -18,6 +18,7 @@ Then OUT/report.md and OUT/summary.json are rewritten from whatever is done.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -191,9 +192,10 @@ def report_markdown(s: dict) -> str:
     for k in kinds:
         t = s["train"].get(k)
         if t:
-            ci = t["heldout_tau_ci95"] or [float("nan")] * 2
-            lines.append(f"| {k} | {t['steps']} | {t['heldout_tau'] or float('nan'):.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | "
-                         f"{_measured(t['measured_tau'])} | {(t['wall_s'] or 0) / 60:.1f} min |")
+            ci = t["heldout_tau_ci95"]
+            held = _num(t["heldout_tau"]) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            lines.append(f"| {k} | {t['steps']} | {held} | {_num(t['measured_tau'])} | "
+                         f"{(t['wall_s'] or 0) / 60:.1f} min |")
         else:
             lines.append(f"| {k} | not trained yet | | | |")
     if s.get("curves"):
@@ -243,9 +245,10 @@ def report_markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _measured(tau) -> str:
-    """The training run's decoded tau, or a dash where the preset decodes nothing (measure_prompts 0)."""
-    return "-" if tau is None or tau != tau else f"{tau:.3f}"
+def _num(x) -> str:
+    """A figure to three places, or a dash where the run made none (no held-out evaluation, or
+    measure_prompts 0: None, or nan from older summaries)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
 def _scheduled(r: dict) -> str:

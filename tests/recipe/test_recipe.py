@@ -112,7 +112,10 @@ def test_overrides_may_follow_the_options(tmp_path, monkeypatch):
 def test_training_table_shows_a_dash_when_nothing_was_decoded(measured, shown):
     train = {"steps": 240, "heldout_tau": 1.36, "heldout_tau_ci95": [1.32, 1.40], "measured_tau": measured,
              "wall_s": 60.0, "phases_s": None}
+    if measured is None:  # no held-out evaluation either
+        train.update(heldout_tau=None, heldout_tau_ci95=None)
     s = {"recipe": "r", "notes": "", "target": "t", "kinds": ["dspark"], "train": {"dspark": train}, "eval": {},
          "speed": {}}
     row = next(line for line in recipe_run.report_markdown(s).splitlines() if line.startswith("| dspark | 240"))
     assert shown in row and "nan" not in row
+    assert ("| 240 | - | - |" in row) == (measured is None)
