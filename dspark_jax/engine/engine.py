@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.sampling import SamplingParams
@@ -48,9 +47,9 @@ from dspark_jax.engine.results import GenerateResult, RequestResult
 from dspark_jax.engine.slot_pages import SlotPages
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import Control, DecodeState
-from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.sharding import shard_model
 from dspark_jax.scheduler import prefix
+from dspark_jax.target.decode_weights import decode_arrays
 from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import pages_per_slot
 
@@ -118,12 +117,12 @@ class Engine:
         # policies that never read a table still need one in the compiled round's signature
         self._unread_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
-        self.tp = target_arrays(tmodel)
+        # the target's weights one array per layer: what every compiled program reads (each once)
+        self.tp = decode_arrays(tmodel)
         self.dp = drafter.arrays() if drafter is not None else {}
-        self.tgraph, self.tstate = nnx.split(tmodel)
         self._state_sh = None if mesh is None else decode_shardings(jax.eval_shape(self._fresh_state), mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)
-        progs = compile_programs(self.spec, self.tgraph, self._state_sh)
+        progs = compile_programs(self.spec, self._state_sh)
         self._prefill, self._round, self._loop, self._draft, self._admit = progs
         self.round_calls = 0
 
@@ -183,7 +182,7 @@ class Engine:
         return st if self.mesh is None else jax.device_put(st, self._state_sh)
 
     def _fresh_state(self) -> DecodeState:
-        return fresh_state(self.spec, self.target.cfg, self.drafter, self.R, self.tp["layers"]["q_proj"].dtype,
+        return fresh_state(self.spec, self.target.cfg, self.drafter, self.R, self.tp["layers"][0]["q_proj"].dtype,
                            self.pages, self.paged_attention, chunked=bool(self.prefill_chunk))
 
     def _place_table(self, table: np.ndarray) -> jax.Array:
@@ -239,7 +238,7 @@ class Engine:
         args = rows.join_rows(self.R, st, P, slots, prompts, key_data, max_new)
         if self._paging is not None:  # pages for the prompt and the first round; free slots give theirs back
             st = self._paging.for_join(st, slots, prompts, idle=np.flatnonzero(~np.asarray(st.active)).tolist())
-        return self._prefill(self.tstate, self.dp, st, *args)
+        return self._prefill(self.tp, self.dp, st, *args)
 
     def admit_slots(self, st: DecodeState, slots, prompts, key_data, max_new) -> DecodeState:
         """Start `prompts` in `slots` without forwarding them (chunked prefill): the rounds forward

@@ -25,11 +25,11 @@ from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.layout import decode_shardings
 from dspark_jax.engine.round import admit, round_step
-from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh
 from dspark_jax.scheduler import prefix
+from dspark_jax.target.decode_weights import abstract_decode_arrays
 
 GIB = 1024 ** 3
 POLICIES, PROGRAMS = ENGINE_POLICIES, PLAN_PROGRAMS
@@ -86,6 +86,12 @@ class AbstractEngine(NamedTuple):
     t_sh: object
     dp_sh: object
     dfz_sh: object
+    tp: object  # the target's weights as the programs take them (per layer, `decode_weights`), abstract
+
+    @property
+    def tp_sh(self):
+        """The shardings of `tp`."""
+        return jax.tree.map(lambda a: a.sharding, self.tp)
 
     def darrays(self, dp, dfz):
         """The drafter's arrays as the round reads them ({} for target-only)."""
@@ -121,8 +127,9 @@ def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", draf
             jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
     eng = box["eng"]
     st = jax.eval_shape(eng._fresh_state)
+    tp = abstract_decode_arrays(eng.target.cfg, jax.eval_shape(lambda ts: nnx.merge(tg, ts).arrays(), tstate), mesh)
     return AbstractEngine(eng=eng, mesh=mesh, tg=tg, tstate=tstate, dg=dg, dparams=dparams, dfrozen=dfrozen,
-                          state=st, state_sh=decode_shardings(st, mesh),
+                          state=st, state_sh=decode_shardings(st, mesh), tp=tp,
                           **dict(zip(("t_sh", "dp_sh", "dfz_sh"),
                                      (state_shardings(x, mesh) for x in (tstate, dparams, dfrozen)))))
 
@@ -147,7 +154,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     ab = abstract_engine(cfg, mesh, EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
                                                   prefill_chunk=prefill_chunk), policy=policy, drafter=drafter)
     eng, st, st_sh = ab.eng, ab.state, ab.state_sh
-    tg, tstate, dg, dparams, dfrozen = ab.tg, ab.tstate, ab.dg, ab.dparams, ab.dfrozen
+    tstate, dg, dparams, dfrozen = ab.tstate, ab.dg, ab.dparams, ab.dfrozen
     t_sh, dp_sh, dfz_sh = ab.t_sh, ab.dp_sh, ab.dfz_sh
     leaves = lambda tree, sh: sum(_chip_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
@@ -163,13 +170,13 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     darrays = (lambda dp, dfz: nnx.merge(dg, dp, dfz).arrays()) if drafter else (lambda dp, dfz: {})
     spec = eng.spec
 
-    def one_round(ts, dp, dfz, s, ctl):
-        return round_step(spec, target_arrays(nnx.merge(tg, ts)), darrays(dp, dfz), s, ctl)
+    def one_round(tp, dp, dfz, s, ctl):
+        return round_step(spec, tp, darrays(dp, dfz), s, ctl)
 
     prefill_fn = eng._prefill.__wrapped__
 
-    def one_prefill(ts, dp, dfz, s, *join):
-        return prefill_fn(ts, darrays(dp, dfz), s, *join)
+    def one_prefill(tp, dp, dfz, s, *join):
+        return prefill_fn(tp, darrays(dp, dfz), s, *join)
 
     def join_args(width):
         sds = jax.ShapeDtypeStruct
@@ -183,12 +190,12 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
         ctl_a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), ctl)
         st_a = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st, st_sh)
         lowerings = {
-            "round": lambda: jax.jit(one_round, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, None),
+            "round": lambda: jax.jit(one_round, in_shardings=(ab.tp_sh, dp_sh, dfz_sh, st_sh, None),
                                      out_shardings=(st_sh, None), donate_argnums=(3,)).lower(
-                tstate, dparams, dfrozen, st_a, ctl_a),
-            "prefill": lambda: jax.jit(one_prefill, in_shardings=(t_sh, dp_sh, dfz_sh, st_sh, *([None] * 5)),
+                ab.tp, dparams, dfrozen, st_a, ctl_a),
+            "prefill": lambda: jax.jit(one_prefill, in_shardings=(ab.tp_sh, dp_sh, dfz_sh, st_sh, *([None] * 5)),
                                        out_shardings=st_sh, donate_argnums=(3,)).lower(
-                tstate, dparams, dfrozen, st_a, *join_args(eng.prefill_buckets[-1])),
+                ab.tp, dparams, dfrozen, st_a, *join_args(eng.prefill_buckets[-1])),
             "admit": lambda: jax.jit(admit, out_shardings=st_sh, donate_argnums=(0,)).lower(
                 st_a, *join_args(context)),
         }

@@ -24,13 +24,11 @@ import logging
 import time
 
 import jax
-from flax import nnx
 
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
 from dspark_jax.engine.round import draft_part, round_step
-from dspark_jax.engine.verify import target_arrays
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
 from dspark_jax.scheduler.costs import PREDICTED_ON, bucket_plan
 
@@ -49,18 +47,18 @@ def libtpu_version() -> str:
 
 def _abstract_args(ab: AbstractEngine):
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    return (ab.tstate, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
+    return (ab.tp, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
 
 
 def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
     spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),), verify_widths=(width,) if width else (),
                                **({"skip_drafting": "always"} if skip else {}))
 
-    def one_round(ts, dp, dfz, s):
-        return round_step(spec, target_arrays(nnx.merge(ab.tg, ts)), ab.darrays(dp, dfz), s, ctl)
+    def one_round(tp, dp, dfz, s):
+        return round_step(spec, tp, ab.darrays(dp, dfz), s, ctl)
 
     with jax.set_mesh(ab.mesh):
-        lowered = jax.jit(one_round, in_shardings=(ab.t_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
+        lowered = jax.jit(one_round, in_shardings=(ab.tp_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
                           out_shardings=(ab.state_sh, None), donate_argnums=(3,)).lower(*_abstract_args(ab))
         return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
 
@@ -159,7 +157,7 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         raise ValueError(f"no program named {', '.join(sorted(set(only) - set(programs)))} in this prediction; "
                          f"its programs are {', '.join(programs)}")
     version = libtpu_version()
-    dtype = str(jax.tree.leaves(ab.tstate)[0].dtype)
+    dtype = str(ab.tp["layers"][0]["q_proj"].dtype)
     return _derive_times({
             "buckets": [int(b) for b in eng.priced_buckets], "predicted_on": PREDICTED_ON, "programs": programs,
             "provenance": (f"predicted by the XLA:TPU cost model, {topology}, libtpu {version}: the engine's round "

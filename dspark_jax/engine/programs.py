@@ -10,30 +10,31 @@ import functools
 from typing import NamedTuple
 
 import jax
-from flax import nnx
 
 from dspark_jax.engine.round import admit, draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.spec import Spec
+from dspark_jax.target.attention import cache_update
+from dspark_jax.target.forward import forward
 
 __all__ = ["Programs", "compile_programs"]
 
 
 class Programs(NamedTuple):
-    prefill: object  # (tstate, dp, st, tokens, plen, join, keys, max_new) -> st
+    prefill: object  # (tp, dp, st, tokens, plen, join, keys, max_new) -> st
     round: object  # (tp, dp, st, ctl) -> (st, RoundOut)
     loop: object  # (tp, dp, st, ctl, max_rounds, stop_on_free) -> (st, rounds)
     draft: object  # (dp, st, sampling) -> (tokens, q, z); None for target-only
     admit: object  # (st, tokens, plen, join, keys, max_new) -> st
 
 
-def compile_programs(spec: Spec, tgraph, state_sh=None) -> Programs:
-    """The jitted programs of `spec` over the target's graph `tgraph` (its state is an argument)."""
+def compile_programs(spec: Spec, state_sh=None) -> Programs:
+    """The jitted programs of `spec`; the target's weights are an argument of each, laid out per
+    layer (`target.decode_weights`), so every program reads each weight once."""
 
-    def _prefill(tstate, dp, st, tokens, plen, join, keys, max_new):
-        model = nnx.merge(tgraph, tstate)
-
+    def _prefill(tp, dp, st, tokens, plen, join, keys, max_new):
         def apply(tok, pos, valid, cache, fl):
-            return model(tok, positions=pos, valid=valid, cache=cache, feature_layers=fl, return_logits=False)
+            return forward(tp, spec.tcfg, tok, pos, cache_update(cache, pos, valid), feature_layers=fl,
+                           return_logits=False)
 
         return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)
 

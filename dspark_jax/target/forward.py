@@ -1,8 +1,18 @@
-"""The target's one forward: embedding, the decoder layers under one `lax.scan`, final norm, LM head.
+"""The target's one forward: embedding, the decoder layers, final norm, LM head.
 
 Prefill, regeneration, training and the engine's verification all run this function; what they
-differ in is the attention, given as metadata (target/attention.py). Parameters of all layers are
-stacked on a leading `layers` axis, so compile time does not grow with depth. Besides the final
+differ in is the attention, given as metadata (target/attention.py), and how the layer loop runs,
+given by the weights' layout:
+
+- stacked (each weight [L, ...], the parameters' layout): one `lax.scan`, compile time independent
+  of depth; what training and the cache-free forwards use. Each step slices its layer's weights
+  out of the stack, and XLA materialises that slice before the products read it: a copy of every
+  weight per step, which a decode step (bound by reading the weights) cannot afford.
+- per layer (a tuple of L dicts, `target.decode_weights`): the layers unrolled, each product
+  reading its own weight array in place, so a decode step reads every weight once. The engine's
+  programs and target-only generation run this way (as MaxText's inference configurations).
+
+Besides the final
 hidden states it returns the raw outputs (residual stream, before the final norm) of selected
 layers: layer id i = output of decoder layer i = Hugging Face `hidden_states[i + 1]`, the
 drafters' context features.
@@ -56,13 +66,15 @@ def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: Atte
             feature_layers: tuple[int, ...] = (), return_logits: bool = True) -> ForwardOut:
     """tokens [B, T] at `positions` [B, T] (for RoPE) through the target, attention as `attn` says.
 
-    `target_params`: embed [V, H], layers (each weight stacked [L, ...], in the compute dtype),
-    final_norm [H], lm_head [H, V] (`TargetModel.arrays`).
+    `target_params`: embed [V, H], layers (each weight stacked [L, ...], or a tuple of per-layer
+    dicts; in the compute dtype), final_norm [H], lm_head [H, V] (`TargetModel.arrays`,
+    `decode_weights.decode_arrays`).
     """
     check_feature_layers(cfg, feature_layers)
     b, t = tokens.shape
     layers = target_params["layers"]
-    dtype = layers["q_proj"].dtype
+    per_layer = isinstance(layers, (tuple, list))
+    dtype = (layers[0] if per_layer else layers)["q_proj"].dtype
     axes = attn.activation_axes
     pin = (lambda x: constrain(x, axes)) if axes else (lambda x: x)
     x = pin(jnp.take(target_params["embed"], tokens, axis=0).astype(dtype))
@@ -89,9 +101,31 @@ def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: Atte
             feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))
         return (x, feats, kv), ys
 
-    xs = (layers, jnp.asarray(slot_of_layer), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    (x, feats, kv), layer_out = jax.lax.scan(body, (x, feats0, kv0), xs)
+    if per_layer:
+        x, feats, kv, layer_out = _unrolled(layers, cfg, x, kv0, cos, sin, attn, pin, dtype, slot_of_layer, feats0)
+    else:
+        xs = (layers, jnp.asarray(slot_of_layer), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        (x, feats, kv), layer_out = jax.lax.scan(body, (x, feats0, kv0), xs)
     hidden = rms_norm(x, target_params["final_norm"], cfg.rms_norm_eps)
     features = jnp.moveaxis(feats, 0, 2) if m else None
     logits = lm_head_logits(hidden, target_params["lm_head"]) if return_logits else None
     return ForwardOut(logits, hidden, features, cache_written(attn, kv), layer_out)
+
+
+def _unrolled(layers, cfg: ModelConfig, x, kv, cos, sin, attn, pin, dtype, slot_of_layer, feats0):
+    """The layer loop unrolled over per-layer weights: each layer's products read its own arrays
+    (no slice of a stack to materialise); the cache pools are updated in place layer by layer as
+    in the scan, the feature layers' outputs kept as they are produced."""
+    if len(layers) != cfg.num_layers:
+        raise ValueError(f"{len(layers)} per-layer weight dicts for a target of {cfg.num_layers} layers")
+    feats = [None] * len(feats0) if feats0 is not None else None
+    ys = []
+    for li, p in enumerate(layers):
+        q, k, v = project_qkv(p, x, cos, sin, cfg)
+        out, kv, y = layer_attention(attn, q, k, v, kv, li, dtype)
+        x = pin(finish_layer(p, x, out, cfg))
+        if slot_of_layer[li] >= 0:
+            feats[slot_of_layer[li]] = x
+        ys.append(y)
+    stacked = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return x, (jnp.stack(feats) if feats is not None else None), kv, stacked

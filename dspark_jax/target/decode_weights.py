@@ -1,0 +1,85 @@
+"""The target's weights laid out for decoding: one array per layer and weight.
+
+A decode step reads every weight once and does little else, so its time is the weights' bytes over
+the memory bandwidth. With the layers stacked ([L, ...], the parameters' layout) the layer loop
+slices each layer's weights out of the stack, and XLA materialises the slice before the product
+reads it: a second copy of every weight per step (a one-token Qwen3-8B step 12.8 ms where the
+layers over per-layer arrays take 6.7 ms on an H200, docs/performance.md). Split once when an
+engine is built, each layer's weights are arrays of their own and the forward
+(target/forward.py) runs the layers unrolled over them, each product reading its weight in place.
+
+The split is a copy of the decoder layers' weights, made once: the engine keeps only the split
+arrays, so the stacked ones cost memory only while the caller keeps its model (the serving
+commands drop theirs; docs/performance.md, "Memory").
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.transformer import layer_param_shapes
+
+__all__ = ["unstack_layers", "decode_arrays", "per_layer_sharding", "abstract_decode_arrays"]
+
+
+def per_layer_sharding(sharding):
+    """The sharding of one layer's slice of a stacked weight: the stacked one without its `layers`
+    axis (None when the weight is not laid out on a mesh)."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+
+
+def unstack_layers(layers: dict) -> tuple[dict, ...]:
+    """Stacked layer weights {name: [L, ...]} -> L dicts {name: [...]}, each weight laid out on the
+    mesh as its stack was (less the layers axis). Eager: the arrays are copied once, here.
+    Abstract inputs (`jax.ShapeDtypeStruct`) give abstract outputs, for ahead-of-time compiles."""
+    num = {a.shape[0] for a in layers.values()}
+    if len(num) != 1:
+        raise ValueError(f"stacked layer weights disagree on the number of layers: {sorted(num)}")
+    (n,) = num
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in layers.values()):
+        return tuple({k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=per_layer_sharding(a.sharding))
+                      for k, a in layers.items()} for _ in range(n))
+    shardings = {k: None if isinstance(a, jax.core.Tracer) else per_layer_sharding(a.sharding)
+                 for k, a in layers.items()}
+
+    def take(i):
+        out = {}
+        for k, a in layers.items():
+            out[k] = a[i] if shardings[k] is None else jax.device_put(a[i], shardings[k])
+        return out
+
+    return tuple(take(i) for i in range(n))
+
+
+def decode_arrays(model, dtype=None) -> dict:
+    """`model.arrays(dtype)` (embed, final_norm, lm_head [H, V]) with the layers split per layer."""
+    arrays = model.arrays(dtype)
+    return {**arrays, "layers": unstack_layers(arrays["layers"])}
+
+
+def _axes(cfg: ModelConfig) -> tuple[dict, dict]:
+    """Logical axis names of `decode_arrays`' leaves: (the non-layer weights, one layer's)."""
+    top = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
+    return top, {name: axes for name, (_, axes) in layer_param_shapes(cfg).items()}
+
+
+def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh) -> dict:
+    """The shapes of `model.arrays()` (`jax.eval_shape`) as `decode_arrays` lays them out on `mesh`:
+    ShapeDtypeStructs with the rules table's shardings, what an ahead-of-time compile of the
+    engine's programs takes as the target's weights."""
+    top, layer = _axes(cfg)
+
+    def sds(a, names):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                    sharding=NamedSharding(mesh, logical_to_pspec(names, a.shape, mesh)))
+
+    out = {k: sds(arrays[k], names) for k, names in top.items()}
+    stacked = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in arrays["layers"].items()}
+    out["layers"] = tuple({k: sds(a, layer[k]) for k, a in stacked.items()} for _ in range(cfg.num_layers))
+    return out
