@@ -7,6 +7,7 @@ Each command's module is imported only when it runs, so listing the commands nee
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import NamedTuple
 
@@ -62,8 +63,17 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()]
-    return ("usage: python -m dspark_jax <command> [options]   (or: dspark-jax <command> [options])\n\n"
+    return ("usage: python -m dspark_jax [--no-compile-cache] <command> [options]   (or: dspark-jax ...)\n\n"
+            "Compiled programs are kept in the user cache ($DSPARK_JAX_COMPILE_CACHE, default\n"
+            "~/.cache/dspark_jax/xla; 'off' or --no-compile-cache keeps them in memory only).\n\n"
             "commands (each answers --help):\n" + "\n".join(lines))
+
+
+def use_compile_cache() -> None:
+    """JAX's persistent compilation cache for this command (io/compile_cache.py)."""
+    from dspark_jax.io.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
 
 
 def main(argv=None) -> int:
@@ -71,11 +81,19 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] == "--no-compile-cache":
+        os.environ["DSPARK_JAX_COMPILE_CACHE"] = "off"
+        argv = argv[1:]
+        if not argv:
+            print(usage())
+            return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     show_logs()  # library progress lines (logging) on stderr
+    if not any(a in ("-h", "--help") for a in rest):  # --help answers without starting JAX
+        use_compile_cache()
     return importlib.import_module(COMMANDS[name].module).main(rest)
 
 

@@ -22,6 +22,9 @@ if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT"):
 # would probe for a TPU at start-up in every process (seconds, and a page of warnings); the suite
 # runs on CPU and compiles for TPU slices explicitly (parallel/topology.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# commands turn on JAX's persistent compilation cache (io/compile_cache.py); the tests run commands
+# in process and keep it off for the reason below (tests/io/test_compile_cache.py turns it on)
+os.environ.setdefault("DSPARK_JAX_COMPILE_CACHE", "off")
 
 import jax
 import pytest

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["default_buckets", "with_chunk_room", "prefill_buckets", "bucket_for"]
+__all__ = ["default_buckets", "with_chunk_room", "prefill_buckets", "bucket_for", "tiled"]
 
 
 def default_buckets(R: int, G: int, prefill_chunk: int = 0) -> tuple[int, ...]:
@@ -45,3 +45,10 @@ def prefill_buckets(max_len: int) -> tuple[int, ...]:
 def bucket_for(buckets, n: int) -> int | None:
     """The smallest of `buckets` holding n tokens (None: none does)."""
     return next((b for b in buckets if b >= n), None)
+
+
+def tiled(buckets, tile: int) -> tuple[int, ...]:
+    """Compiled bucket sizes no smaller than `tile` rows (`target.kernels.row_tile`): on a TPU a
+    program of fewer token rows is dearer, not cheaper, so a round of 1-7 tokens runs the 8-row
+    program (its extra rows are padding, masked as any bucket's)."""
+    return tuple(sorted({max(int(b), int(tile)) for b in buckets}))

@@ -26,6 +26,7 @@ from dspark_jax.engine.buckets import (
     bucket_for,
     default_buckets,
     prefill_buckets,
+    tiled,
     with_chunk_room,
 )
 from dspark_jax.engine.config import EngineConfig
@@ -50,6 +51,7 @@ from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.parallel.sharding import shard_model
 from dspark_jax.scheduler import prefix
 from dspark_jax.target.decode_weights import decode_arrays
+from dspark_jax.target.kernels import row_tile
 from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import pages_per_slot
 
@@ -95,7 +97,8 @@ class Engine:
         if self.priced_buckets[-1] < R * (G + 1):
             raise EngineError(f"largest verification bucket {self.priced_buckets[-1]} < num_slots * (gamma + 1) = "
                               f"{R * (G + 1)}: a round could not fit; add a bucket of that size")
-        self.buckets = with_chunk_room(self.priced_buckets, R, G, chunk)
+        # compiled: those, chunk-only ones, and none smaller than the platform's row tile
+        self.buckets = tiled(with_chunk_room(self.priced_buckets, R, G, chunk), row_tile(mesh))
         self.pages = None if cfg.kv_pages is None else \
             PageAllocator(*cfg.kv_pages, R, pages_per_slot(S, cfg.kv_pages[1]))
         try:

@@ -70,5 +70,12 @@ def get_policy(policy, theta: str = "latency", cost: str | None = None):
         raise ValueError(f"unknown cost model {cost!r}; choose one of: {', '.join(COSTS)}")
     if policy not in SCHEDULED:
         return POLICIES[policy]
+    return _bound(policy, theta, cost)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(policy: str, theta: str, cost: str | None):
+    """One object per (policy, theta, cost): engines of equal settings have equal specs, and so
+    share their compiled programs (engine/programs.py)."""
     kw = {"mode": theta} if cost is None else {"mode": theta, "cost": cost}
     return functools.partial(POLICIES[policy], **kw)

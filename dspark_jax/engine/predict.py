@@ -26,11 +26,13 @@ import time
 import jax
 
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine.buckets import tiled
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
 from dspark_jax.engine.round import draft_part, round_step
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
 from dspark_jax.scheduler.costs import PREDICTED_ON, bucket_plan
+from dspark_jax.target.kernels import row_tile
 
 __all__ = ["predict_table", "reprice", "libtpu_version"]
 
@@ -51,7 +53,8 @@ def _abstract_args(ab: AbstractEngine):
 
 
 def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
-    spec = dataclasses.replace(ab.eng.spec, buckets=(int(bucket),), verify_widths=(width,) if width else (),
+    spec = dataclasses.replace(ab.eng.spec, buckets=tiled((bucket,), row_tile(ab.mesh)),
+                               verify_widths=(width,) if width else (),
                                **({"skip_drafting": "always"} if skip else {}))
 
     def one_round(tp, dp, dfz, s):

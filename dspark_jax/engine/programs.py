@@ -2,7 +2,9 @@
 `lax.while_loop` of rounds, the draft alone, and a join without a forward (chunked prefill).
 
 The decode state is donated to every program that returns it; with a mesh it keeps its layout
-from call to call (`state_sh`)."""
+from call to call (`state_sh`). Engines of the same static description (`Spec`, and the state's
+layout) share one set of jitted programs in a process, so a second engine of the same shapes
+compiles nothing: the weights, the state and every setting are arguments."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dspark_jax.target.forward import forward
 
 __all__ = ["Programs", "compile_programs"]
 
+SHARED_PROGRAM_SETS = 16  # engine shapes whose programs a process keeps (each holds its compiled executables)
+
 
 class Programs(NamedTuple):
     prefill: object  # (tp, dp, st, tokens, plen, join, keys, max_new) -> st
@@ -28,8 +32,22 @@ class Programs(NamedTuple):
 
 
 def compile_programs(spec: Spec, state_sh=None) -> Programs:
-    """The jitted programs of `spec`; the target's weights are an argument of each, laid out per
-    layer (`target.decode_weights`), so every program reads each weight once."""
+    """The jitted programs of `spec`, shared by every engine of the same spec and state layout
+    (a spec that cannot be hashed, e.g. a test's unhashable policy, gets programs of its own)."""
+    try:
+        return _shared_programs(spec, state_sh)
+    except TypeError:  # unhashable: functools.lru_cache could not key it
+        return _programs(spec, state_sh)
+
+
+@functools.lru_cache(maxsize=SHARED_PROGRAM_SETS)
+def _shared_programs(spec: Spec, state_sh) -> Programs:
+    return _programs(spec, state_sh)
+
+
+def _programs(spec: Spec, state_sh) -> Programs:
+    """The target's weights are an argument of each program, laid out per layer
+    (`target.decode_weights`), so every program reads each weight once."""
 
     def _prefill(tp, dp, st, tokens, plen, join, keys, max_new):
         def apply(tok, pos, valid, cache, fl):

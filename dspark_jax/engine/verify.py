@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from dspark_jax.target.attention import PackedVerify, VerifyView
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.forward import forward
+from dspark_jax.target.kernels import row_tile
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import lm_head_logits
 from dspark_jax.target.packing import Packing, pack, unpack
@@ -103,7 +104,9 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     fo = forward(target_params, cfg, tok[None], jnp.minimum(pos, s - 1)[None], PackedVerify(cache, block, chunk_view),
                  feature_layers=feature_layers, return_logits=False)
     h = fo.hidden[0]
-    logits = lm_head_logits(h if logit_rows is None else h[: min(int(logit_rows), bucket)], target_params["lm_head"])
+    # logits for the first rows only, no fewer than the platform's row tile (fewer cost more on a TPU)
+    rows = bucket if logit_rows is None else min(max(int(logit_rows), row_tile()), bucket)
+    logits = lm_head_logits(h[:rows], target_params["lm_head"])
     if fo.features is None:  # callers read [.., m, H] with m >= 1
         features = jnp.zeros((bucket, 1, cfg.hidden_size), h.dtype)
     else:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from dspark_jax.parallel.platform import platform
 
-__all__ = ["CAUSAL_KERNELS", "PAGED_KERNELS", "SPLASH_BLOCK", "choose_causal_kernel", "choose_paged_kernel",
-           "pallas_interpret", "splash_fits"]
+__all__ = ["CAUSAL_KERNELS", "PAGED_KERNELS", "SPLASH_BLOCK", "TPU_ROW_TILE", "choose_causal_kernel",
+           "choose_paged_kernel", "pallas_interpret", "splash_fits", "row_tile"]
 
 CAUSAL_KERNELS = ("auto", "dense", "splash")  # cache-free causal attention (`TargetModel.attention`)
 PAGED_KERNELS = ("auto", "reference", "pallas")  # how a paged cache is read (`PagedKVCache.impl`)
 SPLASH_BLOCK = 128  # the splash kernel's query and key block
+# rows of a TPU product's sublane tile: XLA:TPU turns a product of fewer rows into vector-unit
+# multiply-reduces (a one-row Qwen3-8B step priced 1.9x an eight-row one on v6e-8), so decode
+# programs pad their token rows up to it (docs/performance.md, "One token per program")
+TPU_ROW_TILE = 8
 
 
 def splash_fits(seq_len: int, head_dim: int) -> bool:
@@ -53,3 +57,9 @@ def choose_paged_kernel(requested: str, mesh=None) -> str:
 def pallas_interpret() -> bool:
     """Pallas kernels compile through Mosaic only for TPU; elsewhere they run interpreted."""
     return platform() != "tpu"
+
+
+def row_tile(mesh=None) -> int:
+    """The fewest token rows a decode program's products should have where it is compiled: a TPU's
+    sublane tile (fewer rows cost more, not less), else 1."""
+    return TPU_ROW_TILE if platform(mesh) == "tpu" else 1

@@ -77,7 +77,10 @@ def main(argv=None) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     maybe_initialize_distributed()
+    from dspark_jax.io.compile_cache import enable_compile_cache
     from dspark_jax.train.run import run
+
+    enable_compile_cache()
 
     try:
         run(cfg)

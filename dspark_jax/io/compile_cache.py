@@ -1,0 +1,57 @@
+"""JAX's persistent compilation cache in the user cache, on for every command by default.
+
+An engine compiles a prefill per prompt bucket, its round and its loop; on a TPU one Qwen3-8B round
+compiles in 40-45 s, so without a cache every start of a server or an evaluation pays minutes for
+programs it compiled yesterday. With the cache on, a program compiled once is read back from disk
+on the next start (keyed by JAX on the program, the compiler version and the devices).
+
+`$DSPARK_JAX_COMPILE_CACHE`: a directory to use instead of ``<user cache>/xla``, or ``off`` (also
+``0``, ``false``, ``no``) to keep every compile in memory; `python -m dspark_jax --no-compile-cache
+<command>` sets it off for one run. The tests keep it off (tests/conftest.py says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+from dspark_jax.io.cache import cache_root
+
+__all__ = ["COMPILE_CACHE_ENV", "compile_cache_dir", "enable_compile_cache"]
+
+COMPILE_CACHE_ENV = "DSPARK_JAX_COMPILE_CACHE"
+_OFF = ("off", "0", "false", "no")
+# programs that compile faster than this are not written (reading them back would cost as much)
+MIN_COMPILE_SECONDS = 1.0
+
+log = logging.getLogger(__name__)
+
+
+def compile_cache_dir() -> Path | None:
+    """Where compiled programs are kept (None: the cache is off)."""
+    env = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if env.lower() in _OFF:
+        return None
+    return Path(env).expanduser() if env else cache_root() / "xla"
+
+
+def enable_compile_cache() -> Path | None:
+    """Point JAX's persistent compilation cache at `compile_cache_dir()` (before the first compile)
+    -> the directory, or None when it is off or cannot be created (then a log line says why and
+    compiles stay in memory: a read-only home must not stop a command)."""
+    path = compile_cache_dir()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache off: cannot create %s (%s); set %s to a writable directory",
+                    path, e.strerror or e, COMPILE_CACHE_ENV)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

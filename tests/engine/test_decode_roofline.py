@@ -1,0 +1,89 @@
+"""The decode step reads each weight once, shown by the TPU compiler (no TPU needed).
+
+A Qwen3-8B-shaped target (its widths, fewer layers to keep the compile short) compiled for a v6e-8
+slice: the target-only step at 8 slots x 2048 tokens must stay within a bound of the compiler's own
+price for reading its weights and KV once (each weight product compiled bare, engine/read_once.py).
+The same step with the layers under `lax.scan` over stacked weights (each layer's weights sliced
+out of the stack and copied before its products read them) exceeds the bound: the test catches a
+change that brings the weight copies back. And a one-slot step is no dearer than an eight-slot one
+(rows padded to the chip's tile)."""
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from dspark_jax.config import from_cli
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.plan import abstract_engine, plan_mesh
+from dspark_jax.engine.predict import _abstract_args, _round_cost
+from dspark_jax.engine.read_once import product_shapes, read_once_seconds
+from dspark_jax.engine.round import round_step
+from dspark_jax.parallel.tpu_cost import program_cost
+
+pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
+
+LAYERS, SLOTS, CONTEXT, SLICE = 4, 8, 2048, "v6e-8"
+# the step over the read-once price at these shapes (libtpu 0.0.42): 1.74 with the layers unrolled
+# over per-layer weights, 2.65 with the weights copied out of a stack under `lax.scan`
+BOUND = 2.1
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_short():
+    cfg = from_cli(["configs/qwen3_8b_dspark.yaml", f"target.model.num_layers={LAYERS}",
+                    "drafter.target_layer_ids=[0,1,2]", "drafter.num_layers=1"])
+    return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="bfloat16"))
+
+
+def _engine(cfg, slots):
+    mesh = plan_mesh((1, 1, 8), SLICE)
+    ab = abstract_engine(cfg, mesh, EngineConfig(num_slots=slots, max_len=CONTEXT, buckets=(slots,)), drafter=False)
+    return ab, ab.eng.control(SamplingParams(0.0, 0, 1.0))
+
+
+def _floor(cfg, ab, slots):
+    m = cfg.target.model
+    kv = m.num_layers * 2 * max(m.num_kv_heads // 8, 1) * m.head_dim * 2 * CONTEXT * slots
+    return read_once_seconds(m, ab.mesh.devices.flat[0], rows=max(slots, 8), tensor=8, kv_bytes_per_chip=kv)
+
+
+def _stacked_step(ab, ctl):
+    """The broken variant: the target's weights stacked, the layers under `lax.scan`."""
+    spec = dataclasses.replace(ab.eng.spec, buckets=(SLOTS,))
+    _, dp, dfz, st = _abstract_args(ab)
+
+    def one_round(ts, dp, dfz, s):
+        return round_step(spec, nnx.merge(ab.tg, ts).arrays(), ab.darrays(dp, dfz), s, ctl)
+
+    with jax.set_mesh(ab.mesh):
+        jitted = jax.jit(one_round, in_shardings=(ab.t_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
+                         out_shardings=(ab.state_sh, None), donate_argnums=(3,))
+        compiled = jitted.lower(ab.tstate, dp, dfz, st).compile()
+    return program_cost(compiled, ab.mesh.devices.flat[0]).seconds
+
+
+def test_product_shapes_split_over_tensor(qwen3_8b_short):
+    shapes = product_shapes(qwen3_8b_short.target.model, 8)
+    assert shapes["q_proj"] == (4096, 512, LAYERS) and shapes["k_proj"] == (4096, 128, LAYERS)
+    assert shapes["gate_proj"] == (4096, 1536, LAYERS) and shapes["down_proj"] == (1536, 4096, LAYERS)
+    assert shapes["lm_head"] == (4096, 151936 // 8, 1)
+
+
+def test_decode_step_reads_each_weight_once(qwen3_8b_short):
+    ab, ctl = _engine(qwen3_8b_short, SLOTS)
+    floor = _floor(qwen3_8b_short, ab, SLOTS)["total"]
+    step = _round_cost(ab, SLOTS, ctl).seconds
+    assert step <= BOUND * floor, f"target-only step {1e3 * step:.3f} ms > {BOUND} x read-once {1e3 * floor:.3f} ms"
+    stacked = _stacked_step(ab, ctl)
+    assert stacked > BOUND * floor, "the bound does not catch weights copied out of a stack"
+    assert stacked > 1.2 * step
+
+
+def test_one_slot_no_dearer_than_eight(qwen3_8b_short):
+    ab1, ctl1 = _engine(qwen3_8b_short, 1)
+    ab8, ctl8 = _engine(qwen3_8b_short, 8)
+    assert ab1.eng.buckets == (8,)  # one token's row padded to the TPU's 8-row tile
+    assert _round_cost(ab1, 1, ctl1).seconds <= 1.02 * _round_cost(ab8, 8, ctl8).seconds

@@ -1,0 +1,53 @@
+"""Engines of the same shapes share their compiled programs within a process: a second engine
+(another model of the same shapes, a new server or evaluation set) compiles nothing; an engine of
+other shapes gets programs of its own; per-layer weights give the stacked forward's outputs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.target.attention import cache_update
+from dspark_jax.target.decode_weights import decode_arrays, unstack_layers
+from dspark_jax.target.forward import forward
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.testing.tiny import tiny_config, tiny_target
+
+CONFIG = EngineConfig(num_slots=2, max_len=32, buckets=(2,), prefill_buckets=(16,))
+
+
+def test_second_engine_of_the_same_shapes_compiles_nothing(target):
+    first = Engine(target, None, CONFIG)
+    res1 = first.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=SamplingParams(0.0, 0, 1.0))
+    other = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), seed=7, logit_scale=1.0)
+    second = Engine(other, None, CONFIG)
+    assert second._round is first._round and second._prefill is first._prefill
+    compiled = first._round._cache_size()
+    res2 = second.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=SamplingParams(0.0, 0, 1.0))
+    assert first._round._cache_size() == compiled  # the other model's weights are arguments
+    assert [r.tokens for r in res1.results] != [r.tokens for r in res2.results]  # its own weights were read
+    longer = Engine(target, None, EngineConfig(num_slots=2, max_len=48, buckets=(2,), prefill_buckets=(16,)))
+    assert longer._round is not first._round
+
+
+def test_per_layer_weights_equal_the_stacked_forward(target):
+    arrays = target.arrays()
+    split = decode_arrays(target)
+    assert len(split["layers"]) == target.cfg.num_layers
+    np.testing.assert_array_equal(split["layers"][1]["q_proj"], arrays["layers"]["q_proj"][1])
+    tokens = jnp.asarray([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    valid = pos < jnp.asarray([[5], [3]])
+    outs = []
+    for params in (arrays, split):
+        cache = KVCache.create(target.cfg, 2, 8)
+        outs.append(forward(params, target.cfg, tokens, pos, cache_update(cache, pos, valid), feature_layers=(0,)))
+    for a, b in zip(outs[0][:3], outs[1][:3]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(outs[0].cache.k), np.asarray(outs[1].cache.k), rtol=1e-6, atol=1e-6)
+
+
+def test_unstack_refuses_ragged_stacks():
+    with pytest.raises(ValueError, match="disagree on the number of layers"):
+        unstack_layers({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))})
