@@ -123,9 +123,10 @@ class Engine:
         # the target's weights one array per layer: what every compiled program reads (each once)
         self.tp = decode_arrays(tmodel)
         self.dp = drafter.arrays() if drafter is not None else {}
-        self._state_sh = None if mesh is None else decode_shardings(jax.eval_shape(self._fresh_state), mesh)
+        state_shape = jax.eval_shape(self._fresh_state)
+        self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)
-        progs = compile_programs(self.spec, self._state_sh)
+        progs = compile_programs(self.spec, self._state_sh, state_shape)
         self._prefill, self._round, self._loop, self._draft, self._admit = progs
         self.round_calls = 0
 

@@ -31,18 +31,22 @@ class Programs(NamedTuple):
     admit: object  # (st, tokens, plen, join, keys, max_new) -> st
 
 
-def compile_programs(spec: Spec, state_sh=None) -> Programs:
-    """The jitted programs of `spec`, shared by every engine of the same spec and state layout
-    (a spec that cannot be hashed, e.g. a test's unhashable policy, gets programs of its own)."""
+def compile_programs(spec: Spec, state_sh=None, state_shape=None) -> Programs:
+    """The jitted programs of `spec`, shared by every engine of the same spec, decode-state shapes
+    (`state_shape`: `jax.eval_shape` of a fresh state, so each engine's programs see one state
+    layout, dense or paged) and state layout. A spec that cannot be hashed (a test's unhashable
+    policy) gets programs of its own."""
+    leaves, treedef = jax.tree.flatten(state_shape)
+    key = (spec, state_sh, treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
     try:
-        return _shared_programs(spec, state_sh)
+        return _shared_programs(key)
     except TypeError:  # unhashable: functools.lru_cache could not key it
         return _programs(spec, state_sh)
 
 
 @functools.lru_cache(maxsize=SHARED_PROGRAM_SETS)
-def _shared_programs(spec: Spec, state_sh) -> Programs:
-    return _programs(spec, state_sh)
+def _shared_programs(key) -> Programs:
+    return _programs(key[0], key[1])
 
 
 def _programs(spec: Spec, state_sh) -> Programs:
