@@ -51,7 +51,7 @@ from dspark_jax.engine.state import Control, DecodeState
 from dspark_jax.parallel.sharding import shard_model
 from dspark_jax.scheduler import prefix
 from dspark_jax.target.decode_weights import decode_arrays
-from dspark_jax.target.kernels import row_tile
+from dspark_jax.target.kernels import per_layer_decode, row_tile
 from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import pages_per_slot
 
@@ -121,7 +121,7 @@ class Engine:
         self._unread_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
         # the target's weights one array per layer: what every compiled program reads (each once)
-        self.tp = decode_arrays(tmodel)
+        self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh))
         self.dp = drafter.arrays() if drafter is not None else {}
         state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
@@ -186,8 +186,9 @@ class Engine:
         return st if self.mesh is None else jax.device_put(st, self._state_sh)
 
     def _fresh_state(self) -> DecodeState:
-        return fresh_state(self.spec, self.target.cfg, self.drafter, self.R, self.tp["layers"][0]["q_proj"].dtype,
-                           self.pages, self.paged_attention, chunked=bool(self.prefill_chunk))
+        dtype = jax.tree.leaves(self.tp["layers"])[0].dtype
+        return fresh_state(self.spec, self.target.cfg, self.drafter, self.R, dtype, self.pages, self.paged_attention,
+                           chunked=bool(self.prefill_chunk))
 
     def _place_table(self, table: np.ndarray) -> jax.Array:
         t = jnp.array(table)

@@ -30,6 +30,7 @@ from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh
 from dspark_jax.scheduler import prefix
 from dspark_jax.target.decode_weights import abstract_decode_arrays
+from dspark_jax.target.kernels import per_layer_decode
 
 GIB = 1024 ** 3
 POLICIES, PROGRAMS = ENGINE_POLICIES, PLAN_PROGRAMS
@@ -127,7 +128,8 @@ def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", draf
             jax.eval_shape(lambda *a: build(*a, table=table), tstate, dparams, dfrozen)
     eng = box["eng"]
     st = jax.eval_shape(eng._fresh_state)
-    tp = abstract_decode_arrays(eng.target.cfg, jax.eval_shape(lambda ts: nnx.merge(tg, ts).arrays(), tstate), mesh)
+    tp = abstract_decode_arrays(eng.target.cfg, jax.eval_shape(lambda ts: nnx.merge(tg, ts).arrays(), tstate), mesh,
+                                per_layer=per_layer_decode(mesh))
     return AbstractEngine(eng=eng, mesh=mesh, tg=tg, tstate=tstate, dg=dg, dparams=dparams, dfrozen=dfrozen,
                           state=st, state_sh=decode_shardings(st, mesh), tp=tp,
                           **dict(zip(("t_sh", "dp_sh", "dfz_sh"),

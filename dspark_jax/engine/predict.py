@@ -160,7 +160,7 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         raise ValueError(f"no program named {', '.join(sorted(set(only) - set(programs)))} in this prediction; "
                          f"its programs are {', '.join(programs)}")
     version = libtpu_version()
-    dtype = str(ab.tp["layers"][0]["q_proj"].dtype)
+    dtype = str(jax.tree.leaves(ab.tp["layers"])[0].dtype)
     return _derive_times({
             "buckets": [int(b) for b in eng.priced_buckets], "predicted_on": PREDICTED_ON, "programs": programs,
             "provenance": (f"predicted by the XLA:TPU cost model, {topology}, libtpu {version}: the engine's round "

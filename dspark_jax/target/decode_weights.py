@@ -8,9 +8,9 @@ layers over per-layer arrays take 6.7 ms on an H200, docs/performance.md). Split
 engine is built, each layer's weights are arrays of their own and the forward
 (target/forward.py) runs the layers unrolled over them, each product reading its weight in place.
 
-The split is a copy of the decoder layers' weights, made once: the engine keeps only the split
-arrays, so the stacked ones cost memory only while the caller keeps its model (the serving
-commands drop theirs; docs/performance.md, "Memory").
+The split is a copy of the decoder layers' weights, made once per engine: while the stacked
+parameters live too (the caller's model), the layers' weights are held twice (docs/performance.md,
+"Memory").
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def unstack_layers(layers: dict) -> tuple[dict, ...]:
     return tuple(take(i) for i in range(n))
 
 
-def decode_arrays(model, dtype=None) -> dict:
-    """`model.arrays(dtype)` (embed, final_norm, lm_head [H, V]) with the layers split per layer."""
+def decode_arrays(model, dtype=None, per_layer: bool = True) -> dict:
+    """`model.arrays(dtype)` (embed, final_norm, lm_head [H, V]) with the layers split per layer
+    (`per_layer`; else stacked, as the parameters are: `target.kernels.per_layer_decode` decides)."""
     arrays = model.arrays(dtype)
-    return {**arrays, "layers": unstack_layers(arrays["layers"])}
+    return {**arrays, "layers": unstack_layers(arrays["layers"])} if per_layer else arrays
 
 
 def _axes(cfg: ModelConfig) -> tuple[dict, dict]:
@@ -69,7 +70,7 @@ def _axes(cfg: ModelConfig) -> tuple[dict, dict]:
     return top, {name: axes for name, (_, axes) in layer_param_shapes(cfg).items()}
 
 
-def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh) -> dict:
+def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh, per_layer: bool = True) -> dict:
     """The shapes of `model.arrays()` (`jax.eval_shape`) as `decode_arrays` lays them out on `mesh`:
     ShapeDtypeStructs with the rules table's shardings, what an ahead-of-time compile of the
     engine's programs takes as the target's weights."""
@@ -80,6 +81,8 @@ def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh) -> dict:
                                     sharding=NamedSharding(mesh, logical_to_pspec(names, a.shape, mesh)))
 
     out = {k: sds(arrays[k], names) for k, names in top.items()}
+    if not per_layer:
+        return {**out, "layers": {k: sds(a, ("layers", *layer[k])) for k, a in arrays["layers"].items()}}
     stacked = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in arrays["layers"].items()}
     out["layers"] = tuple({k: sds(a, layer[k]) for k, a in stacked.items()} for _ in range(cfg.num_layers))
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dspark_jax.parallel.platform import platform
 
 __all__ = ["CAUSAL_KERNELS", "PAGED_KERNELS", "SPLASH_BLOCK", "TPU_ROW_TILE", "choose_causal_kernel",
-           "choose_paged_kernel", "pallas_interpret", "splash_fits", "row_tile"]
+           "choose_paged_kernel", "pallas_interpret", "splash_fits", "row_tile", "per_layer_decode"]
 
 CAUSAL_KERNELS = ("auto", "dense", "splash")  # cache-free causal attention (`TargetModel.attention`)
 PAGED_KERNELS = ("auto", "reference", "pallas")  # how a paged cache is read (`PagedKVCache.impl`)
@@ -63,3 +63,13 @@ def row_tile(mesh=None) -> int:
     """The fewest token rows a decode program's products should have where it is compiled: a TPU's
     sublane tile (fewer rows cost more, not less), else 1."""
     return TPU_ROW_TILE if platform(mesh) == "tpu" else 1
+
+
+def per_layer_decode(mesh=None) -> bool:
+    """Whether decode programs run the layers unrolled over per-layer weights (target/decode_weights.py)
+    where they are compiled: on accelerators, where a scan step copies its layer's weights out of
+    the stack (a one-token Qwen3-8B forward 12.8 ms scanned, 6.7 ms per layer on an H200); not on
+    XLA:CPU, which hoists the unrolled layers' cache reads ahead of the round's in-place cache write
+    and copies the whole cache for it (tests/engine/test_in_place.py), and where the scan costs
+    nothing measurable."""
+    return platform(mesh) != "cpu"

@@ -51,3 +51,26 @@ def test_per_layer_weights_equal_the_stacked_forward(target):
 def test_unstack_refuses_ragged_stacks():
     with pytest.raises(ValueError, match="disagree on the number of layers"):
         unstack_layers({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))})
+
+
+def test_engine_over_per_layer_weights_decodes_as_over_stacked(target, monkeypatch):
+    """The engine as compiled for an accelerator (layers unrolled over per-layer weights: rounds,
+    prefill, the packed verification views) gives the tokens of the stacked scan, greedy and
+    sampled, DSpark and target-only."""
+    from dspark_jax.engine import engine as engine_mod
+    from dspark_jax.testing.tiny import tiny_drafter
+
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+    drafter = tiny_drafter("dspark", target, gamma=3)
+    config = EngineConfig(num_slots=2, max_len=40, prefill_buckets=(16,))
+
+    def tokens(per_layer, d, sampling):
+        monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: per_layer)
+        eng = Engine(target, d, config)
+        assert isinstance(eng.tp["layers"], tuple) == per_layer
+        res = eng.generate(prompts, max_new_tokens=10, sampling=sampling, seed=[3, 4, 5])
+        return [r.tokens for r in res.results]
+
+    for d in (None, drafter):
+        for sampling in (SamplingParams(0.0, 0, 1.0), SamplingParams(1.0, 0, 1.0)):
+            assert tokens(True, d, sampling) == tokens(False, d, sampling)
