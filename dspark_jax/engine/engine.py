@@ -126,7 +126,9 @@ class Engine:
         state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)
-        progs = compile_programs(self.spec, self._state_sh, state_shape)
+        # shared with engines of the same spec and argument shapes (state, target and drafter weights)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.tp, self.dp))
+        progs = compile_programs(self.spec, self._state_sh, (state_shape, shapes))
         self._prefill, self._round, self._loop, self._draft, self._admit = progs
         self.round_calls = 0
 

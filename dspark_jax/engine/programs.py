@@ -18,7 +18,7 @@ from dspark_jax.engine.spec import Spec
 from dspark_jax.target.attention import cache_update
 from dspark_jax.target.forward import forward
 
-__all__ = ["Programs", "compile_programs"]
+__all__ = ["Programs", "compile_programs", "clear_shared_programs"]
 
 SHARED_PROGRAM_SETS = 16  # engine shapes whose programs a process keeps (each holds its compiled executables)
 
@@ -32,10 +32,10 @@ class Programs(NamedTuple):
 
 
 def compile_programs(spec: Spec, state_sh=None, state_shape=None) -> Programs:
-    """The jitted programs of `spec`, shared by every engine of the same spec, decode-state shapes
-    (`state_shape`: `jax.eval_shape` of a fresh state, so each engine's programs see one state
-    layout, dense or paged) and state layout. A spec that cannot be hashed (a test's unhashable
-    policy) gets programs of its own."""
+    """The jitted programs of `spec`, shared by every engine of the same spec, argument shapes
+    (`state_shape`: the shapes of a fresh state and of the weights, so each engine's programs are
+    compiled once for it: dense or paged, one drafter head or another) and state layout.
+    A spec that cannot be hashed (a test's unhashable policy) gets programs of its own."""
     leaves, treedef = jax.tree.flatten(state_shape)
     key = (spec, state_sh, treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
     try:
@@ -47,6 +47,12 @@ def compile_programs(spec: Spec, state_sh=None, state_shape=None) -> Programs:
 @functools.lru_cache(maxsize=SHARED_PROGRAM_SETS)
 def _shared_programs(key) -> Programs:
     return _programs(key[0], key[1])
+
+
+def clear_shared_programs() -> None:
+    """Forget the shared programs: the next engine traces its own (a test that changes a function
+    the programs call must see its change traced)."""
+    _shared_programs.cache_clear()
 
 
 def _programs(spec: Spec, state_sh) -> Programs:

@@ -14,6 +14,7 @@ import pytest
 
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.engine.programs import clear_shared_programs
 from dspark_jax.testing.tiny import tiny_drafter
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
@@ -111,6 +112,7 @@ def test_rounds_that_verify_no_drafts_take_the_one_column_view(target, prompts, 
     assert eng.compiled_rounds() == 1
     # the mutation: always the narrow view -> drafts verified against rows that were never forwarded
     monkeypatch.setattr(round_mod, "_width_index", lambda widths, act, lengths: jnp.int32(0))
+    clear_shared_programs()  # the engine below must trace the mutated round, not reuse eng's programs
     broken = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold"))
     res = broken.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, threshold=0.0)
     assert [r.tokens for r in res.results] != reference
