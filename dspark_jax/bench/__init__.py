@@ -13,4 +13,6 @@ SUBCOMMANDS = {
     "sampling": ("dspark_jax.bench.sampling", "top-p / top-k cut by bisection vs a full vocabulary sort"),
     "serve": ("dspark_jax.bench.serve", "the HTTP server under load: throughput vs per-user speed, TTFT, ITL"),
     "grid": ("dspark_jax.bench.grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
+    "roofline": ("dspark_jax.bench.roofline", "each decode program timed (or TPU-predicted) beside its roofline: "
+                                              "bytes / bandwidth, FLOPs / matmul rate"),
 }

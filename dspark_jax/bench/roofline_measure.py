@@ -1,0 +1,208 @@
+"""The measured half of `bench roofline`: this device's memory bandwidth and matmul rate, and the
+engine's decode programs timed on random models of a preset's shapes (weights' values do not
+change a program's time), each beside its roofline (bench/roofline_model.py).
+
+The caches are filled to the context without forwarding it: a short prompt is prefilled, then
+every row's length and position are moved to the fill, so attention reads (and masks) that many
+keys of the cache's contents, whatever they are. Forwarding a whole context per slot would cost
+minutes on a CPU and tell nothing more about the decode programs' time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.bench import roofline_model as rm
+from dspark_jax.config import from_cli
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.drafter.kinds.block import DSPARK
+from dspark_jax.engine import rows as join
+from dspark_jax.engine.buckets import bucket_for
+from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.engine import Engine
+from dspark_jax.engine.timing import verify_gamma_policy
+from dspark_jax.scheduler.costs import bucket_plan
+from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+__all__ = ["device_rates", "best_rates", "random_models", "measure_programs", "memory_stats", "best_of"]
+
+MIB = 2 ** 20
+
+
+def best_of(call, repeats: int, prepare=None) -> dict:
+    """Seconds of `call(prepare())` after one untimed call (the compile): best and median of
+    `repeats`, each blocked until its results are ready; `prepare` (untimed) makes fresh inputs
+    for programs that donate theirs."""
+    ts = []
+    for i in range(repeats + 1):
+        arg = jax.block_until_ready(prepare()) if prepare is not None else None
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(arg))
+        if i:
+            ts.append(time.perf_counter() - t0)
+    return {"best_s": float(min(ts)), "median_s": float(np.median(ts)), "repeats": len(ts)}
+
+
+def device_rates(dtype, copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> dict:
+    """This device's rates, measured now: a copy of `copy_mib` MiB into a buffer the call donates
+    (reads N bytes and writes N: no page of the output is touched for the first time while timed),
+    a read-only stream (a sum over the same N bytes), and an [n, n] x [n, n] product in `dtype`.
+    The bandwidth a roofline uses is the larger of the copy's traffic (read + written) / time and
+    the stream's bytes read / time: a read-bound program can move bytes at least that fast."""
+    n_bytes = int(copy_mib) * MIB
+    src = jnp.ones((n_bytes // 4,), jnp.float32)
+    box = {"dst": jnp.zeros_like(src)}
+    copy = jax.jit(lambda s, d: d.at[:].set(s), donate_argnums=1)
+
+    def copy_once(_):
+        box["dst"] = copy(src, box["dst"])
+        return box["dst"]
+
+    c = best_of(copy_once, repeats)
+    r = best_of(lambda _: jax.jit(jnp.sum)(src), repeats)
+    del box["dst"]
+    a = jnp.ones((matmul_n, matmul_n), dtype)
+    mm = best_of(lambda _: jax.jit(jnp.matmul)(a, a), repeats)
+    copy_traffic = 2 * n_bytes / c["best_s"]
+    return {"copy_bytes": n_bytes, "copy_s": c["best_s"], "copy_rate": n_bytes / c["best_s"],
+            "copy_traffic": copy_traffic, "read_s": r["best_s"], "read_rate": n_bytes / r["best_s"],
+            "bandwidth": max(copy_traffic, n_bytes / r["best_s"]),
+            "matmul_n": matmul_n, "matmul_dtype": jnp.dtype(dtype).name, "matmul_s": mm["best_s"],
+            "flop_rate": 2.0 * matmul_n ** 3 / mm["best_s"],
+            "counted": "copy: N bytes read + N written per call (the destination donated); read: N bytes "
+                       "summed; bandwidth = max(copy traffic, read rate); matmul: 2 n^3 FLOPs, best of the repeats"}
+
+
+def best_rates(*measured: dict) -> dict:
+    """The best of several `device_rates` measurements (before and after the programs, on a host
+    other work shares): a roofline is a bound, so each rate is the highest this run saw."""
+    out = dict(measured[0])
+    for k in ("copy_rate", "copy_traffic", "read_rate", "bandwidth", "flop_rate"):
+        out[k] = max(m[k] for m in measured)
+    for k in ("copy_s", "read_s", "matmul_s"):
+        out[k] = min(m[k] for m in measured)
+    out["measurements"] = len(measured)
+    return out
+
+
+def random_models(preset: str | None, dtype, gamma: int | None):
+    """(target, drafter, name): random models of `preset`'s target and drafter (a DSpark / DFlash
+    drafter section), or of the tiny test shapes for preset None."""
+    f32 = jnp.dtype(dtype) == jnp.float32
+    if preset is None:
+        target = tiny_target(tiny_config(), param_dtype=dtype)
+        return target, tiny_drafter(DSPARK.name, target, gamma=gamma or 7, dtype=None if f32 else dtype), "tiny"
+    cfg = from_cli([preset])
+    if cfg.target.model is None:
+        raise ValueError(f"{preset} names no target.model: use a preset such as configs/smollm2_135m_dspark.yaml")
+    if cfg.drafter.kind not in rm.BLOCK_KINDS:
+        raise ValueError(f"{preset}'s drafter is {cfg.drafter.kind!r}: the roofline arithmetic knows the block "
+                         f"drafters ({', '.join(rm.BLOCK_KINDS)}); use a *_dspark or *_dflash preset")
+    dcfg = dataclasses.replace(cfg.drafter, gamma=gamma or cfg.drafter.gamma)
+    target = tiny_target(cfg.target.model, param_dtype=dtype)
+    drafter = tiny_drafter(cfg.drafter.kind, target, dcfg=dcfg, dtype=None if f32 else dtype)
+    return target, drafter, str(preset)
+
+
+def _started(eng: Engine, k: int, prompt: int, fill: int):
+    """The engine's state with `k` slots decoding at position `fill` (a `prompt`-token prefill,
+    then every row's cache length and position moved to `fill`)."""
+    V = eng.target.cfg.vocab_size
+    prompts = [[(7 * i + 3 * j + 1) % V for j in range(prompt)] for i in range(k)]
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), k)))
+    st = eng.prefill_slots(eng.init_state(), list(range(k)), prompts, kd, [eng.S] * k)
+    rows = jnp.arange(eng.R) < k
+    at = lambda a: jnp.where(rows, fill, a).astype(jnp.int32)
+    st = st._replace(pos=at(st.pos), cache=st.cache.with_lengths(at(st.cache.lengths)))
+    return st._replace(dcache=st.dcache.with_lengths(at(st.dcache.lengths))) if eng.G else st
+
+
+def memory_stats(jitted, *args) -> dict:
+    """The compiled program's `memory_analysis()` (bytes): the engine's own jitted program lowered
+    for these arguments (the executable its calls run, from jit's cache)."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+            "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+
+
+def _copy(st):
+    return jax.tree.map(jnp.copy, st)
+
+
+def _timed_round(eng, st, ctl, repeats, bucket=None):
+    """The engine's compiled round from a fresh copy of `st` (the round donates it)."""
+    ran = []
+
+    def call(s):
+        out = eng.step(s, ctl)
+        ran.append(out[1].bucket)
+        return out
+
+    res = best_of(call, repeats, prepare=lambda: _copy(st))
+    got = eng.buckets[int(ran[-1])]
+    if bucket is not None and got != bucket:
+        raise RuntimeError(f"the round timed for bucket {bucket} ran in bucket {got}")
+    return {**res, "bucket": got}
+
+
+def measure_programs(target, drafter, *, slots: int, context: int, fill: float, prompt: int, repeats: int,
+                     temperature: float = 0.0, say=print) -> dict:
+    """Every decode program of an engine of `slots` x `context` timed, with its footprint and
+    compiled memory: the target-only step, the round at each verification bucket, the draft alone
+    and a prefill of `prompt`-token prompts. -> {"fill", "prompt", "gamma", "programs": [...]}."""
+    ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy=verify_gamma_policy))
+    if ds.room < 1:
+        raise ValueError(f"--context {context} leaves no room for a round of gamma {ds.G}")
+    n_fill = max(int(fill * ds.room), 1)
+    prompt = max(min(prompt, n_fill), ds.min_prompt_len, 2)
+    sp = SamplingParams(temperature, 0, 1.0)
+    progs, mem = [], {}
+
+    def add(fp, timing, memory_key):
+        say(f"[roofline] {fp.name}: best {1e3 * timing['best_s']:.3f} ms, median {1e3 * timing['median_s']:.3f} ms "
+            f"over {timing['repeats']}")
+        progs.append({"footprint": fp, "timing": timing, "memory": memory_key})
+
+    ar = Engine(ds.target, None, EngineConfig(num_slots=slots, max_len=context, buckets=(slots,)))
+    st0, c0 = _started(ar, slots, min(prompt, 16), n_fill), ar.control(sp)
+    m_ar = rm.model_shapes(ar.spec, ar.tp, {}, st0)
+    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), _timed_round(ar, st0, c0, repeats),
+        "target_step")
+    mem["target_step"] = memory_stats(ar._round, ar.tp, ar.dp, st0, c0)
+    del ar, st0
+
+    states = {}
+    st = states[slots] = _started(ds, slots, prompt, n_fill)
+    m = rm.model_shapes(ds.spec, ds.tp, rm.named_leaves(ds.dp), st)
+    for b, (k, g) in sorted(bucket_plan(ds.priced_buckets, slots, ds.G).items()):
+        if k not in states:
+            states[k] = _started(ds, k, prompt, n_fill)
+        ctl = ds.control(sp, gamma=g)
+        add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"), _timed_round(ds, states[k], ctl, repeats, b), "round")
+    mem["round"] = memory_stats(ds._round, ds.tp, ds.dp, st, ds.control(sp))
+    ctl = ds.control(sp)
+    add(rm.draft_footprint(m, slots, n_fill), best_of(lambda _: ds.draft(st, ctl), repeats), "draft")
+    mem["draft"] = memory_stats(ds._draft, ds.dp, st, ctl.sampling)
+    fp, timing, mem["prefill"] = _prefill(ds, m, slots, prompt, repeats)
+    add(fp, timing, "prefill")
+    return {"fill": n_fill, "prompt": prompt, "gamma": ds.G, "buckets": list(ds.priced_buckets),
+            "programs": progs, "memory": mem}
+
+
+def _prefill(eng, m, slots, prompt, repeats):
+    """(footprint, timing, memory) of the engine's prefill program for `prompt`-token prompts in
+    every slot, from a fresh state each call (the prefill donates it)."""
+    P = bucket_for(eng.prefill_buckets, prompt)
+    V = eng.target.cfg.vocab_size
+    prompts = [[(5 * i + j + 2) % V for j in range(prompt)] for i in range(slots)]
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), slots)))
+    st = eng.init_state()
+    args = join.join_rows(eng.R, st, P, list(range(slots)), prompts, kd, [eng.S] * slots)
+    timing = best_of(lambda s: eng._prefill(eng.tp, eng.dp, s, *args), repeats, prepare=eng.init_state)
+    memory = memory_stats(eng._prefill, eng.tp, eng.dp, st, *args)
+    return rm.prefill_footprint(m, slots, prompt, f"prefill@{P}"), timing, memory
