@@ -51,12 +51,22 @@ def _prefill_compiled(ab, width: int):
 
 
 def _shapes(ab) -> rm.ModelShapes:
-    """The abstract engine's shapes: the drafter's weights as stored (trainable and frozen, each
-    with its layout), which the program reads before casting them to the compute dtype."""
+    """The abstract engine's shapes. The drafter's weights are counted in the dtype its programs
+    compute in: an Engine casts them once when it is built (`drafter.arrays()`), while the
+    programs priced here take the frozen embedding and LM head as stored (float32) and cast them
+    inside, time the roofline does not grant them."""
     drafter = {}
     if ab.eng.G:
-        drafter = {**rm.named_leaves(ab.dparams, ab.dp_sh), **rm.named_leaves(ab.dfrozen, ab.dfz_sh)}
+        stored = {**rm.named_leaves(ab.dparams, ab.dp_sh), **rm.named_leaves(ab.dfrozen, ab.dfz_sh)}
+        taken = rm.named_leaves(jax.eval_shape(ab.darrays, ab.dparams, ab.dfrozen))
+        drafter = {n: _in_dtype(leaf, taken[n].nbytes / taken[n].elems) for n, leaf in stored.items()}
     return rm.model_shapes(ab.eng.spec, ab.tp, drafter, ab.state, ab.state_sh)
+
+
+def _in_dtype(leaf: rm.Leaf, item: float) -> rm.Leaf:
+    old = leaf.nbytes / leaf.elems
+    return rm.Leaf(leaf.elems, int(leaf.elems * item), leaf.chip_elems, int(leaf.chip_elems * item),
+                   int(leaf.row_bytes / old * item))
 
 
 def predict_programs(cfg, *, slots: int, context: int, topology: str, mesh_shape, fill: float, prompt: int,

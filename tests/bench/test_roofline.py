@@ -87,6 +87,23 @@ def test_one_chip_of_a_two_by_two_mesh(micro_shapes):
     assert step.chip_flops == 2 * 2 * 0.5 * (LAYER_PRODUCTS + LM_HEAD // 2) + ATTN * 2 * 31 / 4
 
 
+def test_bf16_drafter_counted_in_its_compute_dtype(micro_shapes):
+    """Served in bfloat16, the drafter's frozen LM head (stored float32 in the abstract engine) is
+    counted as the engine holds it: cast once to bfloat16 when the Engine is built."""
+    import dataclasses
+
+    from dspark_jax.bench.roofline_predict import _shapes
+    from dspark_jax.engine.config import EngineConfig
+    from dspark_jax.engine.plan import abstract_engine, plan_mesh
+
+    _, cfg = micro_shapes
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="bfloat16"))
+    m = _shapes(abstract_engine(cfg, plan_mesh((1, 1, 1)), EngineConfig(num_slots=2, max_len=64),
+                                drafter_in_target_dtype=True))
+    assert m.drafter["lm_head"].nbytes == 2 * LM_HEAD and m.drafter["embed"].row_bytes == 2 * 64
+    assert m.target["lm_head"].nbytes == 2 * LM_HEAD and m.kv == (KV / 2, KV / 2)
+
+
 def test_roofline_is_the_longer_bound():
     assert rm.roofline(2e9, 1e9, 1e9, 1e12) == (2.0, "memory")
     assert rm.roofline(1e6, 4e12, 1e9, 1e12) == (4.0, "compute")
