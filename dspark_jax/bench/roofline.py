@@ -107,23 +107,17 @@ def _measured(args, say) -> dict:
 
 
 def _predicted(args, say) -> dict:
-    import dataclasses
 
     from dspark_jax.bench import roofline_model as rm
     from dspark_jax.bench.roofline_predict import PREDICTED, predict_programs
-    from dspark_jax.config import from_cli
+    from dspark_jax.config import served_config
     from dspark_jax.engine.predict import libtpu_version
     from dspark_jax.parallel.slices import parse_slice
     from dspark_jax.parallel.topology import slice_devices
 
     slc = parse_slice(args.topology)
     mesh_shape = parse_mesh_shape(args.mesh, len(slice_devices(slc)))
-    cfg = from_cli([args.preset])
-    if cfg.target.model is None:
-        raise ValueError(f"{args.preset} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=args.dtype))
-    if args.gamma:
-        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, gamma=args.gamma))
+    cfg = served_config(args.preset, args.dtype, args.gamma)
     runs = []
     for R in args.slots:
         say(f"[roofline] {args.preset} on {slc.name}, mesh {mesh_shape}, {R} slots x {args.context}: compiling the "

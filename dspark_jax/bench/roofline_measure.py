@@ -10,7 +10,6 @@ minutes on a CPU and tell nothing more about the decode programs' time.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.bench import roofline_model as rm
-from dspark_jax.config import from_cli
+from dspark_jax.config import served_config
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter.kinds.block import DSPARK
 from dspark_jax.engine import rows as join
@@ -97,15 +96,12 @@ def random_models(preset: str | None, dtype, gamma: int | None):
     if preset is None:
         target = tiny_target(tiny_config(), param_dtype=dtype)
         return target, tiny_drafter(DSPARK.name, target, gamma=gamma or 7, dtype=None if f32 else dtype), "tiny"
-    cfg = from_cli([preset])
-    if cfg.target.model is None:
-        raise ValueError(f"{preset} names no target.model: use a preset such as configs/smollm2_135m_dspark.yaml")
+    cfg = served_config(preset, gamma=gamma)
     if cfg.drafter.kind not in rm.BLOCK_KINDS:
         raise ValueError(f"{preset}'s drafter is {cfg.drafter.kind!r}: the roofline arithmetic knows the block "
                          f"drafters ({', '.join(rm.BLOCK_KINDS)}); use a *_dspark or *_dflash preset")
-    dcfg = dataclasses.replace(cfg.drafter, gamma=gamma or cfg.drafter.gamma)
     target = tiny_target(cfg.target.model, param_dtype=dtype)
-    drafter = tiny_drafter(cfg.drafter.kind, target, dcfg=dcfg, dtype=None if f32 else dtype)
+    drafter = tiny_drafter(cfg.drafter.kind, target, dcfg=cfg.drafter, dtype=None if f32 else dtype)
     return target, drafter, str(preset)
 
 

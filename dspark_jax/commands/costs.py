@@ -107,7 +107,7 @@ def _cmd_measure(args) -> int:
 def _cmd_predict(args) -> int:
     import jax
 
-    from dspark_jax.config import ConfigError, from_cli
+    from dspark_jax.config import ConfigError, served_config
     from dspark_jax.engine.predict import predict_table
     from dspark_jax.parallel.slices import parse_slice
     from dspark_jax.parallel.topology import slice_devices
@@ -115,12 +115,8 @@ def _cmd_predict(args) -> int:
 
     slc = parse_slice(args.topology)
     mesh_shape = parse_mesh_shape(args.mesh, len(slice_devices(slc)))
-    cfg = from_cli([args.config])
-    if cfg.target.model is None:
-        raise ConfigError(f"{args.config} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
-    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=args.dtype))
-    if args.block:  # the drafter as trained with another block size (what it drafts per round)
-        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, gamma=args.block))
+    # --block: the drafter as trained with another block size (what it drafts per round)
+    cfg = served_config(args.config, args.dtype, args.block)
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     only = keep = None
     if args.programs:

@@ -6,6 +6,7 @@ Later stages (data, train, engine, scheduler) add their own sections here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -154,5 +155,19 @@ def from_cli(argv: list[str], cls=Config):
     return load_config(cls, path, overrides)
 
 
+def served_config(preset: str, dtype: str | None = None, gamma: int | None = None) -> Config:
+    """A preset as its target is served (costs predict, bench roofline): it must name a target
+    model; `dtype` replaces the target's (and so what the drafter is cast to), `gamma` the
+    drafter's block."""
+    cfg = from_cli([preset])
+    if cfg.target.model is None:
+        raise ConfigError(f"{preset} names no target.model: use a preset such as configs/qwen3_8b_dspark.yaml")
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=dtype))
+    if gamma:
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, gamma=gamma))
+    return cfg
+
+
 __all__ = ["Config", "TargetSection", "DrafterSection", "DataSection", "TrainSection",
-           "MeshSection", "ConfigError", "from_cli"]
+           "MeshSection", "ConfigError", "from_cli", "served_config"]

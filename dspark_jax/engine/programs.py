@@ -39,9 +39,10 @@ def compile_programs(spec: Spec, state_sh=None, state_shape=None) -> Programs:
     leaves, treedef = jax.tree.flatten(state_shape)
     key = (spec, state_sh, treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
     try:
-        return _shared_programs(key)
-    except TypeError:  # unhashable: functools.lru_cache could not key it
+        hash(key)
+    except TypeError:  # e.g. a policy object without __hash__
         return _programs(spec, state_sh)
+    return _shared_programs(key)
 
 
 @functools.lru_cache(maxsize=SHARED_PROGRAM_SETS)

@@ -36,15 +36,12 @@ def per_layer_sharding(sharding):
 
 def unstack_layers(layers: dict) -> tuple[dict, ...]:
     """Stacked layer weights {name: [L, ...]} -> L dicts {name: [...]}, each weight laid out on the
-    mesh as its stack was (less the layers axis). Eager: the arrays are copied once, here.
-    Abstract inputs (`jax.ShapeDtypeStruct`) give abstract outputs, for ahead-of-time compiles."""
+    mesh as its stack was (less the layers axis). Eager: the arrays are copied once, here (traced,
+    as an abstract engine is built, the slices stay in the trace)."""
     num = {a.shape[0] for a in layers.values()}
     if len(num) != 1:
         raise ValueError(f"stacked layer weights disagree on the number of layers: {sorted(num)}")
     (n,) = num
-    if any(isinstance(a, jax.ShapeDtypeStruct) for a in layers.values()):
-        return tuple({k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=per_layer_sharding(a.sharding))
-                      for k, a in layers.items()} for _ in range(n))
     shardings = {k: None if isinstance(a, jax.core.Tracer) else per_layer_sharding(a.sharding)
                  for k, a in layers.items()}
 

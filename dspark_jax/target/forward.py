@@ -10,7 +10,8 @@ given by the weights' layout:
   weight per step, which a decode step (bound by reading the weights) cannot afford.
 - per layer (a tuple of L dicts, `target.decode_weights`): the layers unrolled, each product
   reading its own weight array in place, so a decode step reads every weight once. The engine's
-  programs and target-only generation run this way (as MaxText's inference configurations).
+  programs run this way where they are compiled for an accelerator
+  (`target.kernels.per_layer_decode`), as MaxText's inference configurations do.
 
 Besides the final
 hidden states it returns the raw outputs (residual stream, before the final norm) of selected
@@ -83,49 +84,44 @@ def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: Atte
     for s, i in enumerate(feature_layers):
         slot_of_layer[i] = s
     m = len(feature_layers)
-    feats0 = jnp.zeros((m, b, t, cfg.hidden_size), dtype) if m else None
     cache = cache_read(attn)
     # the cache's pools ride in the carry: each layer writes its slice in place (or only reads);
     # as scan xs -> ys they would be copied whole every forward, and closed over, XLA hoisted
     # their dtype conversion out of the layer loop (a converted copy of the whole cache)
-    kv0 = None if cache is None else (cache.k, cache.v)
+    kv = None if cache is None else (cache.k, cache.v)
 
-    def body(carry, layer):
-        x, feats, kv = carry
-        p, slot, li = layer
+    def layer(p, x, kv, li):
+        """One decoder layer over weights `p` -> (x, kv after its cache writes, its outputs)."""
         q, k, v = project_qkv(p, x, cos, sin, cfg)
         out, kv, ys = layer_attention(attn, q, k, v, kv, li, dtype)
-        x = pin(finish_layer(p, x, out, cfg))
-        if m:
-            idx = jnp.maximum(slot, 0)
-            feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))
-        return (x, feats, kv), ys
+        return pin(finish_layer(p, x, out, cfg)), kv, ys
 
-    if per_layer:
-        x, feats, kv, layer_out = _unrolled(layers, cfg, x, kv0, cos, sin, attn, pin, dtype, slot_of_layer, feats0)
+    if per_layer:  # unrolled: each product reads its own weight array (no slice of a stack)
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"{len(layers)} per-layer weight dicts for a target of {cfg.num_layers} layers")
+        feats, outs = [None] * m, []
+        for li, p in enumerate(layers):
+            x, kv, ys = layer(p, x, kv, li)
+            if slot_of_layer[li] >= 0:
+                feats[slot_of_layer[li]] = x
+            outs.append(ys)
+        feats = jnp.stack(feats) if m else None
+        layer_out = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
     else:
+        def body(carry, xs):
+            x, feats, kv = carry
+            p, slot, li = xs
+            x, kv, ys = layer(p, x, kv, li)
+            if m:
+                idx = jnp.maximum(slot, 0)
+                feats = feats.at[idx].set(jnp.where(slot >= 0, x, feats[idx]))
+            return (x, feats, kv), ys
+
+        feats0 = jnp.zeros((m, b, t, cfg.hidden_size), dtype) if m else None
         xs = (layers, jnp.asarray(slot_of_layer), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (x, feats, kv), layer_out = jax.lax.scan(body, (x, feats0, kv0), xs)
+        (x, feats, kv), layer_out = jax.lax.scan(body, (x, feats0, kv), xs)
     hidden = rms_norm(x, target_params["final_norm"], cfg.rms_norm_eps)
     features = jnp.moveaxis(feats, 0, 2) if m else None
     logits = lm_head_logits(hidden, target_params["lm_head"]) if return_logits else None
     return ForwardOut(logits, hidden, features, cache_written(attn, kv), layer_out)
 
-
-def _unrolled(layers, cfg: ModelConfig, x, kv, cos, sin, attn, pin, dtype, slot_of_layer, feats0):
-    """The layer loop unrolled over per-layer weights: each layer's products read its own arrays
-    (no slice of a stack to materialise); the cache pools are updated in place layer by layer as
-    in the scan, the feature layers' outputs kept as they are produced."""
-    if len(layers) != cfg.num_layers:
-        raise ValueError(f"{len(layers)} per-layer weight dicts for a target of {cfg.num_layers} layers")
-    feats = [None] * len(feats0) if feats0 is not None else None
-    ys = []
-    for li, p in enumerate(layers):
-        q, k, v = project_qkv(p, x, cos, sin, cfg)
-        out, kv, y = layer_attention(attn, q, k, v, kv, li, dtype)
-        x = pin(finish_layer(p, x, out, cfg))
-        if slot_of_layer[li] >= 0:
-            feats[slot_of_layer[li]] = x
-        ys.append(y)
-    stacked = None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
-    return x, (jnp.stack(feats) if feats is not None else None), kv, stacked
