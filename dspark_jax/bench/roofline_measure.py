@@ -24,8 +24,7 @@ from dspark_jax.engine import rows as join
 from dspark_jax.engine.buckets import bucket_for
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.engine import Engine
-from dspark_jax.engine.timing import verify_gamma_policy
-from dspark_jax.scheduler.costs import bucket_plan
+from dspark_jax.engine.timing import engine_draft_timer, engine_round_timer, verify_gamma_policy
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
 __all__ = ["device_rates", "best_rates", "random_models", "measure_programs", "memory_stats", "best_of"]
@@ -44,6 +43,10 @@ def best_of(call, repeats: int, prepare=None) -> dict:
         jax.block_until_ready(call(arg))
         if i:
             ts.append(time.perf_counter() - t0)
+    return _summary(ts)
+
+
+def _summary(ts) -> dict:
     return {"best_s": float(min(ts)), "median_s": float(np.median(ts)), "repeats": len(ts)}
 
 
@@ -63,10 +66,11 @@ def device_rates(dtype, copy_mib: int = 256, matmul_n: int = 2048, repeats: int 
         return box["dst"]
 
     c = best_of(copy_once, repeats)
-    r = best_of(lambda _: jax.jit(jnp.sum)(src), repeats)
+    total, matmul = jax.jit(jnp.sum), jax.jit(jnp.matmul)  # wrapped once, outside the timed calls
+    r = best_of(lambda _: total(src), repeats)
     del box["dst"]
     a = jnp.ones((matmul_n, matmul_n), dtype)
-    mm = best_of(lambda _: jax.jit(jnp.matmul)(a, a), repeats)
+    mm = best_of(lambda _: matmul(a, a), repeats)
     copy_traffic = 2 * n_bytes / c["best_s"]
     return {"copy_bytes": n_bytes, "copy_s": c["best_s"], "copy_rate": n_bytes / c["best_s"],
             "copy_traffic": copy_traffic, "read_s": r["best_s"], "read_rate": n_bytes / r["best_s"],
@@ -105,19 +109,6 @@ def random_models(preset: str | None, dtype, gamma: int | None):
     return target, drafter, str(preset)
 
 
-def _started(eng: Engine, k: int, prompt: int, fill: int):
-    """The engine's state with `k` slots decoding at position `fill` (a `prompt`-token prefill,
-    then every row's cache length and position moved to `fill`)."""
-    V = eng.target.cfg.vocab_size
-    prompts = [[(7 * i + 3 * j + 1) % V for j in range(prompt)] for i in range(k)]
-    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), k)))
-    st = eng.prefill_slots(eng.init_state(), list(range(k)), prompts, kd, [eng.S] * k)
-    rows = jnp.arange(eng.R) < k
-    at = lambda a: jnp.where(rows, fill, a).astype(jnp.int32)
-    st = st._replace(pos=at(st.pos), cache=st.cache.with_lengths(at(st.cache.lengths)))
-    return st._replace(dcache=st.dcache.with_lengths(at(st.dcache.lengths))) if eng.G else st
-
-
 def memory_stats(jitted, *args) -> dict:
     """The compiled program's `memory_analysis()` (bytes): the engine's own jitted program lowered
     for these arguments (the executable its calls run, from jit's cache)."""
@@ -126,24 +117,10 @@ def memory_stats(jitted, *args) -> dict:
             "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
 
 
-def _copy(st):
-    return jax.tree.map(jnp.copy, st)
-
-
-def _timed_round(eng, st, ctl, repeats, bucket=None):
-    """The engine's compiled round from a fresh copy of `st` (the round donates it)."""
-    ran = []
-
-    def call(s):
-        out = eng.step(s, ctl)
-        ran.append(out[1].bucket)
-        return out
-
-    res = best_of(call, repeats, prepare=lambda: _copy(st))
-    got = eng.buckets[int(ran[-1])]
-    if bucket is not None and got != bucket:
-        raise RuntimeError(f"the round timed for bucket {bucket} ran in bucket {got}")
-    return {**res, "bucket": got}
+def repeated(timer, repeats: int) -> dict:
+    """`timer() -> seconds` (one call, e.g. engine/timing.py's round and draft timers) called once
+    untimed (the compile) and `repeats` times: best and median."""
+    return _summary([timer() for _ in range(repeats + 1)][1:])
 
 
 def measure_programs(target, drafter, *, slots: int, context: int, fill: float, prompt: int, repeats: int,
@@ -165,25 +142,24 @@ def measure_programs(target, drafter, *, slots: int, context: int, fill: float, 
         progs.append({"footprint": fp, "timing": timing, "memory": memory_key})
 
     ar = Engine(ds.target, None, EngineConfig(num_slots=slots, max_len=context, buckets=(slots,)))
-    st0, c0 = _started(ar, slots, min(prompt, 16), n_fill), ar.control(sp)
+    round_fn, _, _ = engine_round_timer(ar, sp, prompt=min(prompt, 16), fill=n_fill)
+    st0, c0 = ar.init_state(), ar.control(sp)  # the shapes the programs run on (memory, footprints)
     m_ar = rm.model_shapes(ar.spec, ar.tp, {}, st0)
-    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), _timed_round(ar, st0, c0, repeats),
+    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), repeated(lambda: round_fn(slots), repeats),
         "target_step")
     mem["target_step"] = memory_stats(ar._round, ar.tp, ar.dp, st0, c0)
-    del ar, st0
+    del ar, st0, round_fn
 
-    states = {}
-    st = states[slots] = _started(ds, slots, prompt, n_fill)
+    st = ds.init_state()
     m = rm.model_shapes(ds.spec, ds.tp, rm.named_leaves(ds.dp), st)
-    for b, (k, g) in sorted(bucket_plan(ds.priced_buckets, slots, ds.G).items()):
-        if k not in states:
-            states[k] = _started(ds, k, prompt, n_fill)
-        ctl = ds.control(sp, gamma=g)
-        add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"), _timed_round(ds, states[k], ctl, repeats, b), "round")
+    round_fn, plan, _ = engine_round_timer(ds, sp, prompt=prompt, fill=n_fill)  # raises if a round lands elsewhere
+    for b, (k, g) in sorted(plan.items()):
+        add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"),
+            {**repeated(lambda b=b: round_fn(b), repeats), "bucket": b}, "round")
     mem["round"] = memory_stats(ds._round, ds.tp, ds.dp, st, ds.control(sp))
-    ctl = ds.control(sp)
-    add(rm.draft_footprint(m, slots, n_fill), best_of(lambda _: ds.draft(st, ctl), repeats), "draft")
-    mem["draft"] = memory_stats(ds._draft, ds.dp, st, ctl.sampling)
+    add(rm.draft_footprint(m, slots, n_fill),
+        repeated(engine_draft_timer(ds, sp, prompt=prompt, fill=n_fill), repeats), "draft")
+    mem["draft"] = memory_stats(ds._draft, ds.dp, st, ds.control(sp).sampling)
     fp, timing, mem["prefill"] = _prefill(ds, m, slots, prompt, repeats)
     add(fp, timing, "prefill")
     return {"fill": n_fill, "prompt": prompt, "gamma": ds.G, "buckets": list(ds.priced_buckets),

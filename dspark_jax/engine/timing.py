@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from dspark_jax.scheduler.costs import MeasureError, bucket_plan, measure_table, time_stat
 
-__all__ = ["verify_gamma_policy", "engine_draft_timer", "engine_round_timer", "measure_engine", "draft_time"]
+__all__ = ["verify_gamma_policy", "prefilled_state", "engine_draft_timer", "engine_round_timer", "measure_engine",
+           "draft_time"]
 
 
 def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
@@ -20,17 +21,25 @@ def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
     return jnp.where(active, ctl.gamma, 0).astype(jnp.int32)
 
 
-def _prefilled(engine, k: int, seed: int = 0):
-    """The engine's state with requests in slots 0..k-1, their next round mid-cache."""
-
+def prefilled_state(engine, k: int, seed: int = 0, prompt: int | None = None, fill: int | None = None):
+    """The engine's state with requests in slots 0..k-1, their next round mid-cache (a prompt of
+    about half the cache), or with `prompt` tokens prefilled and then every row's cache length and
+    position moved to `fill`: attention then reads that many keys of the cache, whatever they
+    hold, without forwarding a whole context (what the roofline benchmark times)."""
     S, G, V = engine.S, engine.G, engine.target.cfg.vocab_size
-    n = max(min(S // 2 - G, S - G - 2), 1 if engine.kind is None else engine.kind.min_prompt_len)
+    shortest = 1 if engine.kind is None else engine.kind.min_prompt_len
+    n = max(min(S // 2 - G, S - G - 2) if prompt is None else prompt, shortest)
     prompts = [[(7 * i + 3 * j + 1) % V for j in range(n)] for i in range(k)]
     kd = jax.random.key_data(jax.random.split(jax.random.key(seed), k))
-    return engine.prefill_slots(engine.init_state(), list(range(k)), prompts, kd, [S] * k)
+    st = engine.prefill_slots(engine.init_state(), list(range(k)), prompts, kd, [S] * k)
+    if fill is None:
+        return st
+    at = lambda a: jnp.where(jnp.arange(engine.R) < k, fill, a).astype(jnp.int32)
+    st = st._replace(pos=at(st.pos), cache=st.cache.with_lengths(at(st.cache.lengths)))
+    return st._replace(dcache=st.dcache.with_lengths(at(st.dcache.lengths))) if engine.G else st
 
 
-def engine_draft_timer(engine, sampling=None):
+def engine_draft_timer(engine, sampling=None, **state):
     """``draft_fn() -> seconds`` (one call): the round's draft part, i.e. the engine's own draft
     function (`Engine.draft`: the call the compiled round makes first, jitted alone) on a state with all R
     slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
@@ -42,7 +51,7 @@ def engine_draft_timer(engine, sampling=None):
     if not engine.G:
         return lambda: 0.0
 
-    st, ctl = _prefilled(engine, engine.R), engine.control(sampling)
+    st, ctl = prefilled_state(engine, engine.R, **state), engine.control(sampling)
 
     def draft_fn() -> float:
         t0 = time.perf_counter()
@@ -52,13 +61,14 @@ def engine_draft_timer(engine, sampling=None):
     return draft_fn
 
 
-def engine_round_timer(engine, sampling=None):
+def engine_round_timer(engine, sampling=None, **state):
     """``(round_fn, plan, used)``: ``round_fn(bucket) -> seconds`` (one call) times the engine's
     compiled round (`Engine.step`, all buckets in one program) on a state with k active slots and
     fixed verify length g from `bucket_plan`, so the round runs its own `lax.switch` branch for
     that bucket. Each call starts from a fresh copy of the state (the round donates it; copying
     is not timed). ``used[bucket]`` records `RoundOut.bucket` of every call; a round that lands
-    elsewhere raises MeasureError (the engine must be built with `verify_gamma_policy`)."""
+    elsewhere raises MeasureError (the engine must be built with `verify_gamma_policy`). `state`:
+    `prefilled_state`'s prompt / fill for the timed states."""
 
     plan = bucket_plan(engine.priced_buckets, engine.R, engine.G)  # chunk-only buckets are never priced
     states, ctls, used = {}, {}, {}
@@ -66,7 +76,7 @@ def engine_round_timer(engine, sampling=None):
     def round_fn(bucket: int) -> float:
         k, g = plan[bucket]
         if k not in states:
-            states[k] = _prefilled(engine, k)
+            states[k] = prefilled_state(engine, k, **state)
         if g not in ctls:
             ctls[g] = engine.control(sampling, gamma=g)
         s = jax.block_until_ready(jax.tree.map(jnp.copy, states[k]))
