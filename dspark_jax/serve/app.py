@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -162,8 +163,9 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
     if access.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+        # any request header: the official clients send their own (the OpenAI JS client x-stainless-*)
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins),
+                           allow_methods=["GET", "HEAD", "POST"], allow_headers=["*"], max_age=600)
     metrics = served.metrics
     key = access.api_key.encode() if access.api_key else None
 
@@ -188,7 +190,14 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
             raise ApiError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
                            headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/health")
+    def get(path):  # GET, and HEAD (the same answer without its body) kept out of the API docs
+        def register(fn):
+            app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+            return app.get(path)(fn)
+
+        return register
+
+    @get("/health")
     async def health():
         loop = served.loop
         if loop.error is not None:
@@ -198,12 +207,12 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
                                 headers={"Retry-After": "1"})
         return {"status": "ok", "slots_in_use": loop.slots_in_use, "queue_depth": loop.queue_depth}
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def get_metrics():
         body = metrics.render(served.loop.queue_depth, served.loop.slots_in_use) if metrics else b""
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def models(http: HTTPRequest):
         try:
             authorize(http)
@@ -230,10 +239,9 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
                 pass
 
         text = TextStream(served.tokenizer, prep.stop)
-        req = Request(prep.ids, prep.max_new, prep.sampling, tuple(served.tokenizer.stop_ids), seed=0,
-                      stop_text=text.find_stop if prep.stop else None,
+        req = Request(prep.ids, prep.max_new, prep.sampling, tuple(served.tokenizer.stop_ids),
+                      seed=prep.seed or 0, key_data=prep.key, stop_text=text.find_stop if prep.stop else None,
                       on_tokens=lambda new: post(("tokens", new)), on_finish=lambda reason: post(("finish", reason)))
-        req.seed = prep.seed if prep.seed is not None else req.id
         try:
             served.loop.submit(req)
         except QueueFull as e:
@@ -260,7 +268,7 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
             log.exception("preparing a request failed")
             count(endpoint, 500)
             return error(500, f"internal error while reading the request: {type(e).__name__}")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.id}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # unique across restarts, as vLLM's
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         n_prompt = len(prep.ids)
@@ -326,7 +334,10 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
             return body
 
         async def sse():
-            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served.model}
+            # with include_usage (OpenAI's semantics): "usage" null on every chunk, then one last chunk with
+            # no choices carrying it; without: no "usage" at all
+            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served.model,
+                     **({"usage": None} if prep.include_usage else {})}
             try:
                 while True:
                     kind, val = await events.get()
@@ -340,8 +351,7 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
                         yield f"data: {json.dumps({'error': {'message': bad[1], 'type': 'server_error'}})}\n\n"
                         break
                     d = text.delta(req.tokens, final=True)
-                    last = {**chunk, "choices": [choice(d, finish_reason(val), True)], "usage": usage()}
-                    yield f"data: {json.dumps(last)}\n\n"
+                    yield f"data: {json.dumps({**chunk, 'choices': [choice(d, finish_reason(val), True)]})}\n\n"
                     if prep.include_usage:
                         yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage()})}\n\n"
                     if metrics is not None:

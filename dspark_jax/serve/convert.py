@@ -5,7 +5,11 @@ the event loop); the prompt's size is bounded in characters before it is tokeniz
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
+
+import jax
+import numpy as np
 
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.errors import InvalidRequest
@@ -23,9 +27,27 @@ class Prepared:
     max_new: int
     sampling: SamplingParams
     stop: list[str]
-    seed: int | None
+    seed: int | None  # as asked; None: `key` is from a fresh random seed
+    key: np.ndarray  # jax.random.key_data of the request's random key
     stream: bool
     include_usage: bool
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The random key of `seed` taken as 64 bits (two's complement: each signed 64-bit seed gets
+    its own key): key(seed) for 0 <= seed < 2^32, as the engine's own seeds; otherwise the high
+    32 bits folded into key(low 32 bits)."""
+    seed %= 1 << 64
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(lo)
+    if hi:
+        key = jax.random.fold_in(key, hi)
+    return np.asarray(jax.random.key_data(key))
+
+
+def fresh_seed() -> int:
+    """A seed from the operating system's random source (for requests that name none)."""
+    return secrets.randbits(64)
 
 
 def _encode(tok, text: str, field: str) -> list[int]:
@@ -90,6 +112,7 @@ def prepare(served, raw: bytes, chat: bool) -> Prepared:
                                   names={"prompt": field, "max_new": name})
     except InvalidRequest as e:
         raise BadRequest(str(e), e.param) from None
-    return Prepared(ids=ok.prompt, max_new=ok.max_new, sampling=ok.sampling, stop=req.stop, seed=req.seed,
+    key = seed_key(fresh_seed() if req.seed is None else req.seed)
+    return Prepared(ids=ok.prompt, max_new=ok.max_new, sampling=ok.sampling, stop=req.stop, seed=req.seed, key=key,
                     stream=bool(req.stream),
                     include_usage=bool(req.stream_options and req.stream_options.include_usage))

@@ -25,6 +25,7 @@ from dspark_jax.serve.errors import BadRequest
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # the OpenAI API's seed: a signed 64-bit integer
 
 # field -> the values that change nothing (accepted; anything else is refused by name)
 NEUTRAL: dict[str, tuple] = {
@@ -66,6 +67,16 @@ def _prompt(v) -> str | list[int]:
     if isinstance(v, list) and v and all(type(x) is int for x in v):
         return v
     raise ValueError("must be a non-empty string or a non-empty list of token ids (one prompt per request)")
+
+
+def _seed(v) -> int | None:
+    if v is None:
+        return None
+    if type(v) is not int:
+        raise ValueError(f"must be an integer, got {_shown(v)}")
+    if not SEED_MIN <= v <= SEED_MAX:
+        raise ValueError(f"must be a signed 64-bit integer, {SEED_MIN} ... {SEED_MAX}; got {_shown(v)}")
+    return v
 
 
 def _content(v) -> str | None:
@@ -118,7 +129,7 @@ class _Common(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): -1 or 0 = off; beyond the vocabulary = off
     stop: Annotated[list[str], PlainValidator(_stop)] = []
-    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    seed: Annotated[int | None, PlainValidator(_seed)] = None  # every bit of it is used
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)  # one choice per request

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import http.client
+import itertools
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -239,6 +241,10 @@ COMPLETION_CASES = [  # (changes to a valid completion request, status, the fiel
     ({"top_p": 1e308}, 400, "top_p"),
     ({"top_k": -2}, 400, "top_k"),
     ({"seed": 2 ** 70}, 400, "seed"),
+    ({"seed": 2 ** 63}, 400, "seed"),
+    ({"seed": -(2 ** 63) - 1}, 400, "seed"),
+    ({"seed": 1.0}, 400, "seed"),
+    ({"seed": -(2 ** 63)}, 200, None),
     ({"max_tokens": 4.0}, 400, "max_tokens"),
     ({"max_tokens": True}, 400, "max_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -344,6 +350,78 @@ def test_bodies_that_are_not_strict_json_objects_are_400s_and_counted(srv):
     assert metric(srv.port, 'dspark_requests_total{endpoint="completions",status="500"}') == c500
 
 
+# ---------------------------------------------------------------------- seeds, ids, usage, HEAD
+
+def _sampled(srv, monkeypatch, job_ids=None, **kw):
+    """(text, response id) of a temperature-1 completion; `job_ids`: the engine's request numbers
+    start there (as in a freshly started process)."""
+    if job_ids is not None:
+        from dspark_jax.engine import batcher
+
+        monkeypatch.setattr(batcher, "_ids", itertools.count(job_ids))
+    status, body = complete(srv, PROMPTS[4], max_tokens=12, temperature=1.0, **kw)
+    assert status == 200, body
+    return body["choices"][0]["text"], body["id"]
+
+
+def test_seeds_use_all_64_bits_and_unseeded_requests_draw_fresh_ones(srv, monkeypatch):
+    """A seed is honoured in full (42 and 42 + 2^32 sample differently, the same seed alike, a
+    negative one too); beyond the signed 64-bit range a 400 names it. Without a seed, requests
+    numbered alike (as after every restart) still sample differently and get distinct ids of
+    the form cmpl-<32 hex>."""
+    same = {_sampled(srv, monkeypatch, seed=42)[0] for _ in range(2)}
+    assert len(same) == 1
+    assert _sampled(srv, monkeypatch, seed=42 + 2 ** 32)[0] not in same
+    assert _sampled(srv, monkeypatch, seed=-42)[0] == _sampled(srv, monkeypatch, seed=-42)[0]
+    assert _sampled(srv, monkeypatch, seed=-42)[0] not in same
+    status, body = complete(srv, PROMPTS[4], seed=2 ** 63)
+    assert status == 400 and body["error"]["param"] == "seed" and "64-bit" in body["error"]["message"]
+    assert str(2 ** 63 - 1) in body["error"]["message"]
+
+    unseeded = [_sampled(srv, monkeypatch, job_ids=1000) for _ in range(3)]
+    assert len({t for t, _ in unseeded}) > 1, unseeded
+    ids = [i for _, i in unseeded]
+    assert len(set(ids)) == 3 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids), ids
+    status, body = post(srv.port, "/v1/chat/completions", {"model": srv.model, "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"]), body
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_usage_only_when_asked_for_and_then_once(srv, chat):
+    """OpenAI's semantics: no "usage" in a stream without stream_options.include_usage; with it,
+    "usage" null on every chunk and one last chunk with no choices carrying the totals."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": srv.model, "max_tokens": 6, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": PROMPTS[0]})
+    status, whole = post(srv.port, path, body)
+    assert status == 200
+    status, _, plain = call(srv.port, path, {**body, "stream": True})
+    assert status == 200 and plain.rstrip().endswith("data: [DONE]")
+    assert not any("usage" in e for e in _events(plain)), plain
+    for options in ({"include_usage": False}, {"include_usage": None}):
+        status, _, text = call(srv.port, path, {**body, "stream": True, "stream_options": options})
+        assert status == 200 and not any("usage" in e for e in _events(text)), text
+    status, _, text = call(srv.port, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = _events(text)
+    assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert [e["usage"] is not None for e in events] == [False] * (len(events) - 1) + [True], text
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_head_is_answered_where_get_is(srv):
+    for path in ("/health", "/v1/models", "/metrics"):
+        status, _, body = call(srv.port, path, method="HEAD")
+        assert status == 200 and body == "", (path, status)
+        assert call(srv.port, path)[0] == 200
+    assert call(srv.port, "/v1/completions", method="HEAD")[0] == 405
+
+
 # ---------------------------------------------------------------------- clients that leave
 
 def test_clients_that_leave_free_their_slots_within_a_round(srv, monkeypatch):
@@ -433,6 +511,15 @@ def test_api_key_cors_and_docs_are_off_unless_asked_for(srv):
         assert status == 200 and headers["access-control-allow-origin"] == "http://ok.example"
         status, headers, _ = call(kport, "/v1/completions", headers=pre, method="OPTIONS")
         assert status == 400 and "access-control-allow-origin" not in headers
+        # the official JS client's preflight asks for its own headers too: all are admitted
+        asked = ["authorization", "content-type", "x-stainless-arch", "x-stainless-lang", "x-stainless-os",
+                 "x-stainless-package-version", "x-stainless-retry-count", "x-stainless-runtime",
+                 "x-stainless-runtime-version", "x-stainless-timeout", "openai-organization", "openai-project"]
+        status, headers, _ = call(kport, "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "http://ok.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": ", ".join(asked)})
+        allowed = {h.strip().lower() for h in headers.get("access-control-allow-headers", "").split(",")}
+        assert status == 200 and set(asked) <= allowed, (status, headers)
         assert call(kport, "/docs")[0] == 200 and json.loads(call(kport, "/openapi.json")[2])["openapi"]
     finally:
         server.should_exit = True
