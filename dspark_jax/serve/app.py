@@ -36,7 +36,8 @@ class Limits:
     """Bounds on one request, checked before any work that grows with it."""
 
     max_body_bytes: int = 4 << 20
-    max_prompt_chars: int = 65536  # checked before tokenizing
+    max_prompt_chars: int = 65536  # checked before tokenizing (an estimate of the conversation: before rendering)
+    max_messages: int = 2048  # chat messages, counted before they are validated (the OpenAI API's bound)
     max_json_depth: int = 32
 
 

@@ -1,9 +1,13 @@
 """A request body -> what the engine loop takes: prompt ids, token budget, sampling settings in the
-engine's ranges. Runs on a worker thread (parsing and tokenizing a large body must not stall
-the event loop); the prompt's size is bounded in characters before it is tokenized."""
+engine's ranges, the request's random key. Runs on a worker thread (parsing and tokenizing a
+large body must not stall the event loop); the prompt's size is bounded before any work that
+grows with it: the number of messages before they are validated, the conversation's size
+(contents plus what the chat template adds per message) before it is rendered, the rendered
+text before it is tokenized."""
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from dataclasses import dataclass
@@ -64,10 +68,36 @@ def _chars(n: int, limit: int, what: str) -> None:
                          what if what != "rendered conversation" else "messages")
 
 
-def _chat_ids(served, req) -> list[int]:
+def _count_messages(body, limit: int) -> None:
+    """The number of messages, checked before each is validated (a 4 MB body holds 127 000 of them)."""
+    msgs = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(msgs, list) and len(msgs) > limit:
+        raise BadRequest(f"'messages' has {len(msgs)} messages; this server takes at most {limit} (--max-messages)",
+                         "messages")
 
+
+@functools.lru_cache(maxsize=8)
+def message_chars(template: str | None) -> int:
+    """The fewest characters `template` adds for one more message (user or assistant, empty
+    content), measured once by rendering; 0 when it cannot be measured (the template refuses
+    these short conversations). A lower bound: a conversation of n messages renders to at least
+    its contents' length + n times this."""
+    convo = [{"role": r, "content": ""} for r in ("user", "assistant", "user")]
+    try:
+        sizes = [len(render_text(convo[:n], template)) for n in (1, 2, 3)]
+    except Exception:  # noqa: BLE001  (a template that raises on these shapes: no estimate)
+        return 0
+    return max(min(sizes[1] - sizes[0], sizes[2] - sizes[1]), 0)
+
+
+def _chat_ids(served, req) -> list[int]:
     limit = served.limits.max_prompt_chars
-    _chars(sum(len(m.content or "") for m in req.messages), limit, "messages")
+    content = sum(len(m.content or "") for m in req.messages)
+    _chars(content, limit, "messages")
+    least = content + len(req.messages) * message_chars(served.chat_template)
+    if least > limit:  # refused before rendering
+        raise BadRequest(f"the {len(req.messages)} messages render to at least {least} characters with the chat "
+                         f"template; this server takes at most {limit} (--max-prompt-chars)", "messages")
     kwargs = req.chat_template_kwargs or {}
     if not all(k.isidentifier() for k in kwargs) or _TEMPLATE_OWNED & set(kwargs):
         raise BadRequest("'chat_template_kwargs' must be an object of template variables (not "
@@ -83,7 +113,10 @@ def _chat_ids(served, req) -> list[int]:
 
 def prepare(served, raw: bytes, chat: bool) -> Prepared:
     """-> Prepared, or BadRequest naming the field."""
-    req = validate(parse_json(raw, served.limits.max_json_depth), chat)
+    body = parse_json(raw, served.limits.max_json_depth)
+    if chat:
+        _count_messages(body, served.limits.max_messages)
+    req = validate(body, chat)
     if req.model != served.model:
         raise BadRequest(f"model {json.dumps(req.model)[:80]} is not served here; this server serves "
                          f"'{served.model}' (GET /v1/models)", "model")

@@ -609,11 +609,46 @@ def test_large_bodies_are_refused_early_and_leave_memory_as_it_was(srv):
     assert all_greedy_exact(srv)
 
 
-def test_prompt_limit_is_configurable(srv):
+def _rendered(monkeypatch) -> list:
+    """Counts the chat template's renderings on the request path from now on."""
+    from dspark_jax.serve import convert
+
+    calls, real = [], convert.render_text
+    monkeypatch.setattr(convert, "render_text", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_a_flood_of_messages_is_refused_before_it_is_validated_or_rendered(srv, monkeypatch):
+    """A 3.8 MB body of 127 000 empty messages (within the body bound, no content characters)
+    is a 400 naming --max-messages, answered without rendering the chat template; four at once
+    leave a normal request's latency as it was."""
+    hi = {"model": srv.model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    assert post(srv.port, "/v1/chat/completions", hi)[0] == 200  # the template's size per message: measured here
+    flood = json.dumps({"model": srv.model, "max_tokens": 4, "messages": [{"role": "user", "content": ""}] * 127_000},
+                       separators=(",", ":")).encode()
+    assert len(flood) < srv.served.limits.max_body_bytes
+    rendered = _rendered(monkeypatch)
+    t = time.perf_counter()
+    status, body = post(srv.port, "/v1/chat/completions", flood)
+    took = time.perf_counter() - t
+    assert status == 400 and body["error"]["param"] == "messages" and "--max-messages" in body["error"]["message"]
+    assert "127000 messages" in body["error"]["message"] and not rendered
+    floods = [in_thread(post, srv.port, "/v1/chat/completions", flood)[0] for _ in range(4)]
+    t = time.perf_counter()
+    assert complete(srv, PROMPTS[0])[1]["choices"][0]["text"] == srv.texts[0]
+    beside = time.perf_counter() - t
+    for th in floods:
+        th.join(60)
+    print(f"[flood] one refused in {took:.2f} s; a normal request beside four took {beside:.2f} s")
+    assert took < 2.0 and not rendered
+
+
+def test_prompt_limit_is_configurable(srv, monkeypatch):
     from dspark_jax.serve import serve_in_thread
     from dspark_jax.serve.app import Limits, make_app
+    from dspark_jax.serve.convert import message_chars
 
-    served = dataclasses.replace(srv.served, limits=Limits(max_body_bytes=2048, max_prompt_chars=20))
+    served = dataclasses.replace(srv.served, limits=Limits(max_body_bytes=2048, max_prompt_chars=20, max_messages=4))
     server, thread, port = serve_in_thread(make_app(served, owns_loop=False))
     try:
         status, body = complete(srv, "x" * 21, port=port)
@@ -621,6 +656,17 @@ def test_prompt_limit_is_configurable(srv):
         status, body = post(port, "/v1/chat/completions", {"model": srv.model, "messages": [
             {"role": "user", "content": "y" * 15}, {"role": "user", "content": "z" * 15}]})
         assert status == 400 and body["error"]["param"] == "messages"
+        # the template adds characters per message: two empty messages already exceed 20, known unrendered
+        assert message_chars(srv.served.chat_template) > 10
+        rendered = _rendered(monkeypatch)
+        status, body = post(port, "/v1/chat/completions", {"model": srv.model, "messages": [
+            {"role": "user", "content": ""}, {"role": "assistant", "content": ""}]})
+        assert status == 400 and body["error"]["param"] == "messages" and "render to at least" in \
+            body["error"]["message"] and not rendered
+        status, body = post(port, "/v1/chat/completions", {"model": srv.model, "messages": [
+            {"role": "user", "content": ""}] * 5})
+        assert status == 400 and "at most 4 (--max-messages)" in body["error"]["message"] and not rendered
+        monkeypatch.undo()
         assert complete(srv, "x" * 3000, port=port)[0] == 413
         assert complete(srv, PROMPTS[0], port=port)[1]["choices"][0]["text"] == srv.texts[0]
     finally:
