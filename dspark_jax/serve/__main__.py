@@ -77,6 +77,13 @@ def parse_args(argv=None):
     ap.add_argument("--max-prompt-chars", type=int, default=None,
                     help="longest prompt / conversation in characters, checked before tokenizing "
                          "(default: max(65536, 32 x --max-len))")
+    ap.add_argument("--max-messages", type=int, default=2048,
+                    help="most messages in one chat request, counted before anything else (default 2048)")
+    ap.add_argument("--header-timeout", type=float, default=30.0, metavar="S",
+                    help="seconds a client may take to send a request's headers; then 408 and the "
+                         "connection is closed (default 30)")
+    ap.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a client may take to send a request's body after its headers (default 60)")
     return ap.parse_args(argv)
 
 
@@ -109,12 +116,15 @@ def find_drafter(target, lt) -> tuple[str | None, str]:
 def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=None, calibrated=None, slots=8,
           max_len=1024, max_queue=64, model_name=None, dtype="float32", mesh=None, skip_drafting=False,
           kv_pages=None, prefill_chunk=SERVE_PREFILL_CHUNK, warmup=False, api_key=None, cors_origins=(),
-          docs=False, max_body_bytes=None, max_prompt_chars=None):
+          docs=False, max_body_bytes=None, max_prompt_chars=None, max_messages=2048, header_timeout=30.0,
+          body_timeout=60.0):
     """(FastAPI app, Served): models loaded, loop thread started (with `warmup`, compiling the
     engine's programs first: /health says "starting" until then; else they compile on first use).
     `drafter`: a directory, "none", or None (find_drafter: one trained for this target, else none).
     `calibrated`: the STS fit at that sampling temperature (None: no STS).
-    `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills)."""
+    `prefill_chunk`: joining requests' prompts ride in the rounds (None / 0: whole prefills).
+    `header_timeout` / `body_timeout`: seconds a client may take to send a request's headers / its
+    body (serve/timeouts.py; `serve_in_thread` and `run_server` apply them)."""
     import jax.numpy as jnp
 
     from dspark_jax.commands.generate import load_models
@@ -156,11 +166,29 @@ def build(target=None, drafter=None, *, policy="fixed", threshold=0.0, costs=Non
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=max_queue, metrics=metrics, threshold=threshold, sts=sts, warmup=warmup).start()
     chars = int(max_prompt_chars or max(65536, 32 * max_len))
-    limits = Limits(max_body_bytes=int(max_body_bytes or max(4 << 20, 8 * chars)), max_prompt_chars=chars)
+    for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{name} must be a number of seconds > 0, got {seconds}")
+    limits = Limits(max_body_bytes=int(max_body_bytes or max(4 << 20, 8 * chars)), max_prompt_chars=chars,
+                    max_messages=int(max_messages), header_timeout=float(header_timeout),
+                    body_timeout=float(body_timeout))
     served = Served(loop, tok, lt.chat_template, model_name or Path(str(lt.path)).name, metrics, limits)
     served.about = {"drafter": drafter, "drafter_why": why, "policy": eng.policy_name, "costs": costs}
     access = Access(api_key=api_key or None, cors_origins=tuple(cors_origins), docs=bool(docs))
     return make_app(served, access), served
+
+
+def uvicorn_config(app, host, port, **uvicorn_kw):
+    """uvicorn's configuration for `app`, with the read timeouts of its limits (`make_app` puts
+    them on `app.state.limits`; the defaults of `Limits` when absent)."""
+    import uvicorn
+
+    from dspark_jax.serve.app import Limits
+    from dspark_jax.serve.timeouts import timed_protocol
+
+    lim = getattr(getattr(app, "state", None), "limits", None) or Limits()
+    uvicorn_kw.setdefault("http", timed_protocol(lim.header_timeout, lim.body_timeout))
+    return uvicorn.Config(app, host=host, port=port, **uvicorn_kw)
 
 
 def serve_in_thread(app, host="127.0.0.1", port=0):
@@ -177,7 +205,7 @@ def serve_in_thread(app, host="127.0.0.1", port=0):
             port = s.getsockname()[1]
     # log_config=None: leave the process's logging alone (uvicorn would rebind handlers to the current
     # stderr, which pytest's capture or a notebook may close later)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None,
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level="warning", log_config=None,
                                            timeout_graceful_shutdown=30))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -194,7 +222,7 @@ def run_server(app, served, host="127.0.0.1", port=8000, **uvicorn_kw) -> int:
     import uvicorn
 
     uvicorn_kw = {"log_level": "info", "timeout_graceful_shutdown": 30, **uvicorn_kw}
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_kw))
+    server = uvicorn.Server(uvicorn_config(app, host, port, **uvicorn_kw))
 
     def fatal():
         server.should_exit = True
@@ -216,7 +244,9 @@ def startup_line(served, access, host, port) -> str:
     drafter = f"drafter {about['drafter']} ({about['drafter_why']})" if about["drafter"] else about["drafter_why"]
     return (f"[serve] model '{served.model}' ({eng.mode}, {eng.R} slots x {eng.S} tokens{kv}); {drafter}; "
             f"policy {about['policy']}; cost table {about['costs'] or 'none'}; limits: body {lim.max_body_bytes} "
-            f"bytes, prompt {lim.max_prompt_chars} chars; API key {'required' if access.api_key else 'off'}; "
+            f"bytes, prompt {lim.max_prompt_chars} chars, {lim.max_messages} messages; read timeouts "
+            f"{lim.header_timeout:g} s headers, {lim.body_timeout:g} s body; "
+            f"API key {'required' if access.api_key else 'off'}; "
             f"CORS {', '.join(access.cors_origins) or 'off'}; docs {'on' if access.docs else 'off'}; "
             f"{'warming up, ' if not served.loop.ready.is_set() else ''}on http://{host}:{port}/v1")
 
@@ -239,7 +269,9 @@ def main(argv=None) -> int:
                             mesh=parse_mesh(args.mesh), skip_drafting=args.skip_drafting,
                             kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk),
                             warmup=not args.no_warmup, api_key=access.api_key, cors_origins=origins, docs=args.docs,
-                            max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars)
+                            max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                            max_messages=args.max_messages, header_timeout=args.header_timeout,
+                            body_timeout=args.body_timeout)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

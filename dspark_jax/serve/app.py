@@ -33,12 +33,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Limits:
-    """Bounds on one request, checked before any work that grows with it."""
+    """Bounds on one request, checked before any work that grows with it, and how long its
+    client may take to send it (the connection is closed after that: serve/timeouts.py)."""
 
     max_body_bytes: int = 4 << 20
     max_prompt_chars: int = 65536  # checked before tokenizing (an estimate of the conversation: before rendering)
     max_messages: int = 2048  # chat messages, counted before they are validated (the OpenAI API's bound)
     max_json_depth: int = 32
+    header_timeout: float = 30.0  # seconds from a request's first byte (or the connection) to its last header
+    body_timeout: float = 60.0  # seconds from the last header to the last byte of the body
 
 
 @dataclass
@@ -167,6 +170,7 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
         # any request header: the official clients send their own (the OpenAI JS client x-stainless-*)
         app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins),
                            allow_methods=["GET", "HEAD", "POST"], allow_headers=["*"], max_age=600)
+    app.state.limits = served.limits  # the read timeouts, for the server that runs the app
     metrics = served.metrics
     key = access.api_key.encode() if access.api_key else None
 

@@ -11,6 +11,7 @@ import http.client
 import itertools
 import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import pytest
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install -e .[serve])")
 
 from tests.serve.helpers import (
+    JSON,
     PROMPTS,
     call,
     in_thread,
@@ -669,6 +671,67 @@ def test_prompt_limit_is_configurable(srv, monkeypatch):
         monkeypatch.undo()
         assert complete(srv, "x" * 3000, port=port)[0] == 413
         assert complete(srv, PROMPTS[0], port=port)[1]["choices"][0]["text"] == srv.texts[0]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _raw(port, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:
+    """Send `data` on a fresh connection, read until the server closes it -> (what came back,
+    seconds until closed); a socket still open after `wait` s fails the test."""
+    t = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        if data:
+            sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(65536):  # socket.timeout (an OSError) when nothing is closed
+            got += chunk
+    return got, time.perf_counter() - t
+
+
+def test_slow_clients_are_cut_off_after_the_read_timeouts(srv, monkeypatch):
+    """With 0.5 s timeouts: a connection that sends nothing, half its headers, or fewer body
+    bytes than declared gets a 408 and is closed (the body's request counted as 499); a kept-alive
+    connection idle between requests, and a request read in full that takes longer to answer
+    (40 tokens at >= 20 ms a round), are not cut."""
+    from dspark_jax.serve import serve_in_thread
+    from dspark_jax.serve.app import Limits, make_app
+
+    served = dataclasses.replace(srv.served, limits=Limits(header_timeout=0.5, body_timeout=0.5))
+    server, thread, port = serve_in_thread(make_app(served, owns_loop=False))
+    gone = 'dspark_requests_total{endpoint="completions",status="499"}'
+    try:
+        gone0 = metric(port, gone)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow = (b"", head[:30], head, head + b"Content-Length: 100\r\n\r\n" + b'{"model": "x"')
+        with ThreadPoolExecutor(4) as ex:
+            for data, (got, took) in zip(slow, ex.map(lambda d: _raw(port, d), slow)):
+                assert got.startswith(b"HTTP/1.1 408 ") and 0.4 < took < 5, (data, got, took)
+                assert is_error_body(json.loads(got.split(b"\r\n\r\n", 1)[1])), got
+        assert wait_until(lambda: metric(port, gone) == gone0 + 1, 5)
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            for i in range(2):  # one connection, idle longer than the header timeout between its requests
+                conn.request("POST", "/v1/completions", json.dumps(
+                    {"model": srv.model, "prompt": PROMPTS[i], "max_tokens": 12, "temperature": 0}), JSON)
+                r = conn.getresponse()
+                assert r.status == 200 and json.loads(r.read())["choices"][0]["text"] == srv.texts[i]
+                if i == 0:
+                    time.sleep(0.8)
+        finally:
+            conn.close()
+
+        eng, real_step = srv.served.loop.engine, srv.served.loop.engine.step
+
+        def slow_step(st, ctl):  # 40 tokens take >= 0.8 s, past both timeouts
+            time.sleep(0.02)
+            return real_step(st, ctl)
+
+        monkeypatch.setattr(eng, "step", slow_step)
+        t = time.perf_counter()
+        status, body = complete(srv, PROMPTS[4], port=port, max_tokens=40)
+        assert status == 200 and body["usage"]["completion_tokens"] == 40 and time.perf_counter() - t > 0.7
     finally:
         server.should_exit = True
         thread.join(30)

@@ -46,6 +46,7 @@ def test_a_drafter_in_or_beside_the_target_is_served_when_it_was_trained_for_it(
     line = startup_line(served, Access(), "127.0.0.1", 8000)
     assert f"drafter {root / 'drafter'} (found in or beside the target)" in line
     assert "policy fixed" in line and "cost table none" in line and "API key off" in line
+    assert "2048 messages; read timeouts 30 s headers, 60 s body" in line
 
     cfg = root / "drafter" / CONFIG_FILE  # trained for another target: not used, and the server still starts
     data = json.loads(cfg.read_text())
@@ -67,7 +68,10 @@ def test_access_flags_and_the_api_key_from_the_environment(monkeypatch):
     assert args.api_key is None and args.cors_origins == "" and not args.docs and not args.no_warmup
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert parse_args([]).api_key == "from-env"
+    assert (args.max_messages, args.header_timeout, args.body_timeout) == (2048, 30.0, 60.0)
     args = parse_args(["--api-key", "flag", "--cors-origins", "https://a.example,https://b.example", "--docs",
-                       "--no-warmup", "--max-body-bytes", "1000", "--max-prompt-chars", "50"])
-    assert (args.api_key, args.cors_origins, args.docs, args.no_warmup, args.max_body_bytes,
-            args.max_prompt_chars) == ("flag", "https://a.example,https://b.example", True, True, 1000, 50)
+                       "--no-warmup", "--max-body-bytes", "1000", "--max-prompt-chars", "50", "--max-messages", "7",
+                       "--header-timeout", "2.5", "--body-timeout", "4"])
+    assert (args.api_key, args.cors_origins, args.docs, args.no_warmup, args.max_body_bytes, args.max_prompt_chars,
+            args.max_messages, args.header_timeout, args.body_timeout) == (
+        "flag", "https://a.example,https://b.example", True, True, 1000, 50, 7, 2.5, 4.0)
