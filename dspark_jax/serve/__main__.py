@@ -13,8 +13,10 @@ Query it with any OpenAI client: base_url http://127.0.0.1:8000/v1, model as GET
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -217,8 +219,8 @@ def serve_in_thread(app, host="127.0.0.1", port=0):
 
 
 def run_server(app, served, host="127.0.0.1", port=8000, **uvicorn_kw) -> int:
-    """Serve until SIGTERM / SIGINT (0) or until the engine cannot continue (1: /health said so
-    while the server drained)."""
+    """Serve until SIGTERM / SIGINT (0, once open requests are drained) or until the engine cannot
+    continue (1: /health said so while the server drained)."""
     import uvicorn
 
     uvicorn_kw = {"log_level": "info", "timeout_graceful_shutdown": 30, **uvicorn_kw}
@@ -230,11 +232,38 @@ def run_server(app, served, host="127.0.0.1", port=8000, **uvicorn_kw) -> int:
     served.loop.on_fatal = fatal
     if served.loop.error is not None:  # it died before the hook was in place
         fatal()
-    server.run()
+    with _drained_signals_return(server):
+        server.run()
     if served.loop.error is not None:
         print(f"error: the engine stopped: {served.loop.error!r}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _drained_signals_return(server):
+    """uvicorn takes SIGTERM / SIGINT while it runs (it stops accepting and drains), then restores
+    the handlers it found and raises the signal again. On the main thread, the handlers found are
+    these, which take that repeat quietly, so a clean drain returns (the process exits 0, not 143);
+    a signal before uvicorn's own handlers are in place stops `server` at its start. The previous
+    handlers are back afterwards. Elsewhere uvicorn takes no signals: nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = []
+
+    def take(sig, frame):
+        taken.append(sig)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, take) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if taken:
+            log.info("stopped by %s after draining", signal.Signals(taken[0]).name)
 
 
 def startup_line(served, access, host, port) -> str:

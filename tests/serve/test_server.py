@@ -253,9 +253,9 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(embedded_tiny_dir
         th.join(120)
         code = proc.wait(120)
         log = proc.stdout.read()
-        # uvicorn drains open requests, shuts the app down (the engine loop stops), then re-raises
-        # the signal, so the exit status is SIGTERM's
-        assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in log, log[-3000:]
+        # uvicorn drains open requests, shuts the app down (the engine loop stops), then raises the
+        # signal again: the command takes that repeat, so a clean drain exits 0
+        assert code == 0 and "Application shutdown complete" in log, (code, log[-3000:])
         assert got.get("finish") in ("length", "stop") and got["text"]
     finally:
         if proc.poll() is None:
