@@ -52,7 +52,8 @@ class EngineConfig:
     layer_ids: tuple[int, ...] | None = None
     # (num_pages, page_size): a paged KV cache, a pool shared by the slots; None = dense [R, max_len]
     kv_pages: tuple[int, int] | None = None
-    # how attention reads pages: "auto" (Pallas kernel on TPU, reference elsewhere), "pallas", "reference"
+    # how attention reads the KV cache, dense or paged: "auto" (Pallas kernel on TPU, reference
+    # elsewhere), "pallas", "reference" (target/attention_backend.py)
     paged_attention: str = "auto"
     # prompt tokens a round forwards for a request joining running ones; None = prompts prefilled whole
     prefill_chunk: int | None = None

@@ -101,10 +101,11 @@ class Engine:
         self.buckets = tiled(with_chunk_room(self.priced_buckets, R, G, chunk), row_tile(mesh))
         self.pages = None if cfg.kv_pages is None else \
             PageAllocator(*cfg.kv_pages, R, pages_per_slot(S, cfg.kv_pages[1]))
-        try:
-            self.paged_attention = resolve_impl(cfg.paged_attention, mesh)
+        try:  # the request rides in the caches; the backend resolves it where the programs are traced
+            self.cache_reads = resolve_impl(cfg.paged_attention, mesh)
         except ValueError as e:
             raise EngineError(str(e)) from None
+        self.paged_attention = cfg.paged_attention
         self.gamma = G if cfg.gamma is None else int(cfg.gamma)
         self.prefill_buckets = tuple(sorted(cfg.prefill_buckets or prefill_buckets(S)))
         self.policy_name = cfg.policy if isinstance(cfg.policy, str) else getattr(cfg.policy, "__name__", "custom")

@@ -10,7 +10,7 @@ from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import DecodeState
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.config import ModelConfig
-from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.kv_cache import CACHE_AXES, KVCache
 from dspark_jax.target.paged_kernel import PAGE_AXES
 from dspark_jax.target.paged_kv import PagedKVCache
 
@@ -32,7 +32,7 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
     else:
         dcache, last = KVCache.create(tcfg, R, 1, dtype, num_layers=1), jnp.zeros((R, 1), dtype)
     if pages is None:
-        cache = KVCache.create(tcfg, R, S, dtype)
+        cache = KVCache.create(tcfg, R, S, dtype, impl=paged_attention)
     else:
         cache = PagedKVCache.create(tcfg, R, S, pages.num_pages, pages.page_size, dtype, impl=paged_attention)
     zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
@@ -46,7 +46,7 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
 
 def decode_shardings(state: DecodeState, mesh):
     """Layout of a DecodeState on `mesh`: per-slot arrays split over `data` (slots), KV caches
-    [L, R, S, Nkv, D] also over `tensor` (KV heads), scalars replicated. A paged cache's pool
+    [L, R, Nkv, S, D] also over `tensor` (KV heads), scalars replicated. A paged cache's pool
     [L, pages, Nkv, page_size, D] has no slot axis (`PAGE_AXES`): KV heads over `tensor`, whole on
     `data` (every data shard holds the pool; page tables split with their slots), as the paged
     kernel's shard_map reads it. An axis that does not divide its dimension is left whole
@@ -66,7 +66,7 @@ def decode_shardings(state: DecodeState, mesh):
         if isinstance(c, PagedKVCache):
             pool = lambda a: one(a, PAGE_AXES)
             return c._replace(k=pool(c.k), v=pool(c.v), page_table=per_slot(c.page_table), lengths=per_slot(c.lengths))
-        kv = lambda a: one(a, (None, "batch", None, "kv_heads", None))
+        kv = lambda a: one(a, CACHE_AXES)
         return c._replace(k=kv(c.k), v=kv(c.v), lengths=per_slot(c.lengths))
 
     out = jax.tree.map(per_slot, state._replace(cache=None, dcache=None))

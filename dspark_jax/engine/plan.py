@@ -163,7 +163,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
            "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)) if drafter else 0,
            "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages, "prefill_chunk": prefill_chunk,
-           "paged_attention": eng.paged_attention if kv_pages else None, "policy": policy,
+           "paged_attention": eng.cache_reads, "policy": policy,
            "mode": eng.mode, "topology": topology, "devices": int(mesh.devices.size),
            "platform": mesh.devices.flat[0].platform, "programs": {}}
     if not compile_round:

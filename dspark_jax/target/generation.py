@@ -1,7 +1,11 @@
 """Batched target-only sampling with a static-shape KV cache.
 
 Prefill writes each row's prompt into the cache in one forward pass, then the decode
-loop samples one token per row per step. The whole loop is one compiled ``lax.while_loop``
+loop samples one token per row per step. Both run the engine's decode path: the one forward
+(target/forward.py) over the weights as the engine's programs hold them
+(`decode_weights.decode_arrays`: one array per layer where `kernels.per_layer_decode` says so,
+each weight read once a step) and the cache read by the attention backend the engine's
+programs use (target/attention_backend.py). The whole loop is one compiled ``lax.while_loop``
 that exits early once every row is done (stop token or its own max-new-tokens), so the
 host is not in the loop. ``generate_host_loop`` runs the same step from Python (one
 jitted call per token) for the benchmark's loop-vs-host ratio and as a cross-check.
@@ -23,10 +27,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dspark_jax.decoding.sampling import SamplingParams, sample, sampling_probs
+from dspark_jax.target.attention import cache_update
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.decode_weights import decode_arrays
+from dspark_jax.target.forward import forward
+from dspark_jax.target.kernels import per_layer_decode
 from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import lm_head_logits
 
 __all__ = ["GenerateOut", "generate", "generate_host_loop", "row_keys"]
 
@@ -53,22 +62,25 @@ class _Carry(NamedTuple):
     done: jax.Array  # [R] bool
 
 
-def _prefill(graphdef, state, prompts, prompt_lens, max_new_row, pad_id, max_new_tokens: int) -> _Carry:
-    model = nnx.merge(graphdef, state)
+def _forward(cfg: ModelConfig, tp: dict, tokens, positions, valid, cache: KVCache):
+    """New tokens written into `cache` and attending to it -> (final hidden [R, T, H], cache)."""
+    out = forward(tp, cfg, tokens, positions, cache_update(cache, positions, valid), return_logits=False)
+    return out.hidden, out.cache
+
+
+def _prefill(cfg: ModelConfig, tp: dict, prompts, prompt_lens, max_new_row, pad_id, max_new_tokens: int) -> _Carry:
     r, p = prompts.shape
-    cache = KVCache.create(model.cfg, r, p + max_new_tokens, dtype=model.embed[...].dtype)
+    cache = KVCache.create(cfg, r, p + max_new_tokens, dtype=tp["embed"].dtype)
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
-    valid = pos < prompt_lens[:, None]
-    out = model(prompts, positions=pos, valid=valid, cache=cache, return_logits=False)
-    last = out.hidden[jnp.arange(r), jnp.maximum(prompt_lens - 1, 0)]
-    logits = model.logits(last)
-    return _Carry(jnp.int32(0), out.cache.with_lengths(prompt_lens), logits,
+    hidden, cache = _forward(cfg, tp, prompts, pos, pos < prompt_lens[:, None], cache)
+    logits = lm_head_logits(hidden[jnp.arange(r), jnp.maximum(prompt_lens - 1, 0)], tp["lm_head"])
+    return _Carry(jnp.int32(0), cache.with_lengths(prompt_lens), logits,
                   jnp.full((r, max_new_tokens), pad_id, jnp.int32), jnp.zeros((r,), jnp.int32), max_new_row <= 0)
 
 
-def _step(graphdef, state, c: _Carry, keys, prompt_lens, max_new_row, params: SamplingParams, stop_ids, pad_id):
+def _step(cfg: ModelConfig, tp: dict, c: _Carry, keys, prompt_lens, max_new_row, params: SamplingParams, stop_ids,
+          pad_id):
     """Sample one token per active row, record it, and forward it to get the next logits."""
-    model = nnx.merge(graphdef, state)
     probs = sampling_probs(c.logits, params.temperature, params.top_k, params.top_p)
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, c.step.astype(jnp.uint32))
     tok = jax.vmap(sample)(step_keys, probs)
@@ -79,29 +91,27 @@ def _step(graphdef, state, c: _Carry, keys, prompt_lens, max_new_row, params: Sa
     stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
     done = c.done | (active & (stopped | (lengths >= max_new_row)))
     pos = (prompt_lens + c.step)[:, None]
-    out = model(tok[:, None], positions=pos, valid=(~done)[:, None], cache=c.cache, return_logits=False)
-    logits = model.logits(out.hidden[:, 0])
-    cache = out.cache.with_lengths(prompt_lens + lengths)
-    return _Carry(c.step + 1, cache, logits, tokens, lengths, done)
+    hidden, cache = _forward(cfg, tp, tok[:, None], pos, (~done)[:, None], c.cache)
+    logits = lm_head_logits(hidden[:, 0], tp["lm_head"])
+    return _Carry(c.step + 1, cache.with_lengths(prompt_lens + lengths), logits, tokens, lengths, done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate_jit(graphdef, state, prompts, prompt_lens, keys, max_new_row, params, stop_ids, pad_id,
-                  max_new_tokens: int):
-    c = _prefill(graphdef, state, prompts, prompt_lens, max_new_row, pad_id, max_new_tokens)
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens"))
+def _generate_jit(cfg, tp, prompts, prompt_lens, keys, max_new_row, params, stop_ids, pad_id, max_new_tokens: int):
+    c = _prefill(cfg, tp, prompts, prompt_lens, max_new_row, pad_id, max_new_tokens)
 
     def cond(c):
         return (c.step < max_new_tokens) & ~jnp.all(c.done)
 
     def body(c):
-        return _step(graphdef, state, c, keys, prompt_lens, max_new_row, params, stop_ids, pad_id)
+        return _step(cfg, tp, c, keys, prompt_lens, max_new_row, params, stop_ids, pad_id)
 
     c = jax.lax.while_loop(cond, body, c)
     return GenerateOut(c.tokens, c.lengths)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "max_new_tokens"))
-_step_jit = jax.jit(_step, static_argnames=("graphdef",), donate_argnames=("c",))
+_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "max_new_tokens"))
+_step_jit = jax.jit(_step, static_argnames=("cfg",), donate_argnames=("c",))
 
 
 def _prepare(model, prompts, prompt_lens, max_new_tokens, sample_index, seed, sampling, max_new, stop_ids):
@@ -123,8 +133,8 @@ def _prepare(model, prompts, prompt_lens, max_new_tokens, sample_index, seed, sa
     t, k, tp = sampling if sampling is not None else SamplingParams()
     sampling = SamplingParams(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(tp, jnp.float32))
     stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    graphdef, state = nnx.split(model)
-    return (graphdef, state, prompts, jnp.asarray(lens, jnp.int32), row_keys(seed, idx),
+    tp = decode_arrays(model, per_layer=per_layer_decode())
+    return (model.cfg, tp, prompts, jnp.asarray(lens, jnp.int32), row_keys(seed, idx),
             jnp.asarray(mx, jnp.int32), sampling, stops)
 
 

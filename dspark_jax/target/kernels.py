@@ -14,7 +14,7 @@ __all__ = ["CAUSAL_KERNELS", "PAGED_KERNELS", "SPLASH_BLOCK", "TPU_ROW_TILE", "c
            "choose_paged_kernel", "pallas_interpret", "splash_fits", "row_tile", "per_layer_decode"]
 
 CAUSAL_KERNELS = ("auto", "dense", "splash")  # cache-free causal attention (`TargetModel.attention`)
-PAGED_KERNELS = ("auto", "reference", "pallas")  # how a paged cache is read (`PagedKVCache.impl`)
+PAGED_KERNELS = ("auto", "reference", "pallas")  # how a KV cache, dense or paged, is read (`impl`)
 SPLASH_BLOCK = 128  # the splash kernel's query and key block
 # rows of a TPU product's sublane tile: XLA:TPU turns a product of fewer rows into vector-unit
 # multiply-reduces (a one-row Qwen3-8B step priced 1.9x an eight-row one on v6e-8), so decode
@@ -44,11 +44,12 @@ def choose_causal_kernel(requested: str, seq_len: int, head_dim: int) -> str:
 
 
 def choose_paged_kernel(requested: str, mesh=None) -> str:
-    """"pallas" (target/paged_kernel.py, pages read in place) or "reference" (pages gathered into
-    each row's view). "auto": the kernel when the program is compiled for TPU (`mesh`, else the
-    mesh set by `jax.set_mesh`, else the default device)."""
+    """"pallas" (target/paged_kernel.py, a row's keys read in place) or "reference" (gathered into
+    each row's view), for a dense or a paged cache (target/attention_backend.py). "auto": the
+    kernel when the program is compiled for TPU (`mesh`, else the mesh set by `jax.set_mesh`, else
+    the default device)."""
     if requested not in PAGED_KERNELS:
-        raise ValueError(f"paged attention {requested!r} is not one of {PAGED_KERNELS}")
+        raise ValueError(f"cache attention {requested!r} is not one of {PAGED_KERNELS}")
     if requested == "auto":
         return "pallas" if platform(mesh) == "tpu" else "reference"
     return requested

@@ -3,81 +3,134 @@
 R request slots, a preallocated length S, and per-slot `lengths` (the number of committed
 tokens). A forward writes K/V for its valid tokens at their positions; committing or
 rolling back after rejected drafts only moves `lengths`, the arrays stay as they are.
+
+Heads-major, `[L, R, Nkv, S, D]`, as the paged pool's pages are `[Nkv, page_size, D]`: one KV
+head's positions are a `(S, D)` matrix, the tile a TPU kernel block reads, so the Pallas kernel
+(target/paged_kernel.py) reads a row's filled positions in place (`kernel_lse`), and XLA:TPU keeps
+the cache in its own layout (a `[.., S, Nkv, D]` cache with few KV heads a chip was copied into
+another layout every step). How attention reads it is the backend's choice
+(target/attention_backend.py, from `impl`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.parallel.sharding import constrain, logical_to_pspec
+from dspark_jax.target.attention_backend import attention_backend
+from dspark_jax.target.paged_kernel import DENSE_CACHE_AXES, attention_lse, dense_attention_lse
 
 # slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
-CACHE_AXES = (None, "batch", None, "kv_heads", None)
+CACHE_AXES = DENSE_CACHE_AXES
+
+__all__ = ["KVCache", "CACHE_AXES", "KERNEL_MIN_BYTES", "write_tokens"]
+
+KERNEL_MIN_BYTES = 4 << 20  # K and V of one layer on one chip from which the kernel reads the dense cache
 
 
-def attend_before(q, k, v, start, extra):
-    """q [R, T, Nq, D] over the keys k, v [R, S, Nkv, D] at positions < start [R] and the key sets
-    in `extra`, one softmax (`attention_parts`): what both caches' `attend_committed` compute."""
-    r, t, s = q.shape[0], q.shape[1], k.shape[1]
-    before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
-    return attention_parts(q, [(k, v, before), *extra])
+def write_tokens(pool, layer, outer, position, values):
+    """`values` [..., Nkv, D] written into `pool` [L, A, Nkv, B, D] at (layer, outer, head, position)
+    for the broadcast of `outer` and `position` [...] (a dense cache: slot and position; a paged
+    pool: page and offset) and every head; indices outside the pool are dropped. Each write is one
+    head's `[D]` row, contiguous in the pool's layout: with a `[Nkv, D]` window (heads and D split
+    by the position axis) XLA:TPU relaid the whole cache around the write wherever a chip holds two
+    KV heads or more (a v5p-8 Qwen3-8B step: 5.5 ms of copies)."""
+    outer, position = jnp.broadcast_arrays(jnp.asarray(outer, jnp.int32), jnp.asarray(position, jnp.int32))
+    heads = jnp.arange(pool.shape[2], dtype=jnp.int32)
+    return pool.at[layer, outer[..., None], heads, position[..., None]].set(values.astype(pool.dtype), mode="drop")
 
 
-class KVCache(NamedTuple):
-    k: jnp.ndarray  # [num_layers, R, S, num_kv_heads, head_dim]
-    v: jnp.ndarray  # same
-    lengths: jnp.ndarray  # [R] int32, committed tokens per slot
+@dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
+class KVCache:
+    k: jax.Array  # [num_layers, R, num_kv_heads, S, head_dim]
+    v: jax.Array  # same
+    lengths: jax.Array  # [R] int32, committed tokens per slot
+    # static: how attention reads it, "auto" / "pallas" / "reference" (target/attention_backend.py)
+    impl: str = "auto"
 
     @classmethod
-    def create(cls, cfg, num_slots: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None) -> "KVCache":
-        shape = (num_layers or cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    def create(cls, cfg, num_slots: int, max_len: int, dtype=jnp.float32, num_layers: int | None = None,
+               impl: str = "auto") -> KVCache:
+        shape = (num_layers or cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
-        return cls(zeros(), zeros(), jnp.zeros((num_slots,), jnp.int32))
+        return cls(zeros(), zeros(), jnp.zeros((num_slots,), jnp.int32), impl)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
-    def with_lengths(self, lengths) -> "KVCache":
+    def _replace(self, **kw) -> KVCache:
+        return dataclasses.replace(self, **kw)
+
+    def with_lengths(self, lengths) -> KVCache:
         """Commit (or roll back to) `lengths` tokens per slot: a pointer move, no copy."""
         return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
 
     @staticmethod
-    def write_layer(k_cache, v_cache, rows, positions, k, v):
-        """One layer's slices [R, S, Nkv, D] with `k`, `v` [..., Nkv, D] written at (`rows`,
-        `positions`) (broadcast together); positions >= S (padding) are dropped. Every cache
-        write in the project (target, verification, drafter context, Eagle3 / MTP-1) is this."""
-        return (k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop"))
-
-    @staticmethod
     def write_layer_at(k_all, v_all, layer, rows, positions, k, v):
-        """`write_layer` into layer `layer` of the whole stacked cache [L, R, S, Nkv, D]: the
-        update stays in place when the cache is a loop carry (no copy of the whole cache)."""
-        return (k_all.at[layer, rows, positions].set(k.astype(k_all.dtype), mode="drop"),
-                v_all.at[layer, rows, positions].set(v.astype(v_all.dtype), mode="drop"))
+        """`k`, `v` [..., Nkv, D] written into layer `layer` of the stacked cache [L, R, Nkv, S, D]
+        at (`rows`, `positions`) (broadcast together; the indices are split by the heads' slice,
+        so their broadcast shape leads, as in k); positions >= S (padding) are dropped. In place
+        when the cache is a loop carry. Every dense cache write in the project (target,
+        verification, drafter context, Eagle3 / MTP-1) is this."""
+        return write_tokens(k_all, layer, rows, positions, k), write_tokens(v_all, layer, rows, positions, v)
 
     @staticmethod
     def layer_view(k_all, v_all, layer, dtype, rows=None):
-        """Layer `layer`'s keys and values [R, S, Nkv, D] in `dtype` (read only); with `rows` [K]
+        """Layer `layer`'s keys and values as [R, S, Nkv, D] in `dtype` (read only); with `rows` [K]
         only those slots' ([K, S, Nkv, D]; rows >= R read the last slot: the caller masks them)."""
         k, v = k_all[layer], v_all[layer]
         if rows is not None:
             rows = jnp.minimum(rows, k.shape[0] - 1)
             k, v = k[rows], v[rows]
-        return k.astype(dtype), v.astype(dtype)
+        return k.swapaxes(1, 2).astype(dtype), v.swapaxes(1, 2).astype(dtype)
+
+    def dense(self):
+        """(k, v) as [L, R, S, Nkv, D], positions before heads, as the paged cache's `dense()`
+        (for tests and inspection)."""
+        return self.k.swapaxes(2, 3), self.v.swapaxes(2, 3)
+
+    def kernel_pays(self, k_all) -> bool:
+        """Whether the kernel beats the reference for one layer of this cache: the reference reads
+        the layer's whole [R, S] twice (scores, values) in XLA's own fusions, the kernel reads only
+        the filled positions once but adds a call and the log-sum-exp merge around it (about a
+        dozen small ops a layer, each priced at 1-2 us by XLA:TPU). Below `KERNEL_MIN_BYTES` of K
+        and V a layer on one chip, the reference is cheaper (a Qwen3-8B one-slot step on v6e-8:
+        3.02 ms with the kernel, 2.6 ms without; eight slots: 2.9 ms with, 3.1 ms without)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        shards = 1
+        if not mesh.empty:
+            for axes in logical_to_pspec(CACHE_AXES, k_all.shape, mesh):
+                for a in (axes,) if isinstance(axes, str) else axes or ():
+                    shards *= mesh.shape[a]
+        return 2 * k_all[0].size * k_all.dtype.itemsize // shards >= KERNEL_MIN_BYTES
+
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None):
+        """The Pallas kernel over layer `layer`, read in place up to each row's last visible key ->
+        (out, lse) as `paged_kernel.paged_attention_lse`. Queries of chosen slots (`rows`) on a mesh
+        that splits the slots read their rows through the reference instead (a shard holds only
+        its own slots)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if rows is not None and not mesh.empty and logical_to_pspec(CACHE_AXES, k_all.shape, mesh)[1] is not None:
+            k, v = self.layer_view(k_all, v_all, layer, q.dtype, rows)
+            pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+            qpos = q_start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]
+            mask = (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
+            return attention_lse(q, k, v, mask)
+        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, interpret=interpret)
 
     def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
-        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] (read in
-        place) and the key sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax. With
-        `rows` [K], q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
-        return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
+        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the key
+        sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax (`AttentionBackend.committed`)."""
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, extra, dtype, rows)
 
-    @staticmethod
-    def attend_layer(q, k_all, v_all, layer, mask, dtype, positions=None):
-        """Attention of q [R, T, Nq, D] against layer `layer` of the stacked cache, mask [R, T, S]
-        (the paged cache, target/paged_kv.py, has the same method: forwards call only these)."""
-        return attention(q, k_all[layer].astype(dtype), v_all[layer].astype(dtype), mask)
+    def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None):
+        """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, S]
+        (`AttentionBackend.new_tokens`)."""
+        return attention_backend(self.impl).new_tokens(self, q, k_all, v_all, layer, mask, dtype, positions)
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "lengths"], meta_fields=["impl"])

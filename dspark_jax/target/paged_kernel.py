@@ -1,12 +1,16 @@
-"""Paged attention as a Pallas kernel: each row's pages are read where they lie in the pool.
+"""Cache attention as a Pallas kernel: each row's keys read where they lie, once, up to the last
+one its queries may see.
 
-The reference (`paged_kv.paged_attention`) gathers a row's pages into its `[max_len]` view
-before attending, so a round holds one layer's `[R, S]` copy at a time. Here the page table,
-the rows' key counts and their first query positions are scalar-prefetched, and each grid step
-fetches pages `page_table[r, j]` straight from the pool: the pool is `[L, P, Nkv, page_size, D]`,
-so one head's page is a `(page_size, D)` block equal to the array's last two dimensions, which
-TPU tiling accepts at every page size and head dim (a block's last two dimensions must be
-multiples of (8, 128) or the whole dimension), and a page of all heads is one contiguous copy.
+Two caches, one kernel. A paged pool `[L, P, Nkv, page_size, D]` is read page by page through
+the page table; the dense cache `[L, R, Nkv, S, D]` (heads-major, target/kv_cache.py) is read in
+blocks of `DENSE_BLOCK` positions of its own row, as if they were pages
+(`dense_attention_lse`). The reference (`paged_kv.paged_attention`, `KVCache.layer_view`) gathers
+a row's keys into its `[max_len]` view and attends over all of them, masked: XLA:TPU then reads
+the whole cache twice a step (the score and the value products). Here the page table (or the
+rows' slots), the rows' key counts and their first query positions are scalar-prefetched, and
+each grid step fetches one head's `(page_size, D)` block, equal to the array's last two
+dimensions (paged) or a multiple of 16 rows of them (dense), which TPU tiling accepts; a page of
+all heads is one contiguous copy.
 
 Grid (rows, head blocks, query blocks, page blocks). A step reads `pages_per_step` pages of
 `heads` KV heads: the pool is passed once per page of the step, each copy with its own
@@ -33,7 +37,7 @@ It returns the normalised output and each query's log-sum-exp, so keys that are 
 pool (the verification's block of new tokens) join with `merge_parts`: one softmax over both,
 as `layers.attention_parts` computes it.
 
-Whether a paged cache is read by this kernel is decided in target/kernels.py, from the platform
+Whether a cache is read by this kernel is decided by target/attention_backend.py, from the platform
 the program is compiled for (the mesh it is traced under): on TPU the kernel compiles through
 Mosaic (tests/target/test_paged_kernel_tpu.py compiles it for TPU slices on a CPU machine);
 elsewhere it runs in Pallas interpret mode, which
@@ -59,17 +63,21 @@ from dspark_jax.target.kernels import choose_paged_kernel as resolve_impl
 from dspark_jax.target.kernels import pallas_interpret
 from dspark_jax.target.layers import MASK_VALUE
 
-__all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "attention_lse", "merge_parts", "paged_attention_lse",
-           "resolve_impl"]
+__all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "DENSE_CACHE_AXES", "attention_lse", "merge_parts",
+           "paged_attention_lse", "dense_attention_lse", "resolve_impl"]
 
 # the page pool [L, P, Nkv, page_size, D] has no slot axis: KV heads over tensor (on the mesh set by
 # `jax.set_mesh`, if any), whole on the batch axes
 PAGE_AXES = (None, None, "kv_heads", None, None)
+# the dense cache [L, R, Nkv, S, D]: slots over the batch axes, KV heads over tensor
+DENSE_CACHE_AXES = (None, "batch", "kv_heads", None, None)
 NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key: weight exp(NO_KEYS - lse) = 0
 QUERY_BLOCK = 256  # query rows (T * G) per block: more are split into blocks of this many
 TOKENS_PER_STEP = 128  # keys a grid step reads (pages_per_step = this // page_size, at most MAX_PAGES_PER_STEP)
 MAX_PAGES_PER_STEP = 8
 MAX_ROWS_PER_STEP = 2048  # heads per step * query rows per block: bounds the step's VMEM
+DENSE_BLOCK = 128  # positions of a dense cache read as one "page"
+DENSE_BLOCKS_PER_STEP = 4  # a grid step over a dense cache reads 512 positions
 
 
 def _precision(dtype):
@@ -79,7 +87,7 @@ def _precision(dtype):
 
 
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_size: int, pages: int, group: int,
-            block_rows: int, heads: int, scale: float):
+            block_rows: int, heads: int, scale: float, mask_values: bool):
     k_refs, v_refs = refs[:pages], refs[pages: 2 * pages]
     o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages:]
     r, qb, b = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -105,6 +113,9 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_si
             m, l, acc = m_sc[h], l_sc[h], acc_sc[h]
             for c in range(pages):  # keys past kv_len (a repeated last page, or none) are masked
                 k, v = k_refs[c][h], v_refs[c][h]  # [page_size, D]
+                if mask_values:  # a dense cache's last block runs past its end: unspecified values there
+                    inside = step_start + c * page_size + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
+                    v = jnp.where(inside, v, jnp.zeros_like(v))
                 dt = jnp.promote_types(q.dtype, k.dtype)
                 s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())), precision=_precision(dt),
                                         preferred_element_type=jnp.float32) * scale
@@ -132,37 +143,45 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_si
         lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), NO_KEYS)
 
 
-def _tiling(rows: int, nkv: int, m: int, page_size: int) -> tuple[int, int, int, int]:
+def _tiling(rows: int, nkv: int, m: int, page_size: int, max_pages: int) -> tuple[int, int, int, int]:
     """(query rows per block, rows padded to whole blocks, KV heads per step, pages per step)."""
     block_rows = min(rows, QUERY_BLOCK)
     padded = -(-rows // block_rows) * block_rows
     heads = max(h for h in range(1, nkv + 1) if nkv % h == 0 and (h == 1 or h * block_rows <= MAX_ROWS_PER_STEP))
-    pages = max(1, min(MAX_PAGES_PER_STEP, TOKENS_PER_STEP // page_size, m))
+    pages = max(1, min(max_pages, m))
     return block_rows, padded, heads, pages
 
 
-def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret: bool):
-    """The kernel on one shard: q [R, T, Nq, D], pool [L, P, Nkv, ps, D], layer [1]."""
+def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool, dense: bool):
+    """The kernel on one shard: q [R, T, Nq, D], layer [1]. Paged: pool [L, P, Nkv, ps, D], table
+    [R, M] page ids. Dense: cache [L, R', Nkv, S, D] read in blocks of `DENSE_BLOCK` positions as
+    if they were pages, table [R] the cache row of each query row."""
     r, t, nq, d = q.shape
-    _, _, nkv, ps, _ = k_pages.shape
+    nkv = k_pool.shape[2]
+    if dense:
+        seq = k_pool.shape[3]
+        ps = seq if seq <= DENSE_BLOCK else DENSE_BLOCK  # a whole dimension or a multiple of 16
+        m, mask_values, max_pages = -(-seq // ps), seq % ps != 0, DENSE_BLOCKS_PER_STEP
+    else:
+        ps, m, mask_values = k_pool.shape[3], table.shape[1], False
+        max_pages = min(MAX_PAGES_PER_STEP, max(1, TOKENS_PER_STEP // ps))
     g = nq // nkv
-    m = page_table.shape[1]
     rows = t * g
-    block_rows, padded, heads, pages = _tiling(rows, nkv, m, ps)
+    block_rows, padded, heads, pages = _tiling(rows, nkv, m, ps, max_pages)
     steps = -(-m // pages)
     qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, rows, d)
     if padded != rows:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     # 1-D in SMEM (a 2-D table pads its last dimension to 128 there); no page: page 0, masked
-    table = jnp.maximum(page_table, 0).astype(jnp.int32).reshape(-1)
+    table = jnp.maximum(table, 0).astype(jnp.int32).reshape(-1)
     kv_len, q_start = kv_len.astype(jnp.int32), q_start.astype(jnp.int32)
 
     def page_map(c):
         def index(i, h, qb, b, li, tab, lens, starts):
             # the last page the query block sees (page 0 when it sees none): later indices repeat it
             last_key = jnp.minimum(lens[i] - 1, starts[i] + (qb * block_rows + block_rows - 1) // g)
-            last = jnp.maximum(last_key // ps, 0)
-            return li[0], tab[i * m + jnp.minimum(b * pages + c, last)], h, 0, 0
+            j = jnp.minimum(b * pages + c, jnp.maximum(last_key // ps, 0))
+            return (li[0], tab[i], h, j, 0) if dense else (li[0], tab[i * m + j], h, 0, 0)
         return pl.BlockSpec((None, None, heads, ps, d), index)
 
     qmap = lambda i, h, qb, b, *_: (i, h, qb, 0)
@@ -174,9 +193,9 @@ def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret
                         pltpu.VMEM((heads, block_rows, 1), jnp.float32),
                         pltpu.VMEM((heads, block_rows, d), jnp.float32)])
     kernel = functools.partial(_kernel, page_size=ps, pages=pages, group=g, block_rows=block_rows, heads=heads,
-                               scale=1.0 / math.sqrt(d))
+                               scale=1.0 / math.sqrt(d), mask_values=mask_values)
     keys = r * nkv * padded * steps * pages * ps  # an upper bound: kv_len is known at run time only
-    read = 2 * r * steps * pages * nkv * ps * d * k_pages.dtype.itemsize
+    read = 2 * r * steps * pages * nkv * ps * d * k_pool.dtype.itemsize
     cost = pl.CostEstimate(flops=4 * keys * d, transcendentals=keys,
                            bytes_accessed=read + qh.size * qh.dtype.itemsize + r * nkv * padded * (d + 1) * 4)
     out, lse = pl.pallas_call(
@@ -184,10 +203,14 @@ def _local(layer, q, k_pages, v_pages, page_table, kv_len, q_start, *, interpret
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), jnp.float32),
                    jax.ShapeDtypeStruct((r, nkv, padded, 1), jnp.float32)],
-    )(layer, table, kv_len, q_start, qh, *([k_pages] * pages), *([v_pages] * pages))
+    )(layer, table, kv_len, q_start, qh, *([k_pool] * pages), *([v_pool] * pages))
     out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
+
+
+def _layer_index(layer):
+    return jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
 def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None,
@@ -203,8 +226,8 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
         interpret = pallas_interpret()
-    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    local = functools.partial(_local, interpret=interpret)
+    layer = _layer_index(layer)
+    local = functools.partial(_local, interpret=interpret, dense=False)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(layer, q, k_pages, v_pages, page_table, kv_len, q_start)
@@ -216,6 +239,38 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
     return jax.shard_map(local, in_specs=(P(), q_spec, pool, pool, P(rows, None), row_spec, row_spec),
                          out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
         layer, q, k_pages, v_pages, page_table, kv_len, q_start)
+
+
+def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, interpret: bool | None = None):
+    """q [R, T, Nq, D] against layer `layer` of a dense heads-major cache [L, R', Nkv, S, D], read
+    in place and only up to each row's last visible key (the grid's later steps repeat that
+    block, which the pipeline does not fetch again). Row r reads cache row `rows[r]` (default r).
+    Visibility and returns as `paged_attention_lse`."""
+    if interpret is None:
+        interpret = pallas_interpret()
+    layer = _layer_index(layer)
+    local = functools.partial(_local, interpret=interpret, dense=True)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(rows, k_all.shape[1] - 1)
+        return local(layer, q, k_all, v_all, table, kv_len, q_start)
+
+    pool = logical_to_pspec(DENSE_CACHE_AXES, k_all.shape, mesh)
+    if rows is not None and pool[1] is not None:
+        raise ValueError("dense_attention_lse: queries of chosen cache rows (`rows`) need the cache's slots whole on "
+                         "the mesh; read them with the reference path")
+    q_rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
+    heads = pool[2]
+    q_spec, row_spec = P(q_rows, None, heads, None), P(q_rows)
+
+    def shard(layer, q, k, v, table, kv_len, q_start):
+        table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(table, k.shape[1] - 1)
+        return local(layer, q, k, v, table, kv_len, q_start)
+
+    table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
+    return jax.shard_map(shard, in_specs=(P(), q_spec, pool, pool, row_spec, row_spec, row_spec),
+                         out_specs=(q_spec, P(q_rows, None, heads)), check_vma=False)(
+        layer, q, k_all, v_all, table, kv_len, q_start)
 
 
 def attention_lse(q, k, v, mask):

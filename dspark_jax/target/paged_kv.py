@@ -15,7 +15,7 @@ Same interface as the dense `KVCache`: `write_layer_at` (the scan-carried in-pla
 either cache. `paged_attention` is the reference: it gathers each row's pages into its
 `[max_len]` view and calls `target.layers.attention`, so the numbers equal the dense path's;
 the "pallas" impl reads the pages in place instead (target/paged_kernel.py); "auto" leaves the
-choice to target/kernels.py, from the platform the program is traced for.
+choice to target/attention_backend.py, from the platform the program is traced for.
 """
 
 from __future__ import annotations
@@ -26,15 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
-from dspark_jax.target.kernels import choose_paged_kernel
-from dspark_jax.target.kv_cache import attend_before
+from dspark_jax.target.attention_backend import attention_backend
+from dspark_jax.target.kv_cache import write_tokens
 from dspark_jax.target.layers import attention
-from dspark_jax.target.paged_kernel import (
-    PAGE_AXES,
-    attention_lse,
-    merge_parts,
-    paged_attention_lse,
-)
+from dspark_jax.target.paged_kernel import PAGE_AXES, paged_attention_lse
 
 __all__ = ["NO_PAGE", "PagedKVCache", "gather_pages", "paged_attention", "pages_per_slot"]
 
@@ -89,10 +84,10 @@ class PagedKVCache:
 
     @classmethod
     def like(cls, dense, num_pages: int, page_size: int, impl: str = "reference") -> PagedKVCache:
-        """The paged twin of a dense cache (or its `jax.eval_shape`) [L, R, S, Nkv, D]: same layers,
+        """The paged twin of a dense cache (or its `jax.eval_shape`) [L, R, Nkv, S, D]: same layers,
         heads, dtype, slots and max_len, `num_pages` pages of `page_size`. The engine pages the
         drafter's cache this way, with the target's page table (both hold the same positions)."""
-        layers, r, s, nkv, d = dense.k.shape
+        layers, r, nkv, s, d = dense.k.shape
         cfg = type("CacheShape", (), {"num_layers": layers, "num_kv_heads": nkv, "head_dim": d})
         return cls.create(cfg, r, s, num_pages, page_size, dense.k.dtype, impl=impl)
 
@@ -129,9 +124,7 @@ class PagedKVCache:
         page = self.page_table[jnp.clip(rows, 0, r - 1), jnp.clip(positions // ps, 0, m - 1)]
         page = jnp.where(ok & (page >= 0), page, p)  # p: out of range, dropped
         off = positions % ps
-        # the indices are split by the heads' slice: their broadcast shape leads, as in k [..., Nkv, D]
-        return (k_all.at[layer, page, :, off].set(k.astype(k_all.dtype), mode="drop"),
-                v_all.at[layer, page, :, off].set(v.astype(v_all.dtype), mode="drop"))
+        return write_tokens(k_all, layer, page, off, k), write_tokens(v_all, layer, page, off, v)
 
     def _table(self, rows):
         """The page table of `rows` [K] (all slots when None; rows >= R read the last slot's)."""
@@ -150,28 +143,24 @@ class PagedKVCache:
         view = jax.vmap(lambda pages: gather_pages(pages, self.page_table, self.max_len))
         return view(self.k), view(self.v)
 
+    def kernel_pays(self, k_all) -> bool:
+        """Always: the reference gathers every row's pages into a copy before reading them."""
+        return True
+
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None):
+        """The Pallas kernel over layer `layer`'s pages, read in place (target/paged_kernel.py)."""
+        return paged_attention_lse(q, k_all, v_all, self._table(rows), kv_len, q_start, layer=layer,
+                                   interpret=interpret)
+
     def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
-        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax. "pallas": the kernel reads
-        the pages in place (target/paged_kernel.py) and the extra keys join through their
-        log-sum-exp; "reference": each row's pages gathered, as the dense cache computes it.
-        `rows` [K]: q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
-        if choose_paged_kernel(self.impl) != "pallas":
-            return attend_before(q, *self.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
-        parts = [paged_attention_lse(q, k_all, v_all, self._table(rows), start, start, layer=layer)]
-        parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
-        return merge_parts(parts).astype(dtype)
+        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax (`AttentionBackend.committed`)."""
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, extra, dtype, rows)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None):
-        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len].
-        With the "pallas" impl and `positions` [R, T] (each row's queries at consecutive positions,
-        as a forward over new tokens has them; the mask then being keys <= the query's position)
-        the kernel reads the pages in place instead of the mask."""
-        if positions is not None and choose_paged_kernel(self.impl) == "pallas":
-            start = positions[:, 0].astype(jnp.int32)
-            out, _ = paged_attention_lse(q, k_all, v_all, self.page_table, start + q.shape[1], start, layer=layer)
-            return out.astype(dtype)
-        return paged_attention(q, k_all[layer], v_all[layer], self.page_table, mask, dtype)
+        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]
+        (`AttentionBackend.new_tokens`)."""
+        return attention_backend(self.impl).new_tokens(self, q, k_all, v_all, layer, mask, dtype, positions)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table", "lengths"],

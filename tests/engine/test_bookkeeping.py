@@ -35,7 +35,7 @@ def _engine(target, kind, **kw):
 
 def _dense(cache):
     """(k, v) [L, R, S, ...] of a dense or paged cache."""
-    return cache.dense() if isinstance(cache, PagedKVCache) else (cache.k, cache.v)
+    return cache.dense()
 
 
 def _rows_equal(a, b, lengths, what):

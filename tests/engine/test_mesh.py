@@ -53,9 +53,9 @@ def test_engine_on_a_mesh_matches_one_device():
     for kind, r in res.items():
         assert r["equal"] and r["chunked"] and r["n"] == 6 * 12, (kind, r)
         assert r["pool_spec"] == ["P(None, None, 'tensor', None, None)", "P('data', None)"], (kind, r["pool_spec"])
-        assert r["spec"][:2] == ["P(None, 'data', None, 'tensor', None)", "P('data',)"], (kind, r["spec"])
-        layers, slots, length, kv, d = r["full"]
-        assert r["shards"] == [layers, slots // 4, length, kv // 2, d], (kind, r)
+        assert r["spec"][:2] == ["P(None, 'data', 'tensor', None, None)", "P('data',)"], (kind, r["spec"])
+        layers, slots, kv, length, d = r["full"]  # heads-major
+        assert r["shards"] == [layers, slots // 4, kv // 2, length, d], (kind, r)
 
 
 def test_generate_command_on_a_mesh(embedded_tiny_dir, tmp_path):

@@ -79,8 +79,10 @@ def test_paged_attention_equals_dense(page_size):
         got2 = paged.attend_layer(q, k_all, v_all, li, mask, jnp.float32)
         np.testing.assert_array_equal(np.asarray(got2), np.asarray(want))
         # the dense cache's own method gives the same
-        np.testing.assert_array_equal(np.asarray(KVCache.attend_layer(q, jnp.asarray(dense_k), jnp.asarray(dense_v),
-                                                                       li, mask, jnp.float32)), np.asarray(want))
+        heads_major = [jnp.asarray(x).swapaxes(2, 3) for x in (dense_k, dense_v)]
+        dense = KVCache(*heads_major, jnp.asarray(lengths), "reference")
+        np.testing.assert_array_equal(np.asarray(dense.attend_layer(q, *heads_major, li, mask, jnp.float32)),
+                                      np.asarray(want))
     # a jitted call traces the cache as a pytree (max_len static)
     f = jax.jit(lambda c, q: c.attend_layer(q, c.k, c.v, 0, mask, jnp.float32))
     np.testing.assert_array_equal(np.asarray(f(paged._replace(k=k_all, v=v_all), q)),

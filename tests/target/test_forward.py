@@ -181,7 +181,7 @@ def test_packed_verification_equals_numpy(setup, kind):
         np.testing.assert_allclose(feats[dest[r, :n]], ref[r][1][PREFIX[r]: LENGTHS[r]], rtol=1e-4, atol=1e-4)
     # the views' keys are those the cache-writing forward stored at the same positions
     full = _prefill(cfg, params, tokens, _cache(cfg, kind))
-    full_k = full.k if kind == "dense" else full.dense()[0]
+    full_k = full.dense()[0]
     for r in range(R):
         n = LENGTHS[r] - PREFIX[r]
         np.testing.assert_allclose(np.asarray(k_views)[:, r, :n], np.asarray(full_k)[:, r, PREFIX[r]: LENGTHS[r]],
@@ -198,8 +198,8 @@ def qkv():
     q = jnp.asarray(rng.normal(size=(b, t, nq, d)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(b, t, nkv, d)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(b, t, nkv, d)), jnp.float32)
-    cached_k = jnp.asarray(rng.normal(size=(1, b, s, nkv, d)), jnp.float32)
-    cached_v = jnp.asarray(rng.normal(size=(1, b, s, nkv, d)), jnp.float32)
+    cached_k = jnp.asarray(rng.normal(size=(1, b, nkv, s, d)), jnp.float32)  # heads-major
+    cached_v = jnp.asarray(rng.normal(size=(1, b, nkv, s, d)), jnp.float32)
     start = np.array([4, 2], np.int32)  # committed keys per row
     cache = KVCache(cached_k, cached_v, jnp.asarray(start))
     return q, k, v, cache, start
@@ -227,7 +227,7 @@ def _expected(kind, q, k, v, cache, start):
         elif kind == "masked":  # positions reversed: each token sees the later columns
             out.append(_np_attend(q[r], k[r], v[r], causal.T))
         else:  # committed keys, then the chunk's own at positions start + column
-            ck, cv = np.asarray(cache.k[0]), np.asarray(cache.v[0])
+            ck, cv = np.asarray(cache.k[0]).swapaxes(1, 2), np.asarray(cache.v[0]).swapaxes(1, 2)
             keys = np.concatenate([ck[r, : start[r]], k[r]])
             values = np.concatenate([cv[r, : start[r]], v[r]])
             visible = np.concatenate([np.ones((t, start[r]), bool), causal], axis=1)
@@ -264,7 +264,8 @@ def _run(kind, q, k, v, cache, start):
     out, kv_after, _ = layer_attention(attn, q, k, v, kv, 0, jnp.float32)
     if kind == "cache":  # the chunk's keys were written at its positions
         for r in range(q.shape[0]):
-            np.testing.assert_array_equal(np.asarray(kv_after[0])[0, r, start[r]: start[r] + q.shape[1]],
+            written = np.asarray(kv_after[0])[0, r, :, start[r]: start[r] + q.shape[1]]  # [Nkv, T, D]
+            np.testing.assert_array_equal(written.swapaxes(0, 1),
                                           np.asarray(k)[r])
     return np.asarray(out)
 

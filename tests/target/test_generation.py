@@ -104,3 +104,18 @@ def test_bad_input_is_named(micro_target, prompts):
         generate(micro_target, prompts, [0, 1, 1], max_new_tokens=N)
     with pytest.raises(ValueError, match="max_new"):
         generate(micro_target, prompts, LENS, max_new_tokens=N, max_new=N + 1)
+
+
+def test_per_layer_decode_path_gives_the_same_tokens(micro_target, prompts, reference, monkeypatch):
+    """Where the engine's programs run the layers over per-layer weights (accelerators), so does
+    generation: forced here on the CPU, the greedy tokens still equal the no-cache reference, and
+    the weights the loop was given were the per-layer tuple."""
+    import dspark_jax.target.generation as generation
+
+    monkeypatch.setattr(generation, "per_layer_decode", lambda mesh=None: True)
+    seen = []
+    real = generation.decode_arrays
+    monkeypatch.setattr(generation, "decode_arrays", lambda *a, **k: seen.append(k) or real(*a, **k))
+    out = generate(micro_target, prompts, LENS, max_new_tokens=N, sampling=SamplingParams(0.0, 0, 1.0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), reference(prompts, LENS, N))
+    assert seen == [{"per_layer": True}]

@@ -72,7 +72,7 @@ def test_query_blocks_and_head_blocks(monkeypatch):
 
     monkeypatch.setattr(pk, "QUERY_BLOCK", 8)  # 7 queries x 2 heads = 14 rows: 2 blocks, 2 padding rows
     monkeypatch.setattr(pk, "MAX_ROWS_PER_STEP", 8)  # one KV head per step
-    assert pk._tiling(14, 2, 4, 4) == (8, 16, 1, 4)
+    assert pk._tiling(14, 2, 4, 4, 8) == (8, 16, 1, 4)
     rng = np.random.default_rng(11)
     q, kp, vp, table, kv_len, q_start = _case(rng, 4, t=7)
     mask = _reference_mask(kv_len, q_start, 13, 7)

@@ -18,7 +18,13 @@ from jax.sharding import NamedSharding
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.parallel.topology import slice_mesh
-from dspark_jax.target.paged_kernel import PAGE_AXES, paged_attention_lse, resolve_impl
+from dspark_jax.target.paged_kernel import (
+    DENSE_CACHE_AXES,
+    PAGE_AXES,
+    dense_attention_lse,
+    paged_attention_lse,
+    resolve_impl,
+)
 from dspark_jax.target.paged_kv import pages_per_slot
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu, not installed: pip install -e '.[aot]'")
@@ -119,3 +125,63 @@ def test_a_block_that_breaks_tpu_tiling_is_refused():
     x = jax.ShapeDtypeStruct((16, 8, 128), jnp.float32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     with jax.set_mesh(mesh), pytest.raises(Exception, match="divisible by 8 and 128"):
         jax.jit(f).lower(x).compile()
+
+
+def _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype, layers=8):
+    """One layer's dense-cache kernel call [L, R, Nkv, S, D], compiled for `mesh`'s devices (8
+    layers: a cache small enough for VMEM is prefetched there whole by XLA:TPU, as v7x does with 2)."""
+    cache = (layers, r, nkv, ctx, d)
+
+    def arg(shape, dt, names):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
+
+    args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
+            arg(cache, dtype, DENSE_CACHE_AXES), arg(cache, dtype, DENSE_CACHE_AXES),
+            arg((r,), jnp.int32, ("batch",)), arg((r,), jnp.int32, ("batch",)))
+
+    def f(layer, q, k, v, kv_len, q_start):
+        return dense_attention_lse(q, k, v, kv_len, q_start, layer=layer)
+
+    with jax.set_mesh(mesh):
+        try:
+            return jax.jit(f).lower(*args).compile()
+        except (ValueError, jax.errors.JaxRuntimeError) as e:
+            pytest.fail(f"the TPU compiler refused the dense-cache kernel at {(r, t, nq, nkv, d, ctx)} "
+                        f"{jnp.dtype(dtype).name} on {mesh.devices.flat[0].device_kind}:\n{e}")
+
+
+# (rows, queries per row, query heads, KV heads, head_dim, context, dtype)
+DENSE_SHAPES = {"qwen3_8b_bf16": (8, 8, 32, 8, 128, 2048, jnp.bfloat16),
+                "decode_1_row": (1, 1, 32, 8, 128, 2048, jnp.bfloat16),
+                "smollm2_f32_ragged_end": (8, 8, 9, 3, 64, 1000, jnp.float32)}
+
+
+# every shape on v5e and v6e, the Qwen3-8B one on v5p and v7x (fewer compiles)
+DENSE_CASES = [(g, s) for g in ("v5e-1", "v6e-1") for s in DENSE_SHAPES]
+DENSE_CASES += [(g, "qwen3_8b_bf16") for g in ("v5p-8", "v7x-8")]
+
+
+@pytest.mark.parametrize(("slice_name", "shape"), DENSE_CASES, ids=[f"{g}-{s}" for g, s in DENSE_CASES])
+def test_dense_kernel_compiles_for_every_generation(slice_name, shape):
+    """The dense-cache kernel lowers through Mosaic for v5e, v6e, v5p and v7x, and reads each K / V
+    position of a layer at most once (the compiler's bytes against the cache layer's size)."""
+    r, t, nq, nkv, d, ctx, dtype = DENSE_SHAPES[shape]
+    mesh = _mesh(slice_name)
+    compiled = _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype)
+    assert len(_kernels(compiled)) == 1
+    chips = mesh.devices.size if r % mesh.devices.size == 0 else 1  # rows split over the data axis
+    kv_bytes = 2 * r * ctx * nkv * d * jnp.dtype(dtype).itemsize / chips  # one chip's rows, read once
+    cost = compiled.cost_analysis()
+    assert kv_bytes <= cost["bytes accessed"]
+    if d % 128 == 0:  # read in place: no relayout of the cache around the kernel
+        assert cost["bytes accessed"] < 1.25 * kv_bytes
+
+
+def test_dense_kernel_compiles_tensor_parallel_without_gathering_the_cache():
+    """v6e-4, tensor 4: each chip reads its 2 of the 8 KV heads; nothing moves between chips."""
+    mesh = _mesh("v6e-4", 4)
+    r, t, nq, nkv, d, ctx, dtype = DENSE_SHAPES["qwen3_8b_bf16"]
+    compiled = _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype)
+    (kernel,) = _kernels(compiled)
+    assert f"f32[{r},{nkv // 4},{t * nq // nkv},{d}]" in kernel
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter", compiled.as_text())

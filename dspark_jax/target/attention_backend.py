@@ -1,0 +1,77 @@
+"""How a program's attention reads a KV cache, chosen once from the platform it is compiled for.
+
+One `AttentionBackend` per program: `attention_backend(requested, mesh)` decides, from the
+caller's request and the platform of the mesh the program is traced under (target/kernels.py),
+whether the caches are read by the Pallas kernel (target/paged_kernel.py: each row's pages, or
+the dense cache's filled positions, read in place and once) or by the reference path (the row's
+keys gathered into a `[max_len]` view, then `layers.attention`). Both caches (target/kv_cache.py,
+target/paged_kv.py) expose the same two primitives, `layer_view` and `kernel_lse`, and the
+backend is the only code that picks between them (a cache may say the kernel does not pay at its
+size: `kernel_pays`).
+
+On GPU the reference path runs (XLA fuses it); a GPU kernel is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dspark_jax.parallel.platform import platform
+from dspark_jax.target.kernels import PAGED_KERNELS, choose_paged_kernel
+from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.target.paged_kernel import attention_lse, merge_parts
+
+__all__ = ["AttentionBackend", "attention_backend", "attend_before", "CACHE_READS"]
+
+CACHE_READS = PAGED_KERNELS  # "auto" (kernel where compiled for TPU), "reference", "pallas"
+
+
+def attend_before(q, k, v, start, extra):
+    """q [R, T, Nq, D] over the keys k, v [R, S, Nkv, D] at positions < start [R] and the key sets
+    in `extra` [(k, v, mask [R, T, S_i])], one softmax (`attention_parts`)."""
+    r, t, s = q.shape[0], q.shape[1], k.shape[1]
+    before = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, None, :] < start[:, None, None], (r, t, s))
+    return attention_parts(q, [(k, v, before), *extra])
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    kernel: bool  # caches read by the Pallas kernel, in place
+    interpret: bool  # the kernel in Pallas interpret mode (the program is not compiled for TPU)
+    forced: bool = False  # the kernel asked for by name: used whatever the cache's size
+
+    def _kernel_for(self, cache, k_all) -> bool:
+        return self.kernel and (self.forced or cache.kernel_pays(k_all))
+
+    def committed(self, cache, q, k_all, v_all, layer, start, extra, dtype, rows=None):
+        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
+        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax; the extra keys join the
+        kernel's part through their log-sum-exp. `rows` [K]: q [K, T, ..] are queries of those
+        slots (a prefill chunk's rows)."""
+        if not self._kernel_for(cache, k_all):
+            return attend_before(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
+        parts = [cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, interpret=self.interpret)]
+        parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
+        return merge_parts(parts).astype(dtype)
+
+    def new_tokens(self, cache, q, k_all, v_all, layer, mask, dtype, positions=None):
+        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len].
+        With the kernel and `positions` [R, T] (each row's queries at consecutive positions, the
+        mask then being keys <= the query's position) the kernel reads the cache up to the row's
+        last query instead of the mask."""
+        if positions is None or not self._kernel_for(cache, k_all):
+            return attention(q, *cache.layer_view(k_all, v_all, layer, dtype), mask)
+        start = positions[:, 0].astype(jnp.int32)
+        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start + q.shape[1], start, interpret=self.interpret)
+        return out.astype(dtype)
+
+
+def attention_backend(requested: str = "auto", mesh=None) -> AttentionBackend:
+    """The backend for `requested` ("auto": the kernel where the program is compiled for TPU and the
+    cache says it pays; "pallas": always, interpreted off TPU; "reference": never) on `mesh` (else
+    the mesh set by `jax.set_mesh`, else the default device)."""
+    kernel = choose_paged_kernel(requested, mesh) == "pallas"
+    on_tpu = platform(mesh) == "tpu"
+    return AttentionBackend(kernel=kernel, interpret=not on_tpu, forced=requested == "pallas")

@@ -1,0 +1,98 @@
+"""The Pallas kernel reading the dense heads-major cache (`paged_kernel.dense_attention_lse`) in
+interpret mode against the reference (the row's keys, dense attention): rows that see all, some
+or none of their keys, queries at several positions, a cache length that is not a whole number of
+the kernel's blocks (the last block runs past the cache end), chosen rows (a prefill chunk's
+slots), and the merge with a block of new keys; and the backend choice itself."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.target.attention_backend import AttentionBackend, attention_backend
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, merge_parts
+
+
+def _case(rng, s, r=4, t=3, nkv=2, g=2, d=8, layers=2):
+    cache = lambda: jnp.asarray(rng.normal(size=(layers, r, nkv, s, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
+    kv_len = np.array([s, 6, 0, s - 1])[:r]  # row 2 sees no key at all
+    q_start = np.array([s - t, 4, 0, 1])[:r]
+    return q, cache(), cache(), kv_len, q_start
+
+
+def _mask(kv_len, q_start, s, t):
+    pos = np.arange(s)
+    qpos = q_start[:, None] + np.arange(t)[None]
+    return (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
+
+
+def _keys(x, layer, rows=None):
+    view = x[layer] if rows is None else x[layer][rows]
+    return view.swapaxes(1, 2)  # [R, S, Nkv, D]
+
+
+@pytest.mark.parametrize("s", [13, 160, 300])  # one whole block; 128 + a partial one; 2 blocks + a partial one
+def test_dense_kernel_equals_reference(s):
+    rng = np.random.default_rng(s)
+    q, k, v, kv_len, q_start = _case(rng, s)
+    k = k.at[:, :, :, 200:].set(jnp.nan) if s > 200 else k  # beyond every row's kv_len: never read into a result
+    v = v.at[:, :, :, 200:].set(jnp.inf) if s > 200 else v
+    kv_len = np.minimum(kv_len, 200)
+    mask = _mask(kv_len, q_start, s, q.shape[1])
+    seen = mask.any(-1)
+    for layer in (0, 1):
+        out, lse = dense_attention_lse(q, k, v, jnp.asarray(kv_len), jnp.asarray(q_start), layer=layer)
+        kr, vr = _keys(k, layer), _keys(v, layer)
+        kr, vr = jnp.nan_to_num(kr, posinf=0.0), jnp.nan_to_num(vr, posinf=0.0)
+        want, want_lse = attention_lse(q, kr, vr, jnp.asarray(mask))
+        np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(want)[seen], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-5, atol=2e-5)
+        assert (np.asarray(out)[~seen] == 0).all() and seen.sum() < seen.size
+
+
+def test_chosen_rows_read_their_slots():
+    """Queries of slots [2, 0] (a prefill chunk's rows) read those slots' keys."""
+    rng = np.random.default_rng(5)
+    q, k, v, kv_len, q_start = _case(rng, 13)
+    rows = np.array([3, 0])
+    q, kv_len, q_start = q[:2], kv_len[:2], q_start[:2]
+    out, _ = dense_attention_lse(q, k, v, jnp.asarray(kv_len), jnp.asarray(q_start), layer=1, rows=jnp.asarray(rows))
+    want = attention(q, _keys(k, 1, rows), _keys(v, 1, rows), jnp.asarray(_mask(kv_len, q_start, 13, q.shape[1])))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    wrong, _ = dense_attention_lse(q, k, v, jnp.asarray(kv_len), jnp.asarray(q_start), layer=1)  # slots 0, 1
+    assert not np.allclose(np.asarray(wrong), np.asarray(want), atol=1e-3)
+
+
+def test_backends_agree_through_the_cache():
+    """`KVCache.attend_committed` with a verification block: the kernel backend (interpreted) equals
+    the reference backend, and a kernel reading one position too few is caught."""
+    rng = np.random.default_rng(9)
+    q, k, v, kv_len, _ = _case(rng, 40)
+    r, t, _, d = q.shape
+    kb, vb = (jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32) for _ in range(2))
+    causal = jnp.asarray(np.broadcast_to(np.tril(np.ones((t, t), bool)), (r, t, t)))
+    start = jnp.asarray(kv_len)
+    kernel = KVCache(k, v, start, "pallas")
+    reference = KVCache(k, v, start, "reference")
+    got = kernel.attend_committed(q, k, v, 1, start, [(kb, vb, causal)], jnp.float32)
+    want = reference.attend_committed(q, k, v, 1, start, [(kb, vb, causal)], jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    before = jnp.asarray(np.arange(40)[None, None] < kv_len[:, None, None]).repeat(t, 1)
+    direct = attention_parts(q, [(_keys(k, 1), _keys(v, 1), before), (kb, vb, causal)])
+    np.testing.assert_allclose(np.asarray(want), np.asarray(direct), rtol=2e-5, atol=2e-5)
+    short = merge_parts([dense_attention_lse(q, k, v, start - 1, start, layer=1), attention_lse(q, kb, vb, causal)])
+    assert not np.allclose(np.asarray(short), np.asarray(want), atol=1e-3)
+
+
+def test_backend_is_chosen_by_the_compile_platform():
+    assert attention_backend("auto") == AttentionBackend(kernel=False, interpret=True)  # this CPU
+    assert attention_backend("pallas") == AttentionBackend(kernel=True, interpret=True, forced=True)
+    assert attention_backend("reference").kernel is False
+    with pytest.raises(ValueError, match="not one of"):
+        attention_backend("flash")
+    assert jax.default_backend() == "cpu"
