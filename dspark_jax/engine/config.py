@@ -59,6 +59,8 @@ class EngineConfig:
     prefill_chunk: int | None = None
     # ... spread over at most this many joining slots a round
     prefill_rows: int = 4
+    # prompt tokens one prefill forward holds: the slots of a larger prefill go in groups of rows
+    prefill_tokens: int = 8192
 
     def __post_init__(self):
         for name in ("buckets", "prefill_buckets", "layer_ids", "kv_pages"):  # lists -> tuples (hashable)
@@ -107,6 +109,7 @@ class EngineConfig:
         if self.prefill_chunk is not None:
             _at_least("prefill_chunk", self.prefill_chunk, 1, "None prefills prompts whole")
         _at_least("prefill_rows", self.prefill_rows, 1, "at least one joining slot a round")
+        _at_least("prefill_tokens", self.prefill_tokens, 1, "a prefill forwards one row at least")
 
     @property
     def skip_rule(self) -> str | None:

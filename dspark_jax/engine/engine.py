@@ -116,6 +116,7 @@ class Engine:
                          policy=get_policy(cfg.policy, cfg.theta, cfg.cost), verify=verify, skip_drafting=skip_rule,
                          theta=cfg.theta, probe_every=int(cfg.probe_every), probe_max=int(cfg.probe_max),
                          prefill_chunk=int(chunk), prefill_rows=min(int(cfg.prefill_rows), R) if chunk else 0,
+                         prefill_tokens=int(cfg.prefill_tokens),
                          verify_widths=(1, G + 1) if G and (skip_rule is not None or cfg.policy != "fixed") else ())
         self.table = None if table is None else self._checked_table(table)
         # policies that never read a table still need one in the compiled round's signature

@@ -24,7 +24,7 @@ from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.layout import decode_shardings
-from dspark_jax.engine.round import admit, round_step
+from dspark_jax.engine.round import admit, prefill_group, round_step
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh
@@ -217,7 +217,9 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             out["programs"][name] = {**_memory(compiled), "compile_s": round(time.perf_counter() - t0, 1),
                                      "kernels": compiled.as_text().count("tpu_custom_call")}
             if name == "prefill":
-                out["programs"][name]["prefill_tokens"] = slots * eng.prefill_buckets[-1]
+                p = eng.prefill_buckets[-1]
+                out["programs"][name]["prefill_tokens"] = slots * p
+                out["programs"][name]["prefill_group"] = prefill_group(slots, p, eng.spec.prefill_tokens)
     if "round" in out["programs"]:
         out.update({k: out["programs"]["round"][k] for k in ("arguments", "outputs", "temporaries", "aliased")})
     return out
@@ -250,7 +252,8 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
             lines.append(f"  {what}: does NOT fit, the TPU compiler refused it: {m['out_of_memory']}")
             total = float("inf")
             continue
-        extra = f" ({m['prefill_tokens']} tokens)" if "prefill_tokens" in m else ""
+        extra = (f" ({m['prefill_tokens']} tokens, forwarded {m['prefill_group']} rows at a time)"
+                 if "prefill_tokens" in m else "")
         lines += [f"  {what}{extra}: arguments {g(m['arguments']).strip()}, outputs {g(m['outputs']).strip()} "
                   f"(aliased {g(m['aliased']).strip()}), temporaries {g(m['temporaries']).strip()}, "
                   f"compiled in {m['compile_s']:.1f} s",

@@ -61,8 +61,8 @@ def _programs(spec: Spec, state_sh) -> Programs:
     (`target.decode_weights`), so every program reads each weight once."""
 
     def _prefill(tp, dp, st, tokens, plen, join, keys, max_new):
-        def apply(tok, pos, valid, cache, fl):
-            return forward(tp, spec.tcfg, tok, pos, cache_update(cache, pos, valid), feature_layers=fl,
+        def apply(tok, pos, valid, cache, fl, slots=None):
+            return forward(tp, spec.tcfg, tok, pos, cache_update(cache, pos, valid, slots), feature_layers=fl,
                            return_logits=False)
 
         return prefill(spec, apply, None, dp, st, tokens, plen, join, keys, max_new)

@@ -33,6 +33,7 @@ class Spec:
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
     prefill_chunk: int = 0  # prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)
     prefill_rows: int = 0  # ... spread over at most this many slots
+    prefill_tokens: int = 8192  # prompt tokens one prefill forward holds: larger batches go in row groups
     # attention views (queries per row) the round picks from; () = G + 1 alone. (1, G + 1) adds a one-column
     # view for rounds that verify no drafts; a cost prediction compiles one view at a time
     verify_widths: tuple[int, ...] = ()

@@ -66,6 +66,7 @@ class CacheUpdate:
     write_pos: jax.Array  # [B, T] where each token's K / V go (max_len for padding: dropped)
     mask: jax.Array  # [B, T, max_len] keys at or before the query's position
     positions: jax.Array  # [B, T] the queries' positions (the paged kernel reads these, not the mask)
+    slots: jax.Array | None = None  # [B] the cache slots of the rows when not 0..B-1 (a group of slots)
     activation_axes: ClassVar = ACTIVATION_AXES
 
 
@@ -105,14 +106,15 @@ def masked_self(positions, valid) -> MaskedSelf:
     return MaskedSelf((positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :])
 
 
-def cache_update(cache: KVCache | PagedKVCache, positions, valid) -> CacheUpdate:
+def cache_update(cache: KVCache | PagedKVCache, positions, valid, slots=None) -> CacheUpdate:
     """Tokens at `positions` [B, T] (a row's valid tokens consecutive from its cache length)
-    written into `cache` where `valid`, each attending to the cache's keys up to its position."""
+    written into `cache` where `valid`, each attending to the cache's keys up to its position.
+    Row b is cache slot `slots[b]` (default b; slots >= R: nothing written, output unused)."""
     key_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
     mask = key_idx[None, None, :] <= positions[:, :, None]
     write_pos = jnp.where(valid, positions, cache.max_len)
-    rows = jnp.arange(positions.shape[0])[:, None]
-    return CacheUpdate(cache, rows, write_pos, mask, positions)
+    rows = (jnp.arange(positions.shape[0]) if slots is None else jnp.asarray(slots, jnp.int32))[:, None]
+    return CacheUpdate(cache, rows, write_pos, mask, positions, slots)
 
 
 def cache_read(attn: AttentionMetadata) -> KVCache | PagedKVCache | None:
@@ -174,7 +176,9 @@ def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype):
         return attention(q, k, v, attn.mask), kv, None
     if isinstance(attn, CacheUpdate):
         kv = attn.cache.write_layer_at(kv[0], kv[1], layer, attn.rows, attn.write_pos, k, v)  # dense or paged
-        return attn.cache.attend_layer(q, kv[0], kv[1], layer, attn.mask, dtype, positions=attn.positions), kv, None
+        out = attn.cache.attend_layer(q, kv[0], kv[1], layer, attn.mask, dtype, positions=attn.positions,
+                                      rows=attn.slots)
+        return out, kv, None
     if isinstance(attn, PackedVerify):
         out, views_kv = _packed_attention(attn, q, k, v, kv, layer, dtype)
         return out, kv, views_kv

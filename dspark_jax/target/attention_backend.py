@@ -56,15 +56,16 @@ class AttentionBackend:
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
         return merge_parts(parts).astype(dtype)
 
-    def new_tokens(self, cache, q, k_all, v_all, layer, mask, dtype, positions=None):
-        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len].
-        With the kernel and `positions` [R, T] (each row's queries at consecutive positions, the
-        mask then being keys <= the query's position) the kernel reads the cache up to the row's
-        last query instead of the mask."""
+    def new_tokens(self, cache, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
+        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len];
+        `rows` [K]: q [K, T, ..] are queries of those slots. With the kernel and `positions` [R, T]
+        (each row's queries at consecutive positions, the mask then being keys <= the query's
+        position) the kernel reads the cache up to the row's last query instead of the mask."""
         if positions is None or not self._kernel_for(cache, k_all):
-            return attention(q, *cache.layer_view(k_all, v_all, layer, dtype), mask)
+            return attention(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), mask)
         start = positions[:, 0].astype(jnp.int32)
-        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start + q.shape[1], start, interpret=self.interpret)
+        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start + q.shape[1], start, rows=rows,
+                                  interpret=self.interpret)
         return out.astype(dtype)
 
 

@@ -157,10 +157,10 @@ class PagedKVCache:
         key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax (`AttentionBackend.committed`)."""
         return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, extra, dtype, rows)
 
-    def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None):
-        """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len]
-        (`AttentionBackend.new_tokens`)."""
-        return attention_backend(self.impl).new_tokens(self, q, k_all, v_all, layer, mask, dtype, positions)
+    def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
+        """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, max_len]; `rows` [K]: q
+        are queries of those slots (`AttentionBackend.new_tokens`)."""
+        return attention_backend(self.impl).new_tokens(self, q, k_all, v_all, layer, mask, dtype, positions, rows)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v", "page_table", "lengths"],
