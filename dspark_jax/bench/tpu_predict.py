@@ -78,7 +78,10 @@ def command(e: dict, cache: Path, programs: str = "") -> list[str]:
 
 def _needs(e: dict, cache: Path, programs: str) -> bool:
     """Whether `--programs` still has work on the entry's kept table: a named program it lacks,
-    or round@R that is not yet the one-column view (other named programs are compiled again)."""
+    round@R that is not yet the one-column view, or skip@R compiled from another program than the
+    engine's round without a draft (other named programs are compiled again)."""
+    from dspark_jax.engine.predict import SKIPPED_ROUND
+
     path = cache / f"{e['key']}.json"
     if not path.exists():
         return False
@@ -86,6 +89,8 @@ def _needs(e: dict, cache: Path, programs: str) -> bool:
     for name in (n for n in programs.split(",") if n):
         prog = kept.get(name.replace("@R", f"@{e['slots']}") if name in ("round@R", "skip@R") else name)
         if prog is None or (name == "round@R" and prog.get("view_width") != 1) or name not in ("round@R", "skip@R"):
+            return True
+        if name == "skip@R" and prog.get("program") != SKIPPED_ROUND:
             return True
     return False
 

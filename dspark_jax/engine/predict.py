@@ -7,8 +7,9 @@ single time), so here each bucket is a program of its own: the round with that o
 sampling settings folded in as constants (the published TPU figures are greedy), plus the
 round's draft part alone. As for a measured table, ``t_verify(b) = t_round(b) - t_draft``, and
 the target-only step is the round of an engine without a drafter at R tokens. A round that skips
-drafting is priced as a program of its own (``t_skip``): the draft timed alone is not what the
-draft adds to a round, so ``t_verify(R)`` is no price for it.
+drafting is priced as a program of its own (``t_skip``): the engine's `plain_round`, the
+target-only round plus the drafter's context for the verified position (the draft timed alone is
+not what the draft adds to a round, so ``t_verify(R)`` is no price for it).
 
 The figures are the compiler's estimates of one chip's time for the sharded program (the mesh's
 collectives included as the compiler prices them), not measurements: host overhead, launch
@@ -34,9 +35,12 @@ from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
 from dspark_jax.scheduler.costs import PREDICTED_ON, bucket_plan
 from dspark_jax.target.kernels import row_tile
 
-__all__ = ["predict_table", "reprice", "libtpu_version"]
+__all__ = ["predict_table", "reprice", "libtpu_version", "SKIPPED_ROUND"]
 
 log = logging.getLogger(__name__)
+# what `skip@R` compiles (recorded with it, so a table priced from an earlier skipped round is
+# recompiled by `tpu-predict --programs skip@R`): engine/round.py's round without a draft
+SKIPPED_ROUND = "plain_round"
 
 
 
@@ -143,9 +147,9 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         width = 1 if plan.get(b, (0, 1))[1] == 0 else None
         priced(f"round@{b}", lambda b=b, w=width: _round_cost(ab, b, ctl, w), view_width=width or eng.G + 1)
     if eng.G:
-        # the skipped round: no draft (a constant predicate, so the compiled round holds none), the
-        # R anchors verified on the one-column view; what a skip rule's rounds cost
-        priced(f"skip@{slots}", lambda: _round_cost(ab, slots, ctl, 1, skip=True))
+        # the skipped round: the round without a draft (`round.plain_round`, which a skip rule's
+        # rounds run), the R anchors verified alone
+        priced(f"skip@{slots}", lambda: _round_cost(ab, slots, ctl, 1, skip=True), program=SKIPPED_ROUND)
     if target_only and eng.G:
         ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)
         ctl0 = ab0.eng.control(SamplingParams(temperature, 0, 1.0))

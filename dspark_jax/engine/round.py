@@ -1,11 +1,13 @@
 """The compiled pieces: prefill (per prompt-length bucket), one round, and a `lax.while_loop` of rounds.
 
-One round for the whole batch is ONE jitted call: draft (skipped under `lax.cond` when
-`Spec.skip_drafting` and the cost table says no speculation pays) -> prefix survival -> length
-policy -> bucket choice -> packed verification (`lax.switch` over the compiled buckets,
-so the program is compiled once and only the chosen bucket's branch runs) -> rejection
-sampling with per-row keys -> stop / max-length per slot -> KV rollback (a `lengths`
-move) -> drafter update.
+One round for the whole batch is ONE jitted call. A round that drafts: draft -> prefix
+survival -> length policy -> bucket choice -> packed verification (`lax.switch` over the
+compiled buckets, so the program is compiled once and only the chosen bucket's branch runs) ->
+rejection sampling with per-row keys -> stop / max-length per slot -> KV rollback (a `lengths`
+move) -> drafter update (`drafting_round`). A round that does not (`plain_round`) is the
+target-only engine's round: each anchor verified alone and its next token sampled from the
+target. With `Spec.skip_drafting` both are in the program and the skip rule (the cost table says
+no speculation pays) picks one, so a skipped round runs the target-only program (`round_step`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from dspark_jax.engine.state import (
 from dspark_jax.engine.verify import Chunk, verify_forward, write_block
 from dspark_jax.scheduler import prefix
 
-__all__ = ["prefill", "prefill_group", "admit", "prefilling", "round_step", "run_rounds", "row_round_keys", "draft",
-           "draft_part"]
+__all__ = ["prefill", "admit", "prefilling", "round_step", "plain_round", "drafting_round", "run_rounds",
+           "row_round_keys", "draft", "draft_part"]
 
 
 # ------------------------------------------------------------------ keys, draft
@@ -68,49 +70,24 @@ def _join(st: DecodeState, join, plen, anchor, pos, keys, max_new) -> DecodeStat
         plen=jnp.where(join, plen, st.plen), joined=jnp.where(join, st.step, st.joined))
 
 
-def prefill_group(rows: int, prompt_len: int, max_tokens: int) -> int:
-    """Rows a prefill forwards at once: the largest divisor of `rows` whose prompts hold at most
-    `max_tokens` tokens (at least one row), so its activations and attention stay a group's,
-    not the whole batch's (64 slots x 2048 tokens in one forward asked XLA for 18 GiB a chip)."""
-    return max(k for k in range(1, rows + 1) if rows % k == 0 and (k == 1 or k * prompt_len <= max_tokens))
-
-
 def prefill(spec: Spec, tmodel_apply, target_params, drafter_params, st: DecodeState,
             tokens, plen, join, keys, max_new) -> DecodeState:
     """Start requests in the slots where `join` [R] is True: prompt tokens [R, P] (right padded), lengths plen [R].
 
     The target forwards x_0..x_{n-2} (the last prompt token becomes the first anchor, forwarded
-    by the first round's verification), the drafter context is written from its features. The
-    rows go in groups of `prefill_group` rows, one forward each in a loop that skips groups with
-    no joining slot; the caches ride in its carry (written in place).
+    by the first round's verification), the drafter context is written from its features.
     """
     r, n = tokens.shape
-    group = prefill_group(r, n, spec.prefill_tokens)
     col = jnp.arange(n, dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(col, (r, n))
     valid = (col < plen[:, None] - 1) & join[:, None]
-    lengths = jnp.where(join, plen - 1, 0)
-
-    def forward_rows(cache, dcache, last, slots):
-        """Rows `slots` [K] (None: all R) forwarded into the caches."""
-        pick = (lambda a: a) if slots is None else (lambda a: a[slots])
-        tok = pick(tokens)
-        k = tok.shape[0]
-        fo = tmodel_apply(tok, jnp.broadcast_to(col, (k, n)), pick(valid), cache, spec.feature_layers, slots)
-        if spec.kind is not None:
-            rows = jnp.arange(r, dtype=jnp.int32) if slots is None else slots
-            dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, fo.features, fo.hidden, tok,
-                                             jnp.zeros((k,), jnp.int32), pick(lengths), rows)
-        return fo.cache, dcache, last
-
-    if group == r:
-        cache, dcache, last = forward_rows(st.cache, st.dcache, st.last, None)
-    else:
-        def one_group(g, carry):
-            slots = g * group + jnp.arange(group, dtype=jnp.int32)
-            return jax.lax.cond(join[slots].any(), lambda c: forward_rows(*c, slots), lambda c: c, carry)
-
-        cache, dcache, last = jax.lax.fori_loop(0, r // group, one_group, (st.cache, st.dcache, st.last))
-    cache = cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
+    fo = tmodel_apply(tokens, positions, valid, st.cache, spec.feature_layers)
+    cache = fo.cache.with_lengths(jnp.where(join, plen - 1, st.cache.lengths))
+    dcache, last = st.dcache, st.last
+    if spec.kind is not None:
+        zero = jnp.zeros((r,), jnp.int32)
+        dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, fo.features, fo.hidden, tokens, zero,
+                                         jnp.where(join, plen - 1, 0), jnp.arange(r, dtype=jnp.int32))
     anchor = tokens[jnp.arange(r), jnp.clip(plen - 1, 0, n - 1)]
     st = st._replace(cache=cache, dcache=dcache, last=last)
     return _join(st, join, plen, anchor, plen - 1, keys, max_new)
@@ -161,13 +138,6 @@ def _stop_truncate(out, n_out, stop_ids):
     return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_out).astype(jnp.int32), hit
 
 
-def _no_draft(run_draft, dcache):
-    """The draft's outputs, all zeros (shapes from an abstract trace), and the untouched drafter cache."""
-    shapes = jax.eval_shape(run_draft)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
-    return (*zeros, dcache)
-
-
 def _known(a, act):
     """Survivals exist (>= 0) for every active slot."""
     return jnp.all((a >= 0.0) | ~act[:, None])
@@ -180,9 +150,8 @@ def _known_pays(spec: Spec, a, act, ctl: Control):
 def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
     """"best_case": some admission count beats plain decoding even with every draft accepted.
     "known": also on the last known survivals (past rounds only, so lossless), except after
-    `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them."""
-    if spec.skip_drafting == "always":  # a round that never drafts: how a cost prediction prices the skip
-        return jnp.bool_(False)
+    `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them.
+    Plain decoding is priced as what a round without a draft costs (`prefix.plain_time`)."""
     pays = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
     if spec.skip_drafting == "known":
         known = st.a_hist[0]
@@ -191,14 +160,13 @@ def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     return pays
 
 
-def _probe_schedule(spec: Spec, st: DecodeState, drafted, a, act, ctl: Control):
-    """(since_draft, probe_gap) after this round: the gap resets when fresh survivals say
-    speculation pays and doubles (up to `probe_max`) when they say it does not."""
+def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
+    """(since_draft, probe_gap) after a round that drafted: the gap resets when its fresh
+    survivals say speculation pays and doubles (up to `probe_max`) when they say it does not."""
     if spec.skip_drafting != "known":
         return st.since_draft, st.probe_gap
     gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.minimum(2 * st.probe_gap, spec.probe_max))
-    return (jnp.where(drafted, 0, st.since_draft + 1).astype(jnp.int32),
-            jnp.where(drafted, gap, st.probe_gap).astype(jnp.int32))
+    return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32)
 
 
 def _width_index(widths, act, lengths):
@@ -220,78 +188,164 @@ def _widen(vo, t: int):
                        v_new=pad(vo.v_new, 2), packing=vo.packing._replace(dest=dest))
 
 
-def _sample_and_reject(spec: Spec, logits, pk, samp, path, verify_keys, drafts, q, lengths):
-    """Target probabilities on the packed rows (logits [B, V], each with its slot's settings),
-    then per-row rejection with per-row keys -> (accepted, out tokens [R, G + 1], n_out). Row r
-    reads its own packed rows (`pk.dest`, handed over as `PackedProbs`: rejection gathers the
-    probabilities of the drafts and the one row it samples from, never `[R, G + 1, V]`); rows
-    beyond its verified length are never read."""
-    r, t = lengths.shape[0], spec.G + 1
+def _target_probs(logits, pk, samp, path, r: int, t: int):
+    """Target probabilities on the packed rows (logits [B, V], each with its slot's settings) ->
+    (p [B, V], dest [R, t]: the packed row of each row's verified tokens)."""
     b = logits.shape[0]  # the bucket's first rows: the block's tokens are packed first
     slot = jnp.minimum(pk.slot[:b], r - 1)  # padding rows take a real slot's settings (never read)
     p = sampling_probs(logits, samp.temperature[slot], samp.top_k[slot], samp.top_p[slot], path=path)  # [B, V]
-    dest = jnp.clip(pk.dest, 0, b - 1).reshape(r, t)  # [R, G + 1]: each row's verified prefix
-    if spec.G:
-        def verify_row(key, d, q_r, dest_r, l_r):  # per-row keys: a request's verification is its own
-            acc, out, n = spec.verify(key, d[None], q_r[None], PackedProbs(p, dest_r[None]), l_r[None])
-            return acc[0], out[0], n[0]
-
-        return jax.vmap(verify_row)(verify_keys, drafts, q, dest, lengths)
-    out = jax.vmap(sample)(verify_keys, p[dest[:, 0]])[:, None]
-    return jnp.zeros((r,), jnp.int32), out, jnp.ones((r,), jnp.int32)
+    return p, jnp.clip(pk.dest, 0, b - 1).reshape(r, t)
 
 
-def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
-    """One speculative round for all R slots -> (DecodeState, RoundOut)."""
-    r = st.anchor.shape[0]
-    G, S = spec.G, spec.max_len
-    # slots still forwarding their prompt in chunks neither draft nor verify this round
+def _sample_and_reject(spec: Spec, logits, pk, samp, path, verify_keys, drafts, q, lengths):
+    """Per-row rejection of the drafts against the target's probabilities, with per-row keys ->
+    (accepted, out tokens [R, G + 1], n_out). Row r reads its own packed rows (`pk.dest`, handed
+    over as `PackedProbs`: rejection gathers the probabilities of the drafts and the one row it
+    samples from, never `[R, G + 1, V]`); rows beyond its verified length are never read."""
+    p, dest = _target_probs(logits, pk, samp, path, lengths.shape[0], spec.G + 1)
+
+    def verify_row(key, d, q_r, dest_r, l_r):  # per-row keys: a request's verification is its own
+        acc, out, n = spec.verify(key, d[None], q_r[None], PackedProbs(p, dest_r[None]), l_r[None])
+        return acc[0], out[0], n[0]
+
+    return jax.vmap(verify_row)(verify_keys, drafts, q, dest, lengths)
+
+
+def _sample_anchor(logits, pk, samp, path, verify_keys, r: int):
+    """Each row's next token drawn from the target at its anchor, with its own key -> [R, 1]."""
+    p, dest = _target_probs(logits, pk, samp, path, r, 1)
+    return jax.vmap(sample)(verify_keys, p[dest[:, 0]])[:, None]
+
+
+def _decoding(spec: Spec, st: DecodeState):
+    """(filling, act): slots still forwarding their prompt in chunks (they neither draft nor
+    verify this round) and the slots that decode."""
     filling = prefilling(st) if spec.prefill_chunk else jnp.zeros_like(st.active)
-    act = st.active & ~filling
-    draft_keys, verify_keys = row_round_keys(st.keys, st.rounds)
-    samp = ctl.sampling
+    return filling, st.active & ~filling
 
-    # 1-2. draft + confidence (skipped, under `lax.cond`, when the table says no speculation pays)
-    if G:
-        run_draft = lambda: draft(spec, drafter_params, st, draft_keys, samp)
-        if spec.skip_drafting:
-            pays = _drafting_pays(spec, st, act, ctl, r * G)
-            skipped = lambda: _no_draft(run_draft, spec.kind.skip(spec, drafter_params, st.dcache,
-                                                                  st.last, st.anchor, st.pos, act))
-            drafts, q, z, dcache = jax.lax.cond(pays, run_draft, skipped)
-        else:
-            pays = jnp.bool_(True)
-            drafts, q, z, dcache = run_draft()
-        # a skipped round has no survivals of its own: the last known ones are carried forward
-        # (-1 = none yet, then the production scheduler uses its default capacity)
-        a = jnp.where(pays, prefix.prefix_survival(z, ctl.sts[:G]), st.a_hist[0])
-        stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
-        lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
-        lengths = jnp.where(act & pays, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
-        a_hist = jnp.stack([a, st.a_hist[0]])
-        since_draft, probe_gap = _probe_schedule(spec, st, pays, a, act, ctl)
-    else:
-        drafts = jnp.zeros((r, 0), jnp.int32)
-        z = jnp.zeros((r, 1), jnp.float32)
-        lengths = jnp.zeros((r,), jnp.int32)
-        dcache, a_hist, q = st.dcache, st.a_hist, None
-        since_draft, probe_gap = st.since_draft, st.probe_gap
 
-    # 3. bucket (prompt chunks of prefilling slots fill what the largest bucket leaves)
+def _bucket(spec: Spec, st: DecodeState, act, lengths, filling):
+    """(chunk, tokens it takes per row, bucket index): the verification's tokens, with prompt
+    chunks of prefilling slots filling what the largest bucket leaves."""
     n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
-    chunk = None
+    chunk = take = None
     if spec.prefill_chunk:
         chunk, take = _chunk(spec, st, filling)
         n_tok = n_tok + jnp.sum(take)
     buckets = jnp.asarray(spec.buckets, jnp.int32)
     b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)
+    return chunk, take, b_idx
+
+
+def _commit(spec: Spec, st: DecodeState, ctl: Control, act, vo, valid, out, n_out, acc, chunk, take):
+    """After verification: write the block's (and the chunk's) K / V, keep what each slot may
+    keep of `out` [R, T] (stop tokens, max_new), end slots, move positions (the KV rollback is
+    a `lengths` move) -> (state fields, acc, done, n_keep, acc_kept, cut)."""
+    r, t = out.shape
+    S = spec.max_len
+    cache = write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid)
+    if chunk is not None:
+        cache = write_block(cache, vo.chunk_k, vo.chunk_v, chunk.start, chunk.valid, rows=chunk.rows)
+    n_verified = n_out  # accepted drafts + the correction / bonus token
+    n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
+    acc = jnp.minimum(acc, n_out)
+    room = jnp.maximum(st.max_new - st.n_gen, 0)
+    n_keep = jnp.where(act, jnp.minimum(n_out, room), 0)
+    # a round cut by a stop token or by max_new keeps fewer tokens than it verified: it counts
+    # only what it kept (tau = kept tokens per round) and is marked, so calibration does not
+    # read the discarded drafts as rejections
+    cut = act & (n_keep < n_verified)
+    acc_kept = jnp.where(act, jnp.clip(jnp.minimum(acc, n_keep - 1), 0, None), 0).astype(jnp.int32)
+    cols = st.n_gen[:, None] + jnp.arange(t)[None]
+    write = jnp.where(jnp.arange(t)[None] < n_keep[:, None], cols, S)
+    out_buf = st.out.at[jnp.arange(r)[:, None], write].set(out, mode="drop")
+    n_gen = st.n_gen + n_keep
+    new_pos = st.pos + acc + 1
+    new_anchor = out[jnp.arange(r), jnp.clip(n_out - 1, 0, t - 1)]
+    by_length = n_gen >= st.max_new
+    by_context = new_pos + spec.G + 1 > S  # room for the next round's whole block
+    done = act & (stopped | by_length | by_context)
+    reason = jnp.where(stopped, FINISH_STOP, jnp.where(by_length, FINISH_LENGTH, FINISH_CONTEXT))
+    pos = jnp.where(act, new_pos, st.pos)
+    if chunk is not None:
+        pos = pos.at[chunk.rows].add(take, mode="drop")
+    fields = dict(cache=cache.with_lengths(pos), anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
+                  active=st.active & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + acc_kept, n_gen=n_gen,
+                  out=out_buf, step=st.step + 1, finish=jnp.where(done, reason, st.finish).astype(jnp.int32))
+    return fields, acc, done, n_keep, acc_kept, cut
+
+
+def _chunk_to_drafter(spec: Spec, drafter_params, dcache, last, vo, chunk, take):
+    """The drafter reads a prompt chunk forwarded beside the verification as it reads a prefill."""
+    if chunk is None:
+        return dcache, last
+    return spec.kind.prefill(spec, drafter_params, dcache, last, vo.chunk_features, vo.chunk_hidden, chunk.tokens,
+                             chunk.start, take, chunk.rows)
+
+
+def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
+    """A round without a draft: every decoding slot's anchor is verified alone (one query per
+    row) and its next token drawn from the target -> (DecodeState, RoundOut). This is the round
+    of a target-only engine (`spec.G == 0`), and the round an engine with a drafter runs when its
+    skip rule says no slot drafts: the same target program, plus, with a drafter, the drafter's
+    context for the one verified position (`kind.plain`) and the skip rule's round count."""
+    r = st.anchor.shape[0]
+    filling, act = _decoding(spec, st)
+    _, verify_keys = row_round_keys(st.keys, st.rounds)
+    samp = ctl.sampling
+    lengths = jnp.zeros((r,), jnp.int32)
+    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
+    toks, valid = st.anchor[:, None], act[:, None]
+    path = sampling_path(*samp, spec.tcfg.vocab_size)
+
+    def branch(bk):
+        def run(cache):
+            vo = verify_forward(target_params, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
+                                feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk, logit_rows=r)
+            out = _sample_anchor(vo.logits, vo.packing, samp, path, verify_keys, r)
+            return vo._replace(logits=None, packing=None), out
+
+        return run
+
+    vo, out = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    fields, acc, done, n_keep, acc_kept, cut = _commit(spec, st, ctl, act, vo, valid, out, jnp.ones((r,), jnp.int32),
+                                                       jnp.zeros((r,), jnp.int32), chunk, take)
+    new = st._replace(**fields)
+    if spec.G:
+        dcache = spec.kind.skip(spec, drafter_params, st.dcache, st.last, st.anchor, st.pos, act)
+        dcache, last = spec.kind.plain(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos,
+                                       act & ~done)
+        dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
+        # no survivals of its own: the last known ones are carried (-1 = none yet)
+        since = st.since_draft + 1 if spec.skip_drafting == "known" else st.since_draft
+        new = new._replace(dcache=dcache, last=last, a_hist=jnp.stack([st.a_hist[0], st.a_hist[0]]),
+                           since_draft=since.astype(jnp.int32))
+    z = jnp.zeros((r, spec.Gs), jnp.float32)
+    return new, RoundOut(z, lengths, acc_kept, n_keep, act, b_idx, cut)
+
+
+def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
+    """A round that drafts: draft + confidence -> prefix survival -> length policy -> bucket ->
+    packed verification (`lax.switch` over the compiled buckets and attention views) ->
+    rejection sampling with per-row keys -> commit -> drafter update -> (DecodeState, RoundOut)."""
+    r = st.anchor.shape[0]
+    G = spec.G
+    filling, act = _decoding(spec, st)
+    draft_keys, verify_keys = row_round_keys(st.keys, st.rounds)
+    samp = ctl.sampling
+
+    drafts, q, z, dcache = draft(spec, drafter_params, st, draft_keys, samp)
+    a = prefix.prefix_survival(z, ctl.sts[:G])
+    stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
+    lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
+    lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
+    since_draft, probe_gap = _probe_schedule(spec, st, a, act, ctl)
+
+    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
     widths = spec.widths
     w_idx = _width_index(widths, act, lengths)
-
-    # 4. verify on the packed batch
     toks = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [R, G+1]
     valid = (jnp.arange(G + 1)[None] <= lengths[:, None]) & act[:, None]
-
     path = sampling_path(*samp, spec.tcfg.vocab_size)  # chosen over the batch's settings, as the draft's
 
     def branch(bk, w):
@@ -311,51 +365,43 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     # the branch, on the bucket's packed rows: the vocabulary-wide work scales with B, not R (G + 1)
     branches = [branch(b, w) for w in widths for b in spec.buckets]
     vo, acc, out, n_out = jax.lax.switch(w_idx * len(spec.buckets) + b_idx, branches, st.cache)
-    cache = write_block(st.cache, vo.k_new, vo.v_new, st.pos, valid)
-    if chunk is not None:
-        cache = write_block(cache, vo.chunk_k, vo.chunk_v, chunk.start, chunk.valid, rows=chunk.rows)
-    vo = vo._replace(cache=cache, k_new=None, v_new=None, chunk_k=None, chunk_v=None)
-    n_verified = n_out  # accepted drafts + the correction / bonus token
-    n_out, stopped = _stop_truncate(out, n_out, ctl.stop_ids)
-    acc = jnp.minimum(acc, n_out)
+    fields, acc, done, n_keep, acc_kept, cut = _commit(spec, st, ctl, act, vo, valid, out, n_out, acc, chunk, take)
+    dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos, drafts,
+                                    acc, act & ~done)
+    dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
+    new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
+                      since_draft=since_draft, probe_gap=probe_gap)
+    return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut)
 
-    # 6. commit, per-slot stops, rollback
-    room = jnp.maximum(st.max_new - st.n_gen, 0)
-    n_keep = jnp.where(act, jnp.minimum(n_out, room), 0)
-    # a round cut by a stop token or by max_new keeps fewer tokens than it verified: it counts
-    # only what it kept (tau = kept tokens per round) and is marked, so calibration does not
-    # read the discarded drafts as rejections
-    cut = act & (n_keep < n_verified)
-    acc_kept = jnp.where(act, jnp.clip(jnp.minimum(acc, n_keep - 1), 0, None), 0).astype(jnp.int32)
-    cols = st.n_gen[:, None] + jnp.arange(G + 1)[None]
-    write = jnp.where(jnp.arange(G + 1)[None] < n_keep[:, None], cols, S)
-    out_buf = st.out.at[jnp.arange(r)[:, None], write].set(out, mode="drop")
-    n_gen = st.n_gen + n_keep
-    new_pos = st.pos + acc + 1
-    new_anchor = out[jnp.arange(r), jnp.clip(n_out - 1, 0, G)]
-    by_length = n_gen >= st.max_new
-    by_context = new_pos + G + 1 > S
-    done = act & (stopped | by_length | by_context)
-    reason = jnp.where(stopped, FINISH_STOP, jnp.where(by_length, FINISH_LENGTH, FINISH_CONTEXT))
-    pos = jnp.where(act, new_pos, st.pos)
-    if chunk is not None:
-        pos = pos.at[chunk.rows].add(take, mode="drop")
-    cache = vo.cache.with_lengths(pos)
-    if G:
-        dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden,
-                                        st.pos, drafts, acc,
-                                        act & ~done)
-        if chunk is not None:  # the drafter reads the chunk as it reads a prefill
-            dcache, last = spec.kind.prefill(spec, drafter_params, dcache, last, vo.chunk_features, vo.chunk_hidden,
-                                             chunk.tokens, chunk.start, take, chunk.rows)
-    else:
-        last = st.last
-    new = st._replace(
-        cache=cache, dcache=dcache, last=last, anchor=jnp.where(act, new_anchor, st.anchor), pos=pos,
-        active=st.active & ~done, rounds=st.rounds + act, acc_sum=st.acc_sum + acc_kept, n_gen=n_gen,
-        out=out_buf, a_hist=a_hist, step=st.step + 1, since_draft=since_draft, probe_gap=probe_gap,
-        finish=jnp.where(done, reason, st.finish).astype(jnp.int32))
-    return new, RoundOut(z[:, : spec.Gs], lengths, acc_kept, n_keep, act, b_idx, cut)
+
+def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
+    """One round for all R slots -> (DecodeState, RoundOut). Without a drafter it is
+    `plain_round`; with one, `drafting_round`, unless a skip rule (`spec.skip_drafting`) says no
+    slot drafts this round: then `plain_round`, the target-only program.
+    `skip_drafting="always"` (cost predictions) compiles `plain_round` alone: the price of a
+    skipped round.
+
+    Under a skip rule both rounds sit in one program, and each writes the caches in place: the
+    plain round as a `lax.while_loop` of zero or one iteration, then the drafting round under a
+    `lax.cond` whose other branch passes the state through. (A `lax.cond` whose two branches
+    both wrote the caches made XLA copy each cache whole: tests/engine/test_in_place.py.)"""
+    if not spec.G or spec.skip_drafting == "always":
+        return plain_round(spec, target_params, drafter_params, st, ctl)
+    if not spec.skip_drafting:
+        return drafting_round(spec, target_params, drafter_params, st, ctl)
+    r = st.anchor.shape[0]
+    _, act = _decoding(spec, st)
+    pays = _drafting_pays(spec, st, act, ctl, r * spec.G)
+
+    def plain(c):
+        s, _, n = c
+        return (*plain_round(spec, target_params, drafter_params, s, ctl), n + 1)
+
+    zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
+    none = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb)
+    st, out, _ = jax.lax.while_loop(lambda c: ~pays & (c[2] < 1), plain, (st, none, jnp.int32(0)))
+    return jax.lax.cond(pays, lambda s, o: drafting_round(spec, target_params, drafter_params, s, ctl),
+                        lambda s, o: (s, o), st, out)
 
 
 def run_rounds(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, max_rounds, stop_on_free):

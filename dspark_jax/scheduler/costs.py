@@ -11,14 +11,17 @@ A cost file is JSON::
      "t_draft": s,                                       # seconds of drafting per round (at num_slots)
      "draft_requests": [..], "t_draft_by_requests": [..],  # optional: draft time vs concurrency
      "t_draft_by_kind": {"mtp1": {"draft_requests": [..], "t_draft_by_requests": [..]}},  # optional
+     "t_skip": s, "t_target_step": s,                    # optional: a round without a draft / the
+                                                         # target-only step, at engine.num_slots
      "measured_on": "compiled_round",                    # measured tables: t_verify from the engine's round
      "t_round": [..], "plan": [..],                      # measured tables: whole-round times, (k, g) per bucket
      "provenance": "...", "engine": {...}, "measure": {...}}
 
-The scheduler consumes it as a :class:`dspark_jax.scheduler.prefix.CostTable`. Loading checks that
-times are positive and finite and, when asked, that the table was measured for the
-expected backend and bucket set (a table from other hardware is fine for simulation, not
-for scheduling a live engine).
+The scheduler consumes it as a :class:`dspark_jax.scheduler.prefix.CostTable`; what a round
+without a draft costs (:func:`skip_extra`) comes from ``t_skip``, else ``t_target_step``.
+Loading checks that times are positive and finite and, when asked, that the table was measured
+for the expected backend and bucket set (a table from other hardware is fine for simulation,
+not for scheduling a live engine).
 
 Measurement (:func:`measure_engine`) times the engine's own compiled round (`Engine.step`)
 once per bucket: the engine is built with :func:`verify_gamma_policy`, so k active slots
@@ -46,7 +49,7 @@ from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "PREDICTED_ON", "table_origin", "describe_table",
-           "expect_table_for", "with_overhead", "load_cost_file", "load_cost_table",
+           "expect_table_for", "with_overhead", "skip_extra", "load_cost_file", "load_cost_table",
            "save_cost_file", "measure_table", "bucket_plan", "time_call", "draft_time_at", "draft_time_for",
            "roofline_table", "roofline_time", "plot_tables", "write_checked"]
 
@@ -128,12 +131,28 @@ def load_cost_file(path, expect_backend=None, expect_buckets=None) -> dict:
     return d
 
 
+def skip_extra(d: dict) -> float:
+    """Seconds a round without a draft costs beyond ``t_verify`` of the tokens it verifies (the
+    CostTable's `skip_extra`; `prefix.plain_time`), from a cost dict: at the table's slot count
+    R (``engine.num_slots``), its skipped round's own price ``t_skip`` where it has one, else no
+    less than the target-only step ``t_target_step``, minus ``t_verify(R)`` (interpolated); 0
+    for a table that prices neither (or does not say R): then ``t_verify`` is all it knows of
+    plain decoding. ``t_verify(b)`` is a round minus the draft timed alone, which costs more
+    than it adds to a round, so ``t_verify(R)`` alone under-prices plain decoding."""
+    r = (d.get("engine") or {}).get("num_slots")
+    t = d.get("t_skip", d.get("t_target_step"))
+    if r is None or t is None:
+        return 0.0
+    return max(float(t) - float(np.interp(r, d["buckets"], d["t_verify"])), 0.0)
+
+
 def load_cost_table(path, expect_backend=None, expect_buckets=None, as_numpy=False) -> CostTable:
     """Load a cost file as the scheduler's CostTable (see module doc for the checks); its origin
     is logged."""
     d = load_cost_file(path, expect_backend, expect_buckets)
     log.info(describe_table(d, str(path)))
-    return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], as_numpy=as_numpy)
+    return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], as_numpy=as_numpy,
+                      skip_extra=skip_extra(d))
 
 
 def expect_table_for(d: dict, where: str, **expected) -> None:
@@ -154,8 +173,9 @@ def with_overhead(d: dict, seconds: float, source: str, per_draft_token: float =
     if not (seconds >= 0 and per_draft_token >= 0):
         raise CostTableError(f"overhead {seconds} s per round, {per_draft_token} s per drafted token: must be >= 0")
     out = {**d, "t_verify": [t + seconds for t in d["t_verify"]], "overhead_s": seconds, "overhead_source": source}
-    if "t_target_step" in d:
-        out["t_target_step"] = d["t_target_step"] + seconds
+    for k in ("t_target_step", "t_skip"):  # whole rounds too
+        if k in d:
+            out[k] = d[k] + seconds
     if per_draft_token:
         r, g = (d.get("engine") or {}).get("num_slots"), (d.get("engine") or {}).get("gamma")
         if not r or g is None:

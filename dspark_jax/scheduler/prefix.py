@@ -16,7 +16,9 @@ Conventions
   saturates at 1.0, so admitted sets are always prefixes.
 * ``B = sum_r active_r (1 + l_r)``; ``tau = sum_r active_r (1 + sum_{j<l_r} a[r, j])``.
 * Cost: :class:`CostTable` (sorted bucket sizes, measured ``T_verify`` per bucket, per-round
-  ``T_draft``). ``cost="interp"``: exact-B cost, linear interpolation between buckets
+  ``T_draft``, and ``skip_extra``: what a round without a draft costs beyond ``T_verify`` of its
+  tokens, so that plain decoding of n active slots costs ``plain_time(n) = T_verify(n) +
+  skip_extra``). ``cost="interp"``: exact-B cost, linear interpolation between buckets
   (flat below the first bucket); ``cost="step"``: the cost of the smallest bucket >= B.
   ``B`` above the largest bucket is infeasible (``T_verify = inf``, ``Theta = 0``).
   ``mode="sps"``: ``Theta = tau * SPS(B) = tau / T_verify(B)`` (paper);
@@ -37,42 +39,51 @@ __all__ = [
     "CostTable", "make_table", "save_table", "load_table",
     "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
-    "schedule_threshold", "schedule_fixed", "speculation_pays", "known_speculation_pays",
+    "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
 ]
 
 
 class CostTable(NamedTuple):
     """Profiled verification cost (a pytree). buckets: int [NB] sorted ascending;
-    t_verify: float [NB] seconds per target step at that bucket; t_draft: seconds per round."""
+    t_verify: float [NB] seconds per target step at that bucket; t_draft: seconds per round;
+    skip_extra: seconds a round without a draft costs beyond t_verify of the tokens it verifies
+    (None: nothing beyond; see `plain_time`)."""
 
     buckets: jax.Array
     t_verify: jax.Array
     t_draft: jax.Array
+    skip_extra: jax.Array | None = None
 
 
-def make_table(buckets, t_verify=None, sps=None, t_draft=0.0, as_numpy=False) -> CostTable:
-    """Build a table from per-bucket verify times or steps-per-second (``sps = 1/T_verify``)."""
+def make_table(buckets, t_verify=None, sps=None, t_draft=0.0, as_numpy=False, skip_extra=0.0) -> CostTable:
+    """Build a table from per-bucket verify times or steps-per-second (``sps = 1/T_verify``).
+    `skip_extra` (seconds, >= 0): what a round without a draft costs beyond ``T_verify`` of its
+    tokens (`scheduler.costs.skip_extra` reads it from a cost file)."""
     b = np.asarray(buckets, np.int64)
     if t_verify is None:
         t_verify = 1.0 / np.asarray(sps, np.float64)
     tv = np.asarray(t_verify, np.float64)
     assert b.ndim == 1 and tv.shape == b.shape and np.all(np.diff(b) > 0), "buckets must be sorted, unique"
+    assert float(skip_extra) >= 0.0, "skip_extra must be >= 0"
     if as_numpy:
-        return CostTable(b, tv, np.float64(t_draft))
-    return CostTable(jnp.asarray(b, jnp.int32), jnp.asarray(tv, jnp.float32), jnp.asarray(t_draft, jnp.float32))
+        return CostTable(b, tv, np.float64(t_draft), np.float64(skip_extra))
+    return CostTable(jnp.asarray(b, jnp.int32), jnp.asarray(tv, jnp.float32), jnp.asarray(t_draft, jnp.float32),
+                     jnp.asarray(skip_extra, jnp.float32))
 
 
 def save_table(path, table: CostTable) -> None:
     with open(path, "w") as f:
         json.dump({"buckets": np.asarray(table.buckets).tolist(),
                    "t_verify": np.asarray(table.t_verify, np.float64).tolist(),
-                   "t_draft": float(table.t_draft)}, f, indent=1)
+                   "t_draft": float(table.t_draft),
+                   "skip_extra": 0.0 if table.skip_extra is None else float(table.skip_extra)}, f, indent=1)
 
 
 def load_table(path, as_numpy=False) -> CostTable:
     with open(path) as f:
         d = json.load(f)
-    return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], as_numpy=as_numpy)
+    return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], as_numpy=as_numpy,
+                      skip_extra=d.get("skip_extra", 0.0))
 
 
 # ----------------------------------------------------------------------------------------
@@ -106,6 +117,16 @@ def verify_time(B, table: CostTable, cost: str = "interp"):
     else:
         raise ValueError(f"unknown cost {cost!r}")
     return jnp.where(b > bk[-1], jnp.inf, t)
+
+
+def plain_time(n, table: CostTable, cost: str = "interp"):
+    """Seconds of a round that drafts nothing with n active slots (n tokens verified): what the
+    skip rule weighs drafting against. ``T_verify(n)`` alone is not that price: a measured
+    ``T_verify`` is a round minus the draft timed alone, and the draft alone costs more than it
+    adds to a round, so the table's `skip_extra` (from the round without a draft, or the
+    target-only step, priced at the table's slot count) is added."""
+    t = verify_time(n, table, cost)
+    return t if table.skip_extra is None else t + jnp.asarray(table.skip_extra, jnp.float32)
 
 
 def theta(tau, B, table: CostTable, mode: str = "sps", cost: str = "interp"):
@@ -259,10 +280,10 @@ def schedule_fixed(active, gamma, G):
 @partial(jax.jit, static_argnames=("max_tokens", "mode", "cost"))
 def speculation_pays(n_active, table: CostTable, max_tokens, mode="sps", cost="interp"):
     """Whether admitting any K in 1..max_tokens draft tokens, each with survival 1 (the best
-    case), beats not drafting at all (``Theta_0 = n / T_verify(n)``, no draft time).
+    case), beats not drafting at all (``Theta_0 = n / plain_time(n)``, no draft time).
     False => skip drafting this round."""
     n = jnp.asarray(n_active, jnp.float32)
-    th0 = n / verify_time(n, table, cost)
+    th0 = n / plain_time(n, table, cost)
     k = jnp.arange(1, max_tokens + 1, dtype=jnp.float32)
     return jnp.any(theta(n + k, n + k, table, mode, cost) > th0)
 
@@ -270,7 +291,7 @@ def speculation_pays(n_active, table: CostTable, max_tokens, mode="sps", cost="i
 @partial(jax.jit, static_argnames=("mode", "cost"))
 def known_speculation_pays(a_known, active, table: CostTable, mode="latency", cost="step"):
     """Whether, on survivals already known (an earlier round's), some admission count K >= 1
-    beats not drafting (``Theta_0 = n / T_verify(n)``, no draft time). Deciding from the past
+    beats not drafting (``Theta_0 = n / plain_time(n)``, no draft time). Deciding from the past
     only, it cannot bias the output; False => skip drafting this round."""
     a, active, cand = _prep(a_known, active)
     sorted_a, n_cand, _ = _order(a, cand)
@@ -278,5 +299,5 @@ def known_speculation_pays(a_known, active, table: CostTable, mode="latency", co
     th = _theta_path(sorted_a, n_act, table, mode, cost)
     th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
     n = n_act.astype(jnp.float32)
-    return jnp.max(th) > n / verify_time(n, table, cost)
+    return jnp.max(th) > n / plain_time(n, table, cost)
 

@@ -14,9 +14,10 @@ exact under the prefix property of rejection sampling (the first l slots are acc
 the same coins whether or not later slots are verified). The scheduler sees the row's
 calibrated survival ``a = cumprod(sigmoid(z / T))`` (STS temperatures from the drafter's
 ``sts.json``, else fitted on the traces). One round costs ``T_draft(kind, R) +
-T_verify(B)`` with ``B = sum_r (1 + l_r)``; ``--charge step`` (default) charges the bucket
-B rounds up to (what the static-shape engine runs), ``interp`` the exact-B cost (a ragged
-engine). Each round commits ``sum_r (min(k_r, l_r) + 1)`` tokens.
+T_verify(B)`` with ``B = sum_r (1 + l_r)`` (a round that skips drafting: `skipped_round_cost`,
+the table's ``t_skip``, else no less than its target-only step); ``--charge step`` (default)
+charges the bucket B rounds up to (what the static-shape engine runs), ``interp`` the exact-B
+cost (a ragged engine). Each round commits ``sum_r (min(k_r, l_r) + 1)`` tokens.
 
 Methods: target-only; MTP-1 (MTP traces, else a stated acceptance rate); fixed gamma
 (DFlash traces, DSpark traces); static threshold on the calibrated survival; DSpark with
@@ -24,8 +25,9 @@ the early-stop (Algorithm 1), static-shape and production schedulers (the compil
 versions from ``dspark_jax.scheduler.prefix``, vmapped over rounds), optionally skipping the
 draft by the engine's rules: ``--skip known`` (default; ``EngineConfig(skip_drafting="known")``):
 skip when the best case does not pay or when the survivals of the last round that drafted
-say no admission count beats target-only, drafting after ``--probe-every`` skipped rounds to
-refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no);
+say no admission count beats a round without a draft (priced as `skipped_round_cost`, as the
+engine's rule prices it: ``prefix.plain_time``), drafting after ``--probe-every`` skipped rounds
+to refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no);
 ``--skip best_case`` (``prefix.speculation_pays``) only the first part. ``--skip
 stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
 even when that round skipped drafting (so produced none).
@@ -44,7 +46,7 @@ import numpy as np
 
 from dspark_jax.calibration.traces import TraceSet
 from dspark_jax.scheduler import prefix
-from dspark_jax.scheduler.costs import draft_time_for
+from dspark_jax.scheduler.costs import draft_time_for, skip_extra
 
 __all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
            "matched_throughput", "headline", "write_outputs"]
@@ -142,22 +144,30 @@ def _verify_cost(B, table_np, charge):
     return np.interp(B, bk, tv)
 
 
+def _plain_cost(R, table_np, charge):
+    """A round without a draft at R requests (``prefix.plain_time``): t_verify(R) plus the
+    table's skip_extra."""
+    extra = 0.0 if table_np.skip_extra is None else float(table_np.skip_extra)
+    return _verify_cost(R, table_np, charge) + extra
+
+
 def _stale_skip(a_stale, R, table_np, t_draft, charge, mode="latency"):
-    """Per round: True where, on the given survivals, no admission count K beats target-only
-    (the objective `mode` as in the engine: "latency" counts the draft time, "sps" does not)."""
+    """Per round: True where, on the given survivals, no admission count K >= 1 beats a round
+    without a draft (``prefix.known_speculation_pays``; the objective `mode` as in the engine:
+    "latency" counts the draft time, "sps" does not)."""
     flat = -np.sort(-a_stale.reshape(a_stale.shape[0], -1), axis=1)  # [T, R*G] descending
-    tau = R + np.concatenate([np.zeros((flat.shape[0], 1)), np.cumsum(flat, axis=1)], axis=1)
-    B = R + np.arange(flat.shape[1] + 1)
+    tau = R + np.cumsum(flat, axis=1)
+    B = R + np.arange(1, flat.shape[1] + 1)
     th = tau / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, charge))[None]
-    return th.max(axis=1) <= R / _verify_cost(R, table_np, charge)
+    return th.max(axis=1) <= R / _plain_cost(R, table_np, charge)
 
 
 def _best_case_pays(R, table_np, t_draft, max_tokens, mode="latency"):
     """The engine's best-case rule (``prefix.speculation_pays`` on the interpolated table): some
-    K in 1..max_tokens draft tokens, each surviving, beats target-only (no draft time)."""
+    K in 1..max_tokens draft tokens, each surviving, beats a round without a draft (no draft time)."""
     B = R + np.arange(1, max_tokens + 1)
     th = B / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, "interp"))
-    return bool(np.any(th > R / _verify_cost(R, table_np, "interp")))
+    return bool(np.any(th > R / _plain_cost(R, table_np, "interp")))
 
 
 def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency"):
@@ -211,7 +221,7 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     """One method at concurrency R. ``traces``: {"dspark": TraceSet, "dflash": ..., "mtp1": ...}
     (full-gamma rounds); ``temps``: STS temperatures for the DSpark traces."""
     rng = np.random.default_rng([seed, R])
-    table_np = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
+    table_np = _table_np(cost)
     draft_kind = {"ar": "ar", "mtp1": "mtp1"}.get(method.kind, method.traces or "dspark")
     t_draft = draft_time_for(cost, R, draft_kind)
     T = n_rounds
@@ -248,7 +258,8 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
             if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
                 a_stale = _carried_stale(a_all, skip)
             Rp = max(R_pad or R, R)
-            tab = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft)
+            tab = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft,
+                                    skip_extra=float(table_np.skip_extra))
             act = jnp.asarray(np.arange(Rp) < R)
             dk = jnp.int32(R * G)
             l = np.asarray(_sched_fn(method.kind, mode)(jnp.asarray(_pad_rows(a, Rp), jnp.float32),
@@ -277,21 +288,18 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     return res
 
 
+def _table_np(cost: dict):
+    return prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True,
+                             skip_extra=skip_extra(cost))
+
+
 def skipped_round_cost(cost: dict, R: int, table_np=None, charge: str = "interp") -> float:
-    """Seconds of a round that skips drafting at R requests: the table's `t_skip` (a predicted
-    table prices that round as a program of its own) where it was made for R; else verifying R
-    tokens, and for a table that also prices the target-only step at R no less than that step
-    (a skipped round runs it and more: the draft timed alone is not what it adds to a round, so
-    t_verify(R) alone can fall below it)."""
-    same_r = (cost.get("engine") or {}).get("num_slots") == R
-    if same_r and "t_skip" in cost:
-        return float(cost["t_skip"])
-    if table_np is None:
-        table_np = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True)
-    t = float(_verify_cost(np.asarray([R]), table_np, charge)[0])
-    if same_r and "t_target_step" in cost:
-        t = max(t, float(cost["t_target_step"]))
-    return t
+    """Seconds of a round that skips drafting at R requests, as the skip rule prices it
+    (``prefix.plain_time``): verifying R tokens plus what a round without a draft costs beyond
+    that (`costs.skip_extra`: from the table's `t_skip` where it has one, else no less than its
+    target-only step, at the table's own R)."""
+    table_np = _table_np(cost) if table_np is None else table_np
+    return float(_plain_cost(np.asarray([R]), table_np, charge)[0])
 
 
 def run_sweep(methods, concurrency, cost: dict, traces: dict, temps, **kw) -> list[SimResult]:

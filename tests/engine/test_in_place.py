@@ -105,3 +105,21 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
     temps = c.memory_analysis().temp_size_in_bytes
     copies = _whole_cache_copies(c.as_text(), {tuple(st.cache.k.shape)})
     assert temps >= (st.cache.k.nbytes + st.cache.v.nbytes) / 2 and copies, (temps, copies)
+
+
+def test_a_round_under_a_skip_rule_keeps_caches_in_place(target):
+    """With a skip rule the round is a `lax.cond` between the drafting round and the target-only
+    round, both writing the caches: neither cache is copied."""
+    from dspark_jax.scheduler import prefix
+
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, EngineConfig(num_slots=4, max_len=1024, prefill_buckets=(16,), policy="production",
+                                         skip_drafting="known"))
+    b = eng.priced_buckets
+    table = prefix.make_table(b, t_verify=[1.0 + i / 8 for i in range(len(b))], t_draft=0.1, skip_extra=0.05)
+    st, ctl = eng.init_state(), eng.control(table=table)
+    c = jax.jit(functools.partial(round_step, eng.spec), donate_argnums=(2,)).lower(eng.tp, eng.dp, st, ctl).compile()
+    shapes = {tuple(x.shape) for cache in (st.cache, st.dcache) for x in (cache.k, cache.v)}
+    assert "conditional" in c.as_text()
+    assert c.memory_analysis().temp_size_in_bytes < (st.cache.k.nbytes + st.cache.v.nbytes) / 2
+    assert not _whole_cache_copies(c.as_text(), shapes)

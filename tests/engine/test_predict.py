@@ -151,10 +151,16 @@ def test_a_paged_table_prices_the_kernel_once_per_layer(tmp_path):
 
 
 def test_the_skipped_round_is_priced_without_its_draft(predicted):
-    """A round that skips drafting is compiled with a constant predicate, so it holds no draft: its
-    program has none of the draft's loops and costs less than the round at bucket R, which drafts."""
+    """A round that skips drafting is the engine's round without a draft (`round.plain_round`,
+    recorded with the program): it holds none of the draft's loops, costs less than the round at
+    bucket R, which drafts, and no less than the target-only step, which it runs (with the
+    drafter's context for the verified position)."""
+    from dspark_jax.engine.predict import SKIPPED_ROUND
+
     progs = predicted["programs"]
     skip, drafted = progs["skip@4"], progs["round@4"]
+    assert skip["program"] == SKIPPED_ROUND == "plain_round"
     draft_loops = {n for _, n in progs["draft"]["loops"]}
     assert draft_loops and not ({n for _, n in skip["loops"]} >= {n for _, n in drafted["loops"]})
     assert predicted["t_skip"] == pytest.approx(skip["seconds"]) and skip["seconds"] < drafted["seconds"]
+    assert predicted["t_target_step"] <= predicted["t_skip"]

@@ -128,6 +128,38 @@ def test_skip_drafting_inside_the_round(setup):
     assert "cond[" in jaxpr
 
 
+def test_a_round_where_every_slot_skips_is_the_target_only_round(setup):
+    """When the skip rule says no slot drafts, the round is the target-only engine's
+    (`round.plain_round`): from the same prefilled state and keys, every round's tokens,
+    positions and target cache equal a target-only engine's, at temperature 1 too (a drafting
+    round that verified no drafts drew its token through rejection sampling, with other coins),
+    the drafter never runs, and greedy output is plain target decoding's."""
+    import jax
+
+    target, prompts, reference = setup
+    d = tiny_drafter("dspark", target, gamma=3)
+    cfg = dict(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,))
+    eng = Engine(target, d, EngineConfig(**cfg, policy="production", skip_drafting="known"))
+    plain = Engine(target, None, EngineConfig(**cfg))
+    never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)  # drafting costs 50 steps
+    kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 3)))
+    for sampling in (SamplingParams(1.0, 0, 1.0), GREEDY):
+        st = eng.prefill_slots(eng.init_state(), [0, 1, 2], prompts[:3], kd, [12] * 3)
+        st0 = plain.prefill_slots(plain.init_state(), [0, 1, 2], prompts[:3], kd, [12] * 3)
+        for _ in range(8):
+            st, ro = eng.step(st, eng.control(sampling, table=never))
+            st0, ro0 = plain.step(st0, plain.control(sampling))
+            assert (np.asarray(ro.lengths) == 0).all() and (np.asarray(ro.z) == 0).all()  # no draft
+            assert int(ro.bucket) == int(ro0.bucket)
+        for f in ("out", "n_gen", "pos", "anchor", "active"):
+            np.testing.assert_array_equal(np.asarray(getattr(st, f)), np.asarray(getattr(st0, f)), err_msg=f)
+        for a, b in zip(jax.tree.leaves(st.cache), jax.tree.leaves(st0.cache)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, table=never)
+    assert [r.tokens for r in res.results] == reference
+    assert all(r.accepted == 0 for r in res.results)
+
+
 def test_production_after_skipped_rounds_uses_default_capacity(setup):
     """Rounds that skipped drafting have no survivals; two rounds later the production scheduler
     must fall back to its default capacity, not read "nothing pays" from them."""

@@ -15,7 +15,8 @@ from dspark_jax.scheduler.prefix import CostTable
 __all__ = [
     "prefix_survival_np", "bucket_index_np", "verify_time_np", "theta_np", "greedy_rank_np",
     "schedule_early_stop_np", "schedule_retroactive_lossy_np", "schedule_static_np", "capacity_from_stale_np",
-    "schedule_production_np", "schedule_threshold_np", "speculation_pays_np", "known_speculation_pays_np",
+    "schedule_production_np", "schedule_threshold_np", "plain_time_np", "speculation_pays_np",
+    "known_speculation_pays_np",
 ]
 
 
@@ -51,6 +52,12 @@ def verify_time_np(B, table: CostTable, cost: str = "interp"):
     i = int(np.searchsorted(bk, B, side="left"))  # bk[i-1] < B <= bk[i]
     w = (B - bk[i - 1]) / (bk[i] - bk[i - 1])
     return tv[i - 1] + w * (tv[i] - tv[i - 1])
+
+
+def plain_time_np(n, table: CostTable, cost: str = "interp"):
+    """A round that drafts nothing at n active slots: T_verify(n) plus the table's skip_extra."""
+    extra = 0.0 if table.skip_extra is None else float(table.skip_extra)
+    return verify_time_np(n, table, cost) + extra
 
 
 def theta_np(tau, B, table: CostTable, mode: str = "sps", cost: str = "interp"):
@@ -170,7 +177,7 @@ def schedule_threshold_np(a, active, threshold):
 
 
 def speculation_pays_np(n_active, table: CostTable, max_tokens, mode="sps", cost="interp"):
-    th0 = n_active / verify_time_np(n_active, table, cost)
+    th0 = n_active / plain_time_np(n_active, table, cost)
     return any(theta_np(n_active + k, n_active + k, table, mode, cost) > th0
                for k in range(1, max_tokens + 1))
 
@@ -178,7 +185,7 @@ def speculation_pays_np(n_active, table: CostTable, max_tokens, mode="sps", cost
 def known_speculation_pays_np(a_known, active, table: CostTable, mode="latency", cost="step"):
     a, c = _cands_np(a_known, active)
     n = int(np.sum(np.asarray(active, bool)))
-    th0 = n / verify_time_np(n, table, cost)
+    th0 = n / plain_time_np(n, table, cost)
     tau, best = float(n), -np.inf
     for i, (na, _, _) in enumerate(c, start=1):
         tau -= na

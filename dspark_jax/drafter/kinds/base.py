@@ -103,6 +103,14 @@ class DrafterKind(ABC):
         next round relies on. Kinds whose state comes only from `update` change nothing."""
         return dcache
 
+    def plain(self, spec, dp, dcache, last, feats, hidden, pos, active):
+        """After a round that verified each anchor alone, without a draft (feats [R, 1, m, H],
+        hidden [R, 1, H] of position pos): what `update` does after a draft none of whose tokens
+        was verified, on the one verified position only."""
+        r = pos.shape[0]
+        return self.update(spec, dp, dcache, last, feats, hidden, pos, jnp.zeros((r, 0), jnp.int32),
+                           jnp.zeros((r,), jnp.int32), active)
+
     @abstractmethod
     def forced_logits(self, params, shape: DraftShape, target_out, tokens, anchors):
         """The drafter's logits at every anchor of whole sequences at once, teacher forced (eval/forced.py):

@@ -93,6 +93,10 @@ class RecurrentKind(DrafterKind):
         behind the target for every skipped round."""
         return self.commit(dp, dcache, last[:, None], anchor[:, None], active[:, None], spec.tcfg)
 
+    def plain(self, spec, dp, dcache, last, feats, hidden, pos, active):
+        """No draft to commit (`skip` wrote position p - 1): the carry moves to the anchor's position."""
+        return dcache, _where_rows(active, self.carry(feats, hidden)[:, 0], last)
+
     def update(self, spec, dp, dcache, last, feats, hidden, pos, drafts, acc, active):
         r, g = drafts.shape
         col = jnp.arange(g, dtype=jnp.int32)[None]
