@@ -23,8 +23,9 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
     too, with the same page table); `chunked`: room for prompts forwarded in chunks by the rounds."""
     S, kind = spec.max_len, spec.kind
     if kind is not None:
-        if pages is None:
+        if pages is None:  # the drafter's dense cache read as the target's is
             dcache, last = kind.init_decode(spec, drafter, R, S, dtype)
+            dcache = dcache._replace(impl=paged_attention) if isinstance(dcache, KVCache) else dcache
         else:  # the drafter's cache paged like the target's (same positions, same page table)
             dense, _ = jax.eval_shape(lambda: kind.init_decode(spec, drafter, R, S, dtype))
             _, last = kind.init_decode(spec, drafter, R, 1, dtype)

@@ -6,10 +6,8 @@ rolling back after rejected drafts only moves `lengths`, the arrays stay as they
 
 Heads-major, `[L, R, Nkv, S, D]`, as the paged pool's pages are `[Nkv, page_size, D]`: one KV
 head's positions are a `(S, D)` matrix, the tile a TPU kernel block reads, so the Pallas kernel
-(target/paged_kernel.py) reads a row's filled positions in place (`kernel_lse`), and XLA:TPU keeps
-the cache in its own layout (a `[.., S, Nkv, D]` cache with few KV heads a chip was copied into
-another layout every step). How attention reads it is the backend's choice
-(target/attention_backend.py, from `impl`).
+(target/paged_kernel.py) reads a row's filled positions in place (`kernel_lse`). How attention
+reads it is the backend's choice (target/attention_backend.py, from `impl`).
 """
 
 from __future__ import annotations
@@ -35,9 +33,9 @@ def write_tokens(pool, layer, outer, position, values):
     """`values` [..., Nkv, D] written into `pool` [L, A, Nkv, B, D] at (layer, outer, head, position)
     for the broadcast of `outer` and `position` [...] (a dense cache: slot and position; a paged
     pool: page and offset) and every head; indices outside the pool are dropped. Each write is one
-    head's `[D]` row, contiguous in the pool's layout: with a `[Nkv, D]` window (heads and D split
-    by the position axis) XLA:TPU relaid the whole cache around the write wherever a chip holds two
-    KV heads or more (a v5p-8 Qwen3-8B step: 5.5 ms of copies)."""
+    head's `[D]` row, contiguous in the pool's layout: XLA:TPU relays the whole cache around a
+    write whose window is `[Nkv, D]` (heads and D apart, the position axis between them) wherever a
+    chip holds two KV heads or more (docs/performance.md, "Cache writes per head")."""
     outer, position = jnp.broadcast_arrays(jnp.asarray(outer, jnp.int32), jnp.asarray(position, jnp.int32))
     heads = jnp.arange(pool.shape[2], dtype=jnp.int32)
     return pool.at[layer, outer[..., None], heads, position[..., None]].set(values.astype(pool.dtype), mode="drop")
@@ -98,8 +96,8 @@ class KVCache:
         the layer's whole [R, S] twice (scores, values) in XLA's own fusions, the kernel reads only
         the filled positions once but adds a call and the log-sum-exp merge around it (about a
         dozen small ops a layer, each priced at 1-2 us by XLA:TPU). Below `KERNEL_MIN_BYTES` of K
-        and V a layer on one chip, the reference is cheaper (a Qwen3-8B one-slot step on v6e-8:
-        3.02 ms with the kernel, 2.6 ms without; eight slots: 2.9 ms with, 3.1 ms without)."""
+        and V a layer on one chip the reference is cheaper (docs/performance.md, "Attention that
+        reads only the cache it needs")."""
         mesh = jax.sharding.get_abstract_mesh()
         shards = 1
         if not mesh.empty:

@@ -96,3 +96,26 @@ def test_backend_is_chosen_by_the_compile_platform():
     with pytest.raises(ValueError, match="not one of"):
         attention_backend("flash")
     assert jax.default_backend() == "cpu"
+
+
+def test_engine_over_the_dense_kernel_gives_the_reference_tokens():
+    """The engine with its dense caches read by the kernel (interpret mode: prefill, verification,
+    the drafter's context attention) decodes the reference engine's greedy tokens with a DSpark
+    drafter. (Interpreted kernels compile slowly on a CPU: one drafter kind, short runs.)"""
+    from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9)]
+    greedy = SamplingParams(0.0, 0, 1.0)
+    d = tiny_drafter("dspark", target, gamma=3)
+    kw = dict(num_slots=2, max_len=24, buckets=(8,), prefill_buckets=(12,))
+    tokens = {}
+    for impl in ("reference", "pallas"):
+        eng = Engine(target, d, EngineConfig(paged_attention=impl, **kw))
+        st = eng.init_state()
+        assert st.cache.impl == impl and st.dcache.impl == impl
+        tokens[impl] = [r.tokens for r in eng.generate(prompts, max_new_tokens=6, sampling=greedy).results]
+    assert tokens["pallas"] == tokens["reference"]
