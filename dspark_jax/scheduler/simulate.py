@@ -49,7 +49,8 @@ from dspark_jax.scheduler import prefix
 from dspark_jax.scheduler.costs import draft_time_for, skip_extra
 
 __all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
-           "matched_throughput", "headline", "write_outputs"]
+           "matched_throughput", "headline", "write_outputs", "priced_concurrency", "versus_target_only",
+           "ratio_rows_markdown"]
 
 SCHEDULED = ("early_stop", "static", "production")
 
@@ -305,6 +306,62 @@ def skipped_round_cost(cost: dict, R: int, table_np=None, charge: str = "interp"
 def run_sweep(methods, concurrency, cost: dict, traces: dict, temps, **kw) -> list[SimResult]:
     Rp = max(concurrency)
     return [simulate_method(m, R, cost, traces, temps, R_pad=Rp, **kw) for m in methods for R in concurrency]
+
+
+# ------------------------------------------------------------------ scheduled DSpark against target-only
+
+
+def priced_concurrency(cost: dict, gamma: int = 7) -> list[int]:
+    """The concurrencies R at which a table prices whole rounds of R requests: the active slots
+    of every bucket it timed verifying no drafts (a measured table's `plan`: the round a
+    target-only step or a skipped round of R requests runs); else the slot count it was made for
+    (a predicted table prices R = `engine.num_slots`); else (a synthetic table) the powers of two
+    whose full blocks, R (1 + gamma) tokens, fit its largest bucket."""
+    plan = cost.get("plan")
+    if plan:
+        return sorted({int(p["active_slots"]) for p in plan if int(p["verify_len"]) == 0})
+    slots = (cost.get("engine") or {}).get("num_slots")
+    if slots:
+        return [int(slots)]
+    top = int(cost["buckets"][-1])
+    return [2 ** i for i in range(16) if 2 ** i * (gamma + 1) <= top]
+
+
+def versus_target_only(cost: dict, traces: dict, temps, concurrency, *, skip: str = "known",
+                       **kw) -> list[dict]:
+    """Scheduled DSpark (the production scheduler with skip rule `skip`, as the engine runs it)
+    against target-only at each concurrency: one dict per R with both total throughputs, their
+    ratio, the fraction of rounds that skipped drafting and the scheduled budget (1 + l).
+    `kw`: `simulate_method`'s settings."""
+    methods = (Method("target-only", "ar", None), Method("DSpark scheduled", "production", "dspark", skip=skip))
+    out = []
+    for r in concurrency:
+        base, sched = (simulate_method(m, r, cost, traces, temps, R_pad=max(concurrency), **kw) for m in methods)
+        out.append({"concurrency": int(r), "target_tps": base.total_tps, "scheduled_tps": sched.total_tps,
+                    "ratio": sched.total_tps / base.total_tps, "skip_frac": sched.skip_frac, "budget": sched.budget})
+    return out
+
+
+def ratio_rows_markdown(rows: list[dict], profiles: list[str]) -> list[str]:
+    """A markdown table of scheduled / target-only: one line per (table, concurrency), one column
+    per acceptance profile (`rows`: dicts with "table", "origin", "concurrency", "profile",
+    "ratio"), then one line per table with its worst point per profile."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        cells.setdefault((r["table"], r["origin"], r["concurrency"]), {})[r["profile"]] = r["ratio"]
+    head = ["| table | origin | R | " + " | ".join(profiles) + " |", "|---|---|---|" + "---|" * len(profiles)]
+    lines = head + [f"| {t} | {o} | {c} | " + " | ".join(f"{v[p]:.3f}" if p in v else "" for p in profiles) + " |"
+                    for (t, o, c), v in cells.items()]
+    worst: dict[tuple, dict[str, tuple[float, int]]] = {}
+    for r in rows:
+        w = worst.setdefault((r["table"], r["origin"]), {})
+        if r["profile"] not in w or r["ratio"] < w[r["profile"]][0]:
+            w[r["profile"]] = (r["ratio"], r["concurrency"])
+    lines += ["", "Worst point of each table (ratio at R):", "",
+              "| table | origin | " + " | ".join(profiles) + " |", "|---|---|" + "---|" * len(profiles)]
+    lines += [f"| {t} | {o} | " + " | ".join(f"{w[p][0]:.3f} at {w[p][1]}" if p in w else "" for p in profiles)
+              + " |" for (t, o), w in worst.items()]
+    return lines
 
 
 # ------------------------------------------------------------------ comparisons

@@ -208,3 +208,59 @@ def test_skipped_rounds_cost_the_tables_skipped_round():
     # another R: t_verify(2R) plus what the skipped round costs beyond t_verify at the table's own R
     assert skipped_round_cost({**base, "t_skip": 3e-2}, 2 * R) == pytest.approx(1.0 + 2e-2)
 
+
+# the predicted Qwen3-8B tables on v6e-8 (docs/tpu_predictions.md), one per concurrency
+V6E_8B = [ROOT / f"docs/tpu_predictions_figures/grid-v6e-8-qwen3_8b_dspark-r{r}.json" for r in (1, 8, 64, 256)]
+
+
+def test_priced_concurrency_of_each_kind_of_table(accel):
+    from dspark_jax.scheduler.simulate import priced_concurrency
+
+    assert priced_concurrency(load_cost_file(ROOT / "configs/costs/cpu_micro.json")) == [2 ** i for i in range(9)]
+    assert priced_concurrency(load_cost_file(ROOT / "configs/costs/cpu_smollm2_135m_r4.json")) == [4]
+    assert [priced_concurrency(load_cost_file(p)) for p in V6E_8B] == [[1], [8], [64], [256]]
+    assert priced_concurrency(accel) == [2 ** i for i in range(9)]  # no engine: full blocks fit 2048 tokens
+
+
+def test_scheduled_dspark_is_never_below_target_only_with_mt_bench_on_a_kept_table():
+    """DeepSpec's mt-bench acceptance for the Qwen3-8B drafter (tau 3.72, the lowest of its five
+    sets) on the predicted v6e-8 tables, where scheduled DSpark fell to 0.85x of target-only at
+    R = 256 while the skip rule priced plain decoding at t_verify(R): at every concurrency the
+    tables price, scheduled DSpark is at least target-only."""
+    from dspark_jax.calibration.profiles import parse_profile, profile_traces
+    from dspark_jax.scheduler.simulate import priced_concurrency, versus_target_only
+
+    ts = profile_traces(parse_profile("deepspec-8b-mt-bench-dspark"))
+    full = ts.full_gamma()
+    temps = fit_sts(full.conf_logits, full.accepted)
+    points = []
+    for path in V6E_8B:
+        cost = load_cost_file(path)
+        points += [(path.stem, r["concurrency"], r["ratio"])
+                   for r in versus_target_only(cost, {"dspark": ts}, temps, priced_concurrency(cost))]
+    assert len(points) == 4
+    assert all(ratio >= 1.0 for _, _, ratio in points), points
+
+
+def test_vs_target_only_command(tmp_path):
+    """`simulate --vs-target-only`: a directory of tables and a table file, two profiles, one
+    ratio per (table, concurrency, profile) in ratios.csv, the markdown table in ratios.md."""
+    import csv
+
+    from dspark_jax.commands.simulate import main
+
+    d = tmp_path / "tables"
+    d.mkdir()
+    (d / "r8.json").write_text(V6E_8B[1].read_text())
+    (d / "notes.json").write_text("{}")  # not a cost table: left out
+    micro = ROOT / "configs/costs/cpu_smollm2_135m_r4.json"
+    assert main(["--vs-target-only", "--costs", f"{d},{micro}", "--acceptance",
+                 "deepspec-8b-gsm8k-dspark,deepspec-8b-mt-bench-dspark", "--rounds", "16",
+                 "--out", str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader((tmp_path / "o/ratios.csv").open()))
+    assert sorted((r["table"], r["concurrency"], r["profile"]) for r in rows) == [
+        ("cpu_smollm2_135m_r4", "4", "gsm8k"), ("cpu_smollm2_135m_r4", "4", "mt-bench"),
+        ("r8", "8", "gsm8k"), ("r8", "8", "mt-bench")]
+    assert {r["origin"] for r in rows} == {"predicted (XLA:TPU cost model, v6e-8)", "measured (cpu)"}
+    md = (tmp_path / "o/ratios.md").read_text()
+    assert "| r8 | predicted (XLA:TPU cost model, v6e-8) | 8 |" in md and "Lowest of 4 points" in md
