@@ -7,6 +7,9 @@ noisy confidences for STS to fix) with the acceptance level solved so the traces
 profile's. Published figures are named in PROFILES with their source; any tau can be given as
 ``tau:5.4`` (kind and gamma from the caller) or per-position acceptance rates as
 ``rates:0.94,0.9,...`` (the share of rounds whose draft j was accepted, j = 1..gamma).
+
+The paper's and DeepSpec's profiles below were measured at temperature 1; docs/tpu_predictions.md
+applies them to programs compiled greedy (temperature 0), whose acceptance was not published.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class Profile:
 
 
 _PAPER = "the DSpark paper, Qwen3-4B, T = 1, gamma 7 (docs/method.md §7)"
-_DEEPSPEC = "DeepSpec's evaluation of the DSpark Qwen3-8B drafter, a third-party run (greedy)"
+_DEEPSPEC = ("DeepSpec's evaluation of the DSpark Qwen3-8B drafter, a third-party run of DeepSpec's eval.py at "
+             "temperature 1 (its default; the run compares itself with the paper's temperature-1 table), gamma 7")
 PROFILES = {
     "paper-4b-gsm8k-dspark": Profile("dspark", 7, 6.11, _PAPER),
     "paper-4b-gsm8k-dflash": Profile("dflash", 7, 5.40, _PAPER),
