@@ -129,10 +129,10 @@ def write_block(cache: KVCache | PagedKVCache, k_new, v_new, start, valid, rows=
     pos = jnp.where(valid, start[:, None] + jnp.arange(t, dtype=jnp.int32)[None], cache.max_len)  # invalid: dropped
     rows = jnp.arange(r)[:, None] if rows is None else jnp.asarray(rows, jnp.int32)[:, None]
 
-    def one_layer(li, kv):  # layer by layer in a loop carry: updated in place (one scatter over all
-        return cache.write_layer_at(kv[0], kv[1], li, rows, pos, k_new[li], v_new[li])  # layers copied on a mesh)
-
-    k, v = jax.lax.fori_loop(0, k_new.shape[0], one_layer, (cache.k, cache.v))
+    # one scatter for all layers: a loop over layers recomputed the write's indices in every step
+    # (a Qwen3-8B 8-slot step on v6e-8, predicted: 2.90 ms looped, 2.43 ms in one scatter)
+    layers = jnp.arange(k_new.shape[0], dtype=jnp.int32)[:, None, None]
+    k, v = cache.write_layer_at(cache.k, cache.v, layers, rows[None], pos[None], k_new, v_new)
     return cache._replace(k=k, v=v)
 
 

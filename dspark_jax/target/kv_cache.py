@@ -36,9 +36,10 @@ def write_tokens(pool, layer, outer, position, values):
     head's `[D]` row, contiguous in the pool's layout: XLA:TPU relays the whole cache around a
     write whose window is `[Nkv, D]` (heads and D apart, the position axis between them) wherever a
     chip holds two KV heads or more (docs/performance.md, "Cache writes per head")."""
-    outer, position = jnp.broadcast_arrays(jnp.asarray(outer, jnp.int32), jnp.asarray(position, jnp.int32))
+    layer, outer, position = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.int32) for a in (layer, outer, position)))
     heads = jnp.arange(pool.shape[2], dtype=jnp.int32)
-    return pool.at[layer, outer[..., None], heads, position[..., None]].set(values.astype(pool.dtype), mode="drop")
+    index = (layer[..., None], outer[..., None], heads, position[..., None])
+    return pool.at[index].set(values.astype(pool.dtype), mode="drop")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
