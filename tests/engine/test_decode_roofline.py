@@ -26,9 +26,8 @@ from dspark_jax.parallel.tpu_cost import program_cost
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
 
 LAYERS, SLOTS, CONTEXT, SLICE = 4, 8, 2048, "v6e-8"
-# the step over the read-once price at these shapes (libtpu 0.0.42): 1.74 with the layers unrolled
-# over per-layer weights (1.70 since the cache is read by the kernel), 2.65 with the weights copied out of
-# a stack under `lax.scan`
+# the step over the read-once price at these shapes (libtpu 0.0.42): 1.59 with the layers unrolled
+# over per-layer weights, 2.65 with the weights copied out of a stack under `lax.scan`
 BOUND = 2.1
 
 
@@ -54,10 +53,10 @@ def _floor(cfg, ab, slots):
 
 def test_attention_reads_the_cache_once(qwen3_8b_short):
     """At 64 slots the cache is a third of what a step reads. The kernel backend (chosen for TPU)
-    keeps the step within 1.75x of the read-once price (1.66 at libtpu 0.0.42); the reference,
+    keeps the step within 1.75x of the read-once price (1.58 at libtpu 0.0.42); the reference,
     which XLA:TPU compiles into a score pass and a value pass over every position of every row,
-    costs at least half a cache read more (measured: 0.66 of one), so a change that brings the
-    whole-cache reads back fails here."""
+    costs at least half a cache read more (0.66 of one), so a change that brings the whole-cache
+    reads back fails here."""
     ab, ctl = _engine(qwen3_8b_short, 64)
     floor = _floor(qwen3_8b_short, ab, 64)
     step = _round_cost(ab, 64, ctl).seconds
