@@ -80,7 +80,7 @@ def _needs(e: dict, cache: Path, programs: str) -> bool:
     """Whether `--programs` still has work on the entry's kept table: a named program it lacks,
     round@R that is not yet the one-column view, or skip@R compiled from another program than the
     engine's round without a draft (other named programs are compiled again)."""
-    from dspark_jax.engine.predict import SKIPPED_ROUND
+    from dspark_jax.scheduler.costs import SKIPPED_ROUND
 
     path = cache / f"{e['key']}.json"
     if not path.exists():

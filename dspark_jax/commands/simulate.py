@@ -63,10 +63,14 @@ def _origin(d: dict) -> str:
 
 
 def _skip_price(d: dict) -> str:
-    """What the skip rule prices a round without a draft by, for this table."""
-    if not (d.get("engine") or {}).get("num_slots"):
+    """What the skip rule prices a round without a draft by, for this table
+    (`scheduler.costs.skipped_round_price`)."""
+    from dspark_jax.scheduler.costs import skipped_round_price
+
+    price = skipped_round_price(d)
+    if not (d.get("engine") or {}).get("num_slots") or price is None:
         return "t_verify(R)"
-    return "t_skip" if "t_skip" in d else "t_target_step" if "t_target_step" in d else "t_verify(R)"
+    return "t_skip" if price == d.get("t_skip") else "t_target_step"
 
 
 def _versus(args, ap) -> int:
@@ -81,7 +85,7 @@ def _versus(args, ap) -> int:
         ap.error("--vs-target-only needs --acceptance PROFILE[,PROFILE...] or --all-profiles")
     short = lambda n: n.removeprefix("deepspec-8b-").removesuffix("-dspark")
     acceptance: dict[tuple[str, int], tuple] = {}
-    rows, notes = [], []
+    rows, notes = [], {}
     for path in _cost_paths(args.costs):
         cost = load_cost_file(path)
         if args.overhead_ms:
@@ -91,7 +95,7 @@ def _versus(args, ap) -> int:
         for name in names:
             prof = parse_profile(name, gamma=gamma)
             if prof.gamma != gamma:
-                notes.append(f"{path.stem}: its engine drafts gamma {gamma}, profile {name} is for gamma {prof.gamma}")
+                notes[path.stem] = f"{path.stem} (its engine drafts gamma {gamma}, the profiles gamma {prof.gamma})"
                 continue
             if (name, gamma) not in acceptance:
                 ts = profile_traces(prof)
@@ -109,7 +113,7 @@ def _versus(args, ap) -> int:
              "acceptance: " + ", ".join(f"{short(n)} tau {parse_profile(n).tau:g}" for n in names), "",
              *ratio_rows_markdown(rows, profiles)]
     if notes:
-        lines += ["", "Not simulated: " + "; ".join(notes) + "."]
+        lines += ["", "Not simulated: " + "; ".join(notes.values()) + "."]
     if rows:
         worst = min(rows, key=lambda r: r["ratio"])
         lines += ["", f"Lowest of {len(rows)} points: {worst['ratio']:.4f} ({worst['table']}, {worst['profile']}, "

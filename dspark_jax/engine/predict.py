@@ -32,15 +32,12 @@ from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
 from dspark_jax.engine.round import draft_part, round_step
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
-from dspark_jax.scheduler.costs import PREDICTED_ON, bucket_plan
+from dspark_jax.scheduler.costs import PREDICTED_ON, SKIPPED_ROUND, bucket_plan
 from dspark_jax.target.kernels import row_tile
 
-__all__ = ["predict_table", "reprice", "libtpu_version", "SKIPPED_ROUND"]
+__all__ = ["predict_table", "reprice", "libtpu_version"]
 
 log = logging.getLogger(__name__)
-# what `skip@R` compiles (recorded with it, so a table priced from an earlier skipped round is
-# recompiled by `tpu-predict --programs skip@R`): engine/round.py's round without a draft
-SKIPPED_ROUND = "plain_round"
 
 
 
@@ -148,7 +145,9 @@ def predict_table(cfg, *, slots: int, context: int, topology: str, mesh_shape: t
         priced(f"round@{b}", lambda b=b, w=width: _round_cost(ab, b, ctl, w), view_width=width or eng.G + 1)
     if eng.G:
         # the skipped round: the round without a draft (`round.plain_round`, which a skip rule's
-        # rounds run), the R anchors verified alone
+        # rounds run), the R anchors verified alone; recorded as such (a table priced from an earlier
+        # skipped round is recompiled by `tpu-predict --programs skip@R`, and its t_skip is not read:
+        # scheduler.costs.skipped_round_price)
         priced(f"skip@{slots}", lambda: _round_cost(ab, slots, ctl, 1, skip=True), program=SKIPPED_ROUND)
     if target_only and eng.G:
         ab0 = abstract_engine(cfg, mesh, dataclasses.replace(config, buckets=(slots,)), drafter=False)

@@ -172,25 +172,41 @@ def _known_pays(spec: Spec, a, act, ctl: Control):
     return prefix.known_speculation_pays(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
 
 
-def _drafting_pays(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
-    """"best_case": some admission count beats plain decoding even with every draft accepted.
-    "known": also on the last known survivals (past rounds only, so lossless), except after
-    `probe_gap` skipped rounds (or with no survivals yet), when the round drafts to refresh them.
-    Plain decoding is priced as what a round without a draft costs (`prefix.plain_time`)."""
-    pays = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
-    if spec.skip_drafting == "known":
-        known = st.a_hist[0]
-        probe = (st.since_draft + 1 >= st.probe_gap) | ~_known(known, act)
-        pays &= probe | _known_pays(spec, known, act, ctl)
-    return pays
+def _settled(st: DecodeState, act):
+    """A settled "no" holds: the last probe's survivals said no by more than their sampling error
+    (`probe_gap` = -n, n the slots then decoding) and at least as many slots decode now."""
+    return (st.probe_gap < 0) & (jnp.sum(act) >= -st.probe_gap)
+
+
+def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
+    """(drafts, settled) for this round. "best_case": draft when some admission count beats plain
+    decoding even with every draft accepted. "known": also on the last known survivals (past
+    rounds only, so lossless), except after `probe_gap` skipped rounds (or with no survivals yet),
+    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`).
+    `settled` ("known" only): the round skips and expects no draft at this load (the best case
+    does not pay, or a settled "no" holds), so it need not keep the drafter's context. Plain
+    decoding is priced as what a round without a draft costs (`prefix.plain_time`)."""
+    best = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
+    if spec.skip_drafting != "known":
+        return best, jnp.bool_(False)
+    known = st.a_hist[0]
+    settled = _settled(st, act)
+    probe = ((st.since_draft + 1 >= st.probe_gap) & ~settled) | ~_known(known, act)
+    pays = best & (probe | _known_pays(spec, known, act, ctl))
+    return pays, ~pays & (~best | settled)
 
 
 def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
     """(since_draft, probe_gap) after a round that drafted: the gap resets when its fresh
-    survivals say speculation pays and doubles (up to `probe_max`) when they say it does not."""
+    survivals say speculation pays and doubles (up to `probe_max`) when they say it does not;
+    when they say no by more than their sampling error (`prefix.settled_no`) it becomes -n, n
+    the slots decoding: no probe while at least n slots decode."""
     if spec.skip_drafting != "known":
         return st.since_draft, st.probe_gap
-    gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.minimum(2 * st.probe_gap, spec.probe_max))
+    n = jnp.sum(act).astype(jnp.int32)
+    settled = prefix.settled_no(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+    backoff = jnp.minimum(2 * jnp.maximum(st.probe_gap, spec.probe_every // 2), spec.probe_max)
+    gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.where(settled, -n, backoff))
     return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32)
 
 
@@ -308,12 +324,16 @@ def _chunk_to_drafter(spec: Spec, drafter_params, dcache, last, vo, chunk, take)
                              chunk.start, take, chunk.rows)
 
 
-def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
+def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, keep_drafter: bool = True):
     """A round without a draft: every decoding slot's anchor is verified alone (one query per
     row) and its next token drawn from the target -> (DecodeState, RoundOut). This is the round
     of a target-only engine (`spec.G == 0`), and the round an engine with a drafter runs when its
-    skip rule says no slot drafts: the same target program, plus, with a drafter, the drafter's
-    context for the one verified position (`kind.plain`) and the skip rule's round count."""
+    skip rule says no slot drafts: the same target program and the skip rule's round count, plus,
+    with `keep_drafter`, the drafter's context for the one verified position (`kind.skip`, the
+    target's features, `kind.plain`). Without it (the "known" rule's settled rounds, which expect
+    no draft at this load) the drafter's state is left as it is: positions those rounds commit
+    are missing from its context when drafting resumes (lossless; only acceptance can suffer),
+    and prompt chunks joining slots still reach it."""
     r = st.anchor.shape[0]
     filling, act = _decoding(spec, st)
     _, verify_keys = row_round_keys(st.keys, st.rounds)
@@ -322,11 +342,13 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
     toks, valid = st.anchor[:, None], act[:, None]
     path = sampling_path(*samp, spec.tcfg.vocab_size)
+    # the drafter reads the target's features of the verified positions, or of prompt chunks
+    features = spec.feature_layers if keep_drafter or chunk is not None else ()
 
     def branch(bk):
         def run(cache):
             vo = verify_forward(target_params, spec.tcfg, cache, toks, st.pos, valid, bucket=bk,
-                                feature_layers=spec.feature_layers, packed_logits=True, chunk=chunk, logit_rows=r)
+                                feature_layers=features, packed_logits=True, chunk=chunk, logit_rows=r)
             out = _sample_anchor(vo.logits, vo.packing, samp, path, verify_keys, r)
             return vo._replace(logits=None, packing=None), out
 
@@ -337,9 +359,11 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
                                                        jnp.zeros((r,), jnp.int32), chunk, take)
     new = st._replace(**fields)
     if spec.G:
-        dcache = spec.kind.skip(spec, drafter_params, st.dcache, st.last, st.anchor, st.pos, act)
-        dcache, last = spec.kind.plain(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos,
-                                       act & ~done)
+        dcache, last = st.dcache, st.last
+        if keep_drafter:
+            dcache = spec.kind.skip(spec, drafter_params, dcache, last, st.anchor, st.pos, act)
+            dcache, last = spec.kind.plain(spec, drafter_params, dcache, last, vo.features, vo.hidden, st.pos,
+                                           act & ~done)
         dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
         # no survivals of its own: the last known ones are carried (-1 = none yet)
         since = st.since_draft + 1 if spec.skip_drafting == "known" else st.since_draft
@@ -406,25 +430,31 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     `skip_drafting="always"` (cost predictions) compiles `plain_round` alone: the price of a
     skipped round.
 
-    Under a skip rule both rounds sit in one program, and each writes the caches in place: the
-    plain round as a `lax.while_loop` of zero or one iteration, then the drafting round under a
-    `lax.cond` whose other branch passes the state through. (A `lax.cond` whose two branches
-    both wrote the caches made XLA copy each cache whole: tests/engine/test_in_place.py.)"""
+    Under a skip rule the rounds sit in one program, and each writes the caches in place: the
+    plain round (for the "known" rule's settled rounds, the one that leaves the drafter as it is)
+    as a `lax.while_loop` of zero or one iteration, then the drafting round under a `lax.cond`
+    whose other branch passes the state through. (A `lax.cond` whose two branches both wrote the
+    caches made XLA copy each cache whole: tests/engine/test_in_place.py.)"""
     if not spec.G or spec.skip_drafting == "always":
         return plain_round(spec, target_params, drafter_params, st, ctl)
     if not spec.skip_drafting:
         return drafting_round(spec, target_params, drafter_params, st, ctl)
     r = st.anchor.shape[0]
     _, act = _decoding(spec, st)
-    pays = _drafting_pays(spec, st, act, ctl, r * spec.G)
+    pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
 
-    def plain(c):
-        s, _, n = c
-        return (*plain_round(spec, target_params, drafter_params, s, ctl), n + 1)
+    def plain(keep_drafter):
+        def body(c):
+            s, _, n = c
+            return (*plain_round(spec, target_params, drafter_params, s, ctl, keep_drafter), n + 1)
+
+        return body
 
     zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
-    none = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb)
-    st, out, _ = jax.lax.while_loop(lambda c: ~pays & (c[2] < 1), plain, (st, none, jnp.int32(0)))
+    out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb)
+    st, out, _ = jax.lax.while_loop(lambda c: ~pays & ~settled & (c[2] < 1), plain(True), (st, out, jnp.int32(0)))
+    if spec.skip_drafting == "known":
+        st, out, _ = jax.lax.while_loop(lambda c: settled & (c[2] < 1), plain(False), (st, out, jnp.int32(0)))
     return jax.lax.cond(pays, lambda s, o: drafting_round(spec, target_params, drafter_params, s, ctl),
                         lambda s, o: (s, o), st, out)
 

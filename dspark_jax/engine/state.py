@@ -46,7 +46,9 @@ class DecodeState(NamedTuple):
     a_hist: jax.Array
     step: jax.Array  # scalar int32 rounds run by the engine
     since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
-    probe_gap: jax.Array  # scalar int32 rounds between probes; doubles while fresh survivals say "no"
+    # scalar int32 rounds between probes; doubles while fresh survivals say "no"; -n after a settled
+    # "no" with n slots decoding (no probes while at least n decode)
+    probe_gap: jax.Array
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
     plen: jax.Array  # [R] int32 prompt length of the slot's request
     joined: jax.Array  # [R] int32 `step` at which it joined (chunked prefill serves the earliest first)

@@ -49,7 +49,8 @@ from dspark_jax.io.files import read_json
 from dspark_jax.scheduler.prefix import CostTable, make_table
 
 __all__ = ["CostTableError", "MeasureError", "FORMAT", "MEASURED_ON", "PREDICTED_ON", "table_origin", "describe_table",
-           "expect_table_for", "with_overhead", "skip_extra", "load_cost_file", "load_cost_table",
+           "expect_table_for", "with_overhead", "SKIPPED_ROUND", "skipped_round_price", "skip_extra", "load_cost_file",
+           "load_cost_table",
            "save_cost_file", "measure_table", "bucket_plan", "time_call", "draft_time_at", "draft_time_for",
            "roofline_table", "roofline_time", "plot_tables", "write_checked"]
 
@@ -131,19 +132,34 @@ def load_cost_file(path, expect_backend=None, expect_buckets=None) -> dict:
     return d
 
 
+SKIPPED_ROUND = "plain_round"  # the program a predicted `skip@R` prices now (engine/round.py)
+
+
+def skipped_round_price(d: dict) -> float | None:
+    """A cost dict's price of a round that skips drafting at its slot count: ``t_skip`` where it
+    prices the engine's round without a draft (a predicted table's `skip@R` compiled from
+    `round.plain_round`, as its program record says), else no less than the target-only step
+    ``t_target_step`` (which that round runs; tables predicted before it priced a skipped round
+    that drafted nothing but still ran the drafting round's rejection and drafter update over the
+    whole block); None where it prices neither."""
+    skip = (d.get("programs") or {}).get(f"skip@{(d.get('engine') or {}).get('num_slots')}")
+    if "t_skip" in d and (skip is None or skip.get("program") == SKIPPED_ROUND):
+        return float(d["t_skip"])
+    return float(d["t_target_step"]) if "t_target_step" in d else None
+
+
 def skip_extra(d: dict) -> float:
     """Seconds a round without a draft costs beyond ``t_verify`` of the tokens it verifies (the
-    CostTable's `skip_extra`; `prefix.plain_time`), from a cost dict: at the table's slot count
-    R (``engine.num_slots``), its skipped round's own price ``t_skip`` where it has one, else no
-    less than the target-only step ``t_target_step``, minus ``t_verify(R)`` (interpolated); 0
-    for a table that prices neither (or does not say R): then ``t_verify`` is all it knows of
-    plain decoding. ``t_verify(b)`` is a round minus the draft timed alone, which costs more
-    than it adds to a round, so ``t_verify(R)`` alone under-prices plain decoding."""
+    CostTable's `skip_extra`; `prefix.plain_time`), from a cost dict: `skipped_round_price` at
+    the table's slot count R (``engine.num_slots``) minus ``t_verify(R)`` (interpolated), and no
+    less than 0; 0 for a table that prices neither (or does not say R): then ``t_verify`` is all
+    it knows of plain decoding. ``t_verify(b)`` is a round minus the draft timed alone, which
+    costs more than it adds to a round, so ``t_verify(R)`` alone under-prices plain decoding."""
     r = (d.get("engine") or {}).get("num_slots")
-    t = d.get("t_skip", d.get("t_target_step"))
+    t = skipped_round_price(d)
     if r is None or t is None:
         return 0.0
-    return max(float(t) - float(np.interp(r, d["buckets"], d["t_verify"])), 0.0)
+    return max(t - float(np.interp(r, d["buckets"], d["t_verify"])), 0.0)
 
 
 def load_cost_table(path, expect_backend=None, expect_buckets=None, as_numpy=False) -> CostTable:

@@ -40,6 +40,7 @@ __all__ = [
     "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
     "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
+    "settled_no", "SETTLE_Z",
 ]
 
 
@@ -300,4 +301,30 @@ def known_speculation_pays(a_known, active, table: CostTable, mode="latency", co
     th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
     n = n_act.astype(jnp.float32)
     return jnp.max(th) > n / plain_time(n, table, cost)
+
+
+SETTLE_Z = 2.0  # standard errors by which fresh survivals must say "no" for the verdict to settle
+
+
+@partial(jax.jit, static_argnames=("mode", "cost"))
+def settled_no(a_fresh, active, table: CostTable, z=SETTLE_Z, mode="latency", cost="step"):
+    """Whether fresh survivals (the round that just drafted) say no admission count K >= 1 beats
+    not drafting by more than their sampling error, so that probing again at this load is not
+    worth its draft: the best throughput on them relative to plain decoding, rho = max_K Theta_K
+    / Theta_0, falls short of 1 by more than `z` standard errors of the tokens they promise
+    (over the n active slots, t_r = 1 + sum_j a_rj: sd(t) / (mean(t) sqrt(n))). Never from fewer
+    than two slots (one request's survivals say nothing of the next one's)."""
+    a, active, cand = _prep(a_fresh, active)
+    sorted_a, n_cand, _ = _order(a, cand)
+    n_act = jnp.sum(active).astype(jnp.int32)
+    th = _theta_path(sorted_a, n_act, table, mode, cost)
+    th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
+    n = n_act.astype(jnp.float32)
+    rho = jnp.max(th) * plain_time(n, table, cost) / jnp.maximum(n, 1.0)
+    t = 1.0 + jnp.sum(a, axis=1)
+    w = active.astype(jnp.float32)
+    mean = jnp.sum(w * t) / jnp.maximum(n, 1.0)
+    var = jnp.sum(w * (t - mean) ** 2) / jnp.maximum(n - 1.0, 1.0)
+    se = jnp.sqrt(var) / (mean * jnp.sqrt(jnp.maximum(n, 1.0)))
+    return (n_act >= 2) & (1.0 - rho > z * se)
 

@@ -15,7 +15,8 @@ the same coins whether or not later slots are verified). The scheduler sees the 
 calibrated survival ``a = cumprod(sigmoid(z / T))`` (STS temperatures from the drafter's
 ``sts.json``, else fitted on the traces). One round costs ``T_draft(kind, R) +
 T_verify(B)`` with ``B = sum_r (1 + l_r)`` (a round that skips drafting: `skipped_round_cost`,
-the table's ``t_skip``, else no less than its target-only step); ``--charge step`` (default)
+the table's ``t_skip``, else no less than its target-only step; a settled one, below: the
+target-only step, `target_only_cost`); ``--charge step`` (default)
 charges the bucket B rounds up to (what the static-shape engine runs), ``interp`` the exact-B
 cost (a ragged engine). Each round commits ``sum_r (min(k_r, l_r) + 1)`` tokens.
 
@@ -27,8 +28,12 @@ draft by the engine's rules: ``--skip known`` (default; ``EngineConfig(skip_draf
 skip when the best case does not pay or when the survivals of the last round that drafted
 say no admission count beats a round without a draft (priced as `skipped_round_cost`, as the
 engine's rule prices it: ``prefix.plain_time``), drafting after ``--probe-every`` skipped rounds
-to refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no);
-``--skip best_case`` (``prefix.speculation_pays``) only the first part. ``--skip
+to refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no, and
+probes stop when they say no by more than their sampling error, ``prefix.settled_no``; rounds
+skipped while the best case does not pay or such a "no" holds are settled: the engine runs them
+as the target-only program, without keeping the drafter's context). The window is steady state:
+the rule starts from the survivals of the round before it, as the production scheduler's stale
+input does. ``--skip best_case`` (``prefix.speculation_pays``) only the first part. ``--skip
 stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
 even when that round skipped drafting (so produced none).
 """
@@ -50,7 +55,7 @@ from dspark_jax.scheduler.costs import draft_time_for, skip_extra
 
 __all__ = ["Method", "SimResult", "default_methods", "replay_rows", "simulate_method", "run_sweep",
            "matched_throughput", "headline", "write_outputs", "priced_concurrency", "versus_target_only",
-           "ratio_rows_markdown"]
+           "ratio_rows_markdown", "skipped_round_cost", "target_only_cost"]
 
 SCHEDULED = ("early_stop", "static", "production")
 
@@ -171,39 +176,77 @@ def _best_case_pays(R, table_np, t_draft, max_tokens, mode="latency"):
     return bool(np.any(th > R / _plain_cost(R, table_np, "interp")))
 
 
-def _known_skip(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency"):
-    """The engine's "known" rule, round by round: skip unless the best case pays and either the
-    survivals of the last round that drafted say some admission count beats target-only, or
-    there are none yet, or `gap` rounds have passed since that round (a probe). After each
-    drafted round the gap resets to `probe_every` if its survivals say drafting pays, else it
-    doubles, up to `probe_max`."""
+def _settled_no(a, R, table_np, t_draft, charge, mode="latency", z=prefix.SETTLE_Z):
+    """``prefix.settled_no`` on one round's survivals [R, G] (all R slots active): fresh
+    survivals that say no admission count pays by more than z standard errors of the tokens they
+    promise."""
+    if R < 2:
+        return False
+    flat = -np.sort(-a.reshape(-1))
+    tau = R + np.cumsum(flat)
+    B = R + np.arange(1, flat.size + 1)
+    th = tau / ((t_draft if mode == "latency" else 0.0) + _verify_cost(B, table_np, charge))
+    rho = th.max() * _plain_cost(R, table_np, charge) / R
+    t = 1.0 + np.clip(a, 0.0, 1.0).sum(axis=-1)
+    return bool(1.0 - rho > z * t.std(ddof=1) / (t.mean() * np.sqrt(R)))
+
+
+def _known_rounds(a, best_case_pays, R, table_np, t_draft, charge, probe_every, probe_max=64, mode="latency",
+                  seed=None):
+    """The engine's "known" rule, round by round -> (skip [T], settled [T]): skip unless the best
+    case pays and either the survivals of the last round that drafted say some admission count
+    beats a round without a draft, or there are none yet, or `gap` rounds have passed since that
+    round (a probe). After each drafted round the gap resets to `probe_every` if its survivals
+    say drafting pays, else it doubles, up to `probe_max`; when they say no by more than their
+    sampling error (`_settled_no`) the verdict settles: no more probes at this load. `settled`:
+    skipped rounds that expect no draft at this load (the best case does not pay, or a settled
+    "no"), which the engine runs without keeping the drafter's context. `seed` [R, G]: the
+    survivals of the round before the first (steady state: the rule has drafted before), else
+    the first round drafts to learn them."""
     T = a.shape[0]
     if not best_case_pays:
-        return np.ones(T, bool)
-    skip = np.zeros(T, bool)
-    known_pays, since, gap = None, 0, probe_every
+        return np.ones(T, bool), np.ones(T, bool)
+    skip, final = np.zeros(T, bool), np.zeros(T, bool)
+    known_pays, settled, since, gap = None, False, 0, probe_every
+
+    def verdict(x, gap):
+        pays = not bool(_stale_skip(x[None], R, table_np, t_draft, charge, mode)[0])
+        settled = not pays and _settled_no(x, R, table_np, t_draft, charge, mode)
+        return pays, settled, probe_every if pays else min(2 * gap, probe_max)
+
+    if seed is not None:
+        known_pays, settled, gap = verdict(seed, probe_every // 2)
     for t in range(T):
-        skip[t] = known_pays is not None and not known_pays and since + 1 < gap
+        skip[t] = known_pays is not None and not known_pays and (settled or since + 1 < gap)
         if skip[t]:
+            final[t] = settled
             since += 1
         else:
-            known_pays = not bool(_stale_skip(a[t][None], R, table_np, t_draft, charge, mode)[0])
-            since, gap = 0, probe_every if known_pays else min(2 * gap, probe_max)
-    return skip
+            known_pays, settled, gap = verdict(a[t], gap)
+            since = 0
+    return skip, final
 
 
-def _skip_rounds(rule, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_every, probe_max):
-    """[T] bool: rounds in which a scheduled method does not draft, by `rule` (module doc)."""
+def _known_skip(*args, **kw):
+    """[T] bool: the rounds `_known_rounds` skips."""
+    return _known_rounds(*args, **kw)[0]
+
+
+def _skip_rounds(rule, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_every, probe_max, seed=None):
+    """(skip [T], settled [T]): rounds in which a scheduled method does not draft, by `rule`
+    (module doc), and of those the "known" rule's settled ones; `seed`: the survivals of the
+    round before the first ("known")."""
     T = a.shape[0]
+    none = np.zeros(T, bool)
     if rule == "none":
-        return np.zeros(T, bool)
+        return none, none
     if rule == "stale":
-        return _stale_skip(a_stale, R, table_np, t_draft, charge, mode)
+        return _stale_skip(a_stale, R, table_np, t_draft, charge, mode), none
     best = _best_case_pays(R, table_np, t_draft, R * G, mode)
     if rule == "best_case":
-        return np.full(T, not best)
+        return np.full(T, not best), none
     if rule == "known":
-        return _known_skip(a, best, R, table_np, t_draft, charge, probe_every, probe_max, mode)
+        return _known_rounds(a, best, R, table_np, t_draft, charge, probe_every, probe_max, mode, seed=seed)
     raise ValueError(f"unknown skip rule {rule!r}")
 
 
@@ -254,8 +297,10 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
             l = np.cumprod(a >= method.threshold, axis=-1).sum(-1)
         elif method.kind in SCHEDULED:
 
-            skip = _skip_rounds(method.skip, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_every,
-                                probe_max)
+            # steady state: the round before the first drafted (as the production scheduler's
+            # stale input, the leading rounds' survivals)
+            skip, settled = _skip_rounds(method.skip, a, a_stale, R, t_draft, table_np, G, mode, charge,
+                                         probe_every, probe_max, seed=a_all[1])
             if method.skip in ("known", "best_case"):  # as in the engine: skipped rounds leave no survivals
                 a_stale = _carried_stale(a_all, skip)
             Rp = max(R_pad or R, R)
@@ -276,9 +321,13 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
     B = np.sum(1 + l, axis=1)
     times = np.where(drafted, t_draft, 0.0) + _verify_cost(B, table_np, charge)
     if method.kind in SCHEDULED:
-        times = np.where(drafted, times, skipped_round_cost(cost, R, table_np, charge))
-    if method.kind == "ar" and "t_target_step" in cost and (cost.get("engine") or {}).get("num_slots") == R:
-        times = np.full(T, float(cost["t_target_step"]))  # a predicted table prices the target-only step at its R
+        # a skipped round keeps the drafter's context (`skipped_round_cost`) unless it is settled:
+        # then it is the target-only step
+        plain = np.where(settled, target_only_cost(cost, R, table_np, charge),
+                         skipped_round_cost(cost, R, table_np, charge))
+        times = np.where(drafted, times, plain)
+    if method.kind == "ar":
+        times = np.full(T, target_only_cost(cost, R, table_np, charge))
     tokens = np.sum(acc + 1, axis=1)
     total = float(tokens.sum() / times.sum()) if np.all(np.isfinite(times)) else float("nan")
     res = SimResult(method.name, R, total, total / R, float(np.mean(1 + l)), float(np.mean(acc + 1)),
@@ -292,6 +341,15 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
 def _table_np(cost: dict):
     return prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=0.0, as_numpy=True,
                              skip_extra=skip_extra(cost))
+
+
+def target_only_cost(cost: dict, R: int, table_np=None, charge: str = "interp") -> float:
+    """Seconds of a target-only step at R requests: the table's `t_target_step` where it prices
+    one at its own R (a predicted table), else verifying R tokens."""
+    if "t_target_step" in cost and (cost.get("engine") or {}).get("num_slots") == R:
+        return float(cost["t_target_step"])
+    table_np = _table_np(cost) if table_np is None else table_np
+    return float(_verify_cost(np.asarray([R]), table_np, charge)[0])
 
 
 def skipped_round_cost(cost: dict, R: int, table_np=None, charge: str = "interp") -> float:
@@ -345,12 +403,13 @@ def versus_target_only(cost: dict, traces: dict, temps, concurrency, *, skip: st
 def ratio_rows_markdown(rows: list[dict], profiles: list[str]) -> list[str]:
     """A markdown table of scheduled / target-only: one line per (table, concurrency), one column
     per acceptance profile (`rows`: dicts with "table", "origin", "concurrency", "profile",
-    "ratio"), then one line per table with its worst point per profile."""
+    "ratio"), then one line per table with its worst point per profile; ratios below 1 in bold."""
+    fmt = lambda v: f"{v:.3f}" if v >= 1.0 else f"**{v:.4f}**"  # below target-only: bold, one digit more
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
         cells.setdefault((r["table"], r["origin"], r["concurrency"]), {})[r["profile"]] = r["ratio"]
     head = ["| table | origin | R | " + " | ".join(profiles) + " |", "|---|---|---|" + "---|" * len(profiles)]
-    lines = head + [f"| {t} | {o} | {c} | " + " | ".join(f"{v[p]:.3f}" if p in v else "" for p in profiles) + " |"
+    lines = head + [f"| {t} | {o} | {c} | " + " | ".join(fmt(v[p]) if p in v else "" for p in profiles) + " |"
                     for (t, o, c), v in cells.items()]
     worst: dict[tuple, dict[str, tuple[float, int]]] = {}
     for r in rows:
@@ -359,7 +418,7 @@ def ratio_rows_markdown(rows: list[dict], profiles: list[str]) -> list[str]:
             w[r["profile"]] = (r["ratio"], r["concurrency"])
     lines += ["", "Worst point of each table (ratio at R):", "",
               "| table | origin | " + " | ".join(profiles) + " |", "|---|---|" + "---|" * len(profiles)]
-    lines += [f"| {t} | {o} | " + " | ".join(f"{w[p][0]:.3f} at {w[p][1]}" if p in w else "" for p in profiles)
+    lines += [f"| {t} | {o} | " + " | ".join(f"{fmt(w[p][0])} at {w[p][1]}" if p in w else "" for p in profiles)
               + " |" for (t, o), w in worst.items()]
     return lines
 

@@ -155,7 +155,7 @@ def test_the_skipped_round_is_priced_without_its_draft(predicted):
     recorded with the program): it holds none of the draft's loops, costs less than the round at
     bucket R, which drafts, and no less than the target-only step, which it runs (with the
     drafter's context for the verified position)."""
-    from dspark_jax.engine.predict import SKIPPED_ROUND
+    from dspark_jax.scheduler.costs import SKIPPED_ROUND
 
     progs = predicted["programs"]
     skip, drafted = progs["skip@4"], progs["round@4"]

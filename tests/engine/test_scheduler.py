@@ -133,7 +133,9 @@ def test_a_round_where_every_slot_skips_is_the_target_only_round(setup):
     (`round.plain_round`): from the same prefilled state and keys, every round's tokens,
     positions and target cache equal a target-only engine's, at temperature 1 too (a drafting
     round that verified no drafts drew its token through rejection sampling, with other coins),
-    the drafter never runs, and greedy output is plain target decoding's."""
+    the drafter never runs, and greedy output is plain target decoding's. Here even perfect
+    drafts would not pay (the "known" rule's settled rounds): the drafter's state is left as it
+    was."""
     import jax
 
     target, prompts, reference = setup
@@ -145,6 +147,7 @@ def test_a_round_where_every_slot_skips_is_the_target_only_round(setup):
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 3)))
     for sampling in (SamplingParams(1.0, 0, 1.0), GREEDY):
         st = eng.prefill_slots(eng.init_state(), [0, 1, 2], prompts[:3], kd, [12] * 3)
+        drafter = [np.asarray(x) for x in jax.tree.leaves((st.dcache, st.last))]
         st0 = plain.prefill_slots(plain.init_state(), [0, 1, 2], prompts[:3], kd, [12] * 3)
         for _ in range(8):
             st, ro = eng.step(st, eng.control(sampling, table=never))
@@ -155,6 +158,8 @@ def test_a_round_where_every_slot_skips_is_the_target_only_round(setup):
             np.testing.assert_array_equal(np.asarray(getattr(st, f)), np.asarray(getattr(st0, f)), err_msg=f)
         for a, b in zip(jax.tree.leaves(st.cache), jax.tree.leaves(st0.cache)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves((st.dcache, st.last)), drafter):
+            np.testing.assert_array_equal(np.asarray(a), b)
     res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY, table=never)
     assert [r.tokens for r in res.results] == reference
     assert all(r.accepted == 0 for r in res.results)
@@ -210,6 +215,39 @@ def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     # gap doubled); other drafted rounds come from a changed set of active requests
     known = drafted["known"]
     assert {0, 8}.issubset(known) and 4 not in known and len(known) <= n_rounds / 4, (known, n_rounds)
+
+
+def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
+    """After a drafted round whose survivals say no admission count pays by more than their
+    sampling error (`prefix.settled_no`), the probe gap becomes -n (n the slots decoding): the
+    "known" rule then drafts no probe while at least n slots decode, and probes at once when
+    fewer do; a "no" within its error keeps the doubling backoff."""
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import round as round_mod
+
+    target = setup[0]
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="early_stop", skip_drafting="known", probe_every=4))
+    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
+    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
+    ctl = eng.control(GREEDY, table=table)
+    # per-position survivals of the three slots: alike (a "no" beyond its error) or spread out (within it)
+    alike = np.cumprod(np.array([[0.3] * 3, [0.4] * 3, [0.5] * 3]), axis=1)
+    apart = np.cumprod(np.array([[0.3] * 3, [0.5] * 3, [0.7] * 3]), axis=1)
+    for a, settles in ((alike, True), (apart, False)):
+        act = np.ones(3, bool)
+        assert not numpy_ref.known_speculation_pays_np(a, act, tab_np)
+        assert numpy_ref.settled_no_np(a, act, tab_np) is settles
+        st = eng.init_state()._replace(active=jnp.ones(3, bool), probe_gap=jnp.int32(8))
+        _, gap = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl)
+        assert int(gap) == (-3 if settles else 16)
+    st = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(alike, jnp.float32)] * 2), since_draft=jnp.int32(99),
+                                   probe_gap=jnp.int32(-3))
+    for act, probes in (((True, True, True), False), ((True, True, False), True)):
+        pays, settled = round_mod._skip_decision(eng.spec, st, jnp.asarray(act), ctl, 9)
+        assert bool(pays) is probes and bool(settled) is not probes, act
 
 
 def test_known_speculation_pays_matches_numpy():

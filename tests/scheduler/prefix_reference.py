@@ -16,7 +16,7 @@ __all__ = [
     "prefix_survival_np", "bucket_index_np", "verify_time_np", "theta_np", "greedy_rank_np",
     "schedule_early_stop_np", "schedule_retroactive_lossy_np", "schedule_static_np", "capacity_from_stale_np",
     "schedule_production_np", "schedule_threshold_np", "plain_time_np", "speculation_pays_np",
-    "known_speculation_pays_np",
+    "known_speculation_pays_np", "settled_no_np",
 ]
 
 
@@ -191,3 +191,19 @@ def known_speculation_pays_np(a_known, active, table: CostTable, mode="latency",
         tau -= na
         best = max(best, theta_np(tau, n + i, table, mode, cost))
     return bool(best > th0)
+
+
+def settled_no_np(a_fresh, active, table: CostTable, z=2.0, mode="latency", cost="step"):
+    a, c = _cands_np(a_fresh, active)
+    act = np.asarray(active, bool)
+    n = int(act.sum())
+    if n < 2:
+        return False
+    tau, best = float(n), -np.inf
+    for i, (na, _, _) in enumerate(c, start=1):
+        tau -= na
+        best = max(best, theta_np(tau, n + i, table, mode, cost))
+    rho = best / (n / plain_time_np(n, table, cost))
+    t = 1.0 + a[act].sum(axis=1)
+    se = t.std(ddof=1) / (t.mean() * np.sqrt(n))
+    return bool(1.0 - rho > z * se)

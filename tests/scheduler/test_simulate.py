@@ -142,7 +142,8 @@ def test_cli_synthetic(tmp_path):
 def test_known_skip_probes_and_matches_the_engine_rule():
     """The simulator's "known" rule is the engine's: the same decision as
     scheduler.known_speculation_pays on the last drafted round's survivals; with survivals that
-    never pay it probes at doubling intervals (probe_every, 2x, ... up to probe_max)."""
+    never pay it probes at doubling intervals (probe_every, 2x, ... up to probe_max), until
+    survivals say no by more than their sampling error (scheduler.settled_no)."""
     from dspark_jax.scheduler import prefix as scheduler
     from dspark_jax.scheduler.simulate import _known_skip, _stale_skip
 
@@ -153,9 +154,15 @@ def test_known_skip_probes_and_matches_the_engine_rule():
         for mode in ("latency", "sps"):
             assert bool(_stale_skip(a[None], 8, tab, 0.5, "step", mode)[0]) == (
                 not numpy_ref.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
-    hopeless = np.full((200, 8, G), 0.01)
-    skip = _known_skip(hopeless, True, 8, tab, 0.5, "step", probe_every=4, probe_max=32)
+    # one request's "no" never settles: probes at doubling intervals
+    hopeless = np.full((200, 1, G), 0.01)
+    skip = _known_skip(hopeless, True, 1, tab, 0.5, "step", probe_every=4, probe_max=32)
     assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
+    # eight requests saying no beyond their sampling error settle it: no probe after the first round,
+    # none at all when the round before the first (`seed`) said so
+    hopeless = np.full((200, 8, G), 0.01)
+    assert np.flatnonzero(~_known_skip(hopeless, True, 8, tab, 0.5, "step", 4, 32)).tolist() == [0]
+    assert _known_skip(hopeless, True, 8, tab, 0.5, "step", 4, 32, seed=hopeless[0]).all()
     assert not _known_skip(np.ones((40, 8, G)), True, 8, tab, 0.5, "step", 8).any()
     assert _known_skip(np.ones((40, 8, G)), False, 8, tab, 0.5, "step", 8).all()
 
@@ -196,7 +203,8 @@ def test_skipped_rounds_cost_the_tables_skipped_round():
     base = {"buckets": [R, 2 * R, 8 * R], "t_verify": [1e-2, 1.0, 1.0], "t_draft": 0.5,
             "engine": {"num_slots": R}}
     traces = {"dspark": profile_traces(parse_profile("tau:1.2", gamma=G))}
-    m = Method("DSpark scheduled", "production", "dspark", skip="known")
+    # the best-case rule keeps the drafter's context in every skipped round
+    m = Method("DSpark scheduled", "production", "dspark", skip="best_case")
     for extra, want in (({"t_skip": 3e-2}, 3e-2), ({"t_target_step": 2e-2}, 2e-2), ({}, 1e-2),
                         ({"t_target_step": 5e-3}, 1e-2)):
         cost = {**base, **extra}
@@ -205,12 +213,18 @@ def test_skipped_rounds_cost_the_tables_skipped_round():
         assert res.skip_frac > 0.8
         skipped = want * res.skip_frac  # what the skipped rounds add to the mean round
         assert 1e3 * skipped - 1e-9 <= res.round_ms <= 1e3 * (skipped + (1 - res.skip_frac) * 1.6) + 1e-9
+    # the "known" rule's settled rounds (here the best case does not pay) are the target-only step
+    cost = {**base, "t_skip": 3e-2, "t_target_step": 2e-2}
+    res = simulate_method(Method("s", "production", "dspark", skip="known"), R, cost, traces, None, n_rounds=40)
+    assert res.skip_frac == 1.0 and res.round_ms == pytest.approx(20.0)
     # another R: t_verify(2R) plus what the skipped round costs beyond t_verify at the table's own R
     assert skipped_round_cost({**base, "t_skip": 3e-2}, 2 * R) == pytest.approx(1.0 + 2e-2)
 
 
-# the predicted Qwen3-8B tables on v6e-8 (docs/tpu_predictions.md), one per concurrency
-V6E_8B = [ROOT / f"docs/tpu_predictions_figures/grid-v6e-8-qwen3_8b_dspark-r{r}.json" for r in (1, 8, 64, 256)]
+# the predicted tables on v6e-8 (docs/tpu_predictions.md), one per concurrency
+V6E = {t: [ROOT / f"docs/tpu_predictions_figures/grid-v6e-8-{t}_dspark-r{r}.json" for r in (1, 8, 64, 256)]
+       for t in ("qwen3_4b", "qwen3_8b")}
+V6E_8B = V6E["qwen3_8b"]
 
 
 def test_priced_concurrency_of_each_kind_of_table(accel):
@@ -224,22 +238,27 @@ def test_priced_concurrency_of_each_kind_of_table(accel):
 
 def test_scheduled_dspark_is_never_below_target_only_with_mt_bench_on_a_kept_table():
     """DeepSpec's mt-bench acceptance for the Qwen3-8B drafter (tau 3.72, the lowest of its five
-    sets) on the predicted v6e-8 tables, where scheduled DSpark fell to 0.85x of target-only at
-    R = 256 while the skip rule priced plain decoding at t_verify(R): at every concurrency the
-    tables price, scheduled DSpark is at least target-only."""
+    sets) on the predicted v6e-8 Qwen3-4B tables, where scheduled DSpark fell to 0.88x of
+    target-only at R = 256 while the skip rule priced plain decoding at t_verify(R) and probed
+    there: at every concurrency the tables price, scheduled DSpark is at least target-only.
+    On the Qwen3-8B tables R = 256 sits at break-even (the survivals' best throughput is 0.95-1.03
+    of plain decoding's, within their sampling error, so the rule keeps probing): there it is
+    within 0.1 % of target-only (0.85x before)."""
     from dspark_jax.calibration.profiles import parse_profile, profile_traces
     from dspark_jax.scheduler.simulate import priced_concurrency, versus_target_only
 
     ts = profile_traces(parse_profile("deepspec-8b-mt-bench-dspark"))
     full = ts.full_gamma()
     temps = fit_sts(full.conf_logits, full.accepted)
-    points = []
-    for path in V6E_8B:
-        cost = load_cost_file(path)
-        points += [(path.stem, r["concurrency"], r["ratio"])
-                   for r in versus_target_only(cost, {"dspark": ts}, temps, priced_concurrency(cost))]
-    assert len(points) == 4
-    assert all(ratio >= 1.0 for _, _, ratio in points), points
+    points = {}
+    for target, paths in V6E.items():
+        for path in paths:
+            cost = load_cost_file(path)
+            points.update({(target, r["concurrency"]): r["ratio"]
+                           for r in versus_target_only(cost, {"dspark": ts}, temps, priced_concurrency(cost))})
+    assert len(points) == 8
+    assert all(ratio >= 1.0 for (t, _), ratio in points.items() if t == "qwen3_4b"), points
+    assert all(ratio >= 0.999 for ratio in points.values()), points
 
 
 def test_vs_target_only_command(tmp_path):

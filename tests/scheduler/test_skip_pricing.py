@@ -1,7 +1,8 @@
 """The skip rule prices plain decoding as what a round without a draft costs.
 
 `prefix.plain_time(n) = T_verify(n) + skip_extra`, where `costs.skip_extra` is read from the
-cost file: its skipped round `t_skip` where it has one, else no less than its target-only step
+cost file: its skipped round `t_skip` where it has one (and, for a predicted table, where that
+priced the engine's round without a draft), else no less than its target-only step
 `t_target_step`, both at the table's slot count R, minus `t_verify(R)`. A measured or predicted
 `t_verify(b)` is a round minus the draft timed alone, and the draft alone costs more than it adds
 to a round, so `t_verify(R)` under-prices plain decoding: with it the rule skipped rounds where
@@ -16,8 +17,15 @@ import numpy as np
 import pytest
 
 from dspark_jax.scheduler import prefix
-from dspark_jax.scheduler.costs import load_cost_table, save_cost_file, skip_extra, with_overhead
-from dspark_jax.scheduler.simulate import _best_case_pays, _stale_skip, skipped_round_cost
+from dspark_jax.scheduler.costs import (
+    SKIPPED_ROUND,
+    load_cost_table,
+    save_cost_file,
+    skip_extra,
+    skipped_round_price,
+    with_overhead,
+)
+from dspark_jax.scheduler.simulate import _best_case_pays, _settled_no, _stale_skip, skipped_round_cost
 from tests.scheduler import prefix_reference as numpy_ref
 
 # the predicted Qwen3-8B v6e-8 table at R = 256 (docs/tpu_predictions_figures), in ms: verifying
@@ -40,6 +48,14 @@ def test_skip_extra_reads_the_skipped_round_else_the_target_step():
     # a table at R = 8 whose buckets start below R: t_verify(R) interpolated
     d = {"buckets": [1, 16], "t_verify": [1.0, 2.5], "t_draft": 0.1, "engine": {"num_slots": 8}, "t_skip": 3.0}
     assert skip_extra(d) == pytest.approx(3.0 - (1.0 + 7 * 1.5 / 15))
+    # a predicted table says which program its skip@R priced: t_skip is read only where that is the
+    # engine's round without a draft (round.plain_round); an older skipped round (rejection and the
+    # drafter update over the whole block) is not what the engine runs, so the target-only step prices it
+    old = _cost(t_skip=T_SKIP, t_target_step=T_TARGET, programs={f"skip@{R}": {"seconds": T_SKIP}})
+    assert skipped_round_price(old) == T_TARGET and skip_extra(old) == pytest.approx(T_TARGET - 11.46e-3)
+    new = _cost(t_skip=T_SKIP, t_target_step=T_TARGET, programs={f"skip@{R}": {"program": SKIPPED_ROUND}})
+    assert skipped_round_price(new) == T_SKIP
+    assert skipped_round_price(_cost()) is None
     # an overhead added to every round reaches the skipped round too
     assert skip_extra(with_overhead(_cost(t_skip=T_SKIP), 4e-3, "test")) == pytest.approx(T_SKIP - 11.46e-3)
 
@@ -104,3 +120,29 @@ def test_the_rule_weighs_drafting_against_the_skipped_round_not_t_verify():
     tab = prefix.make_table(**V6E, skip_extra=skip_extra(cost))
     assert float(prefix.plain_time(R, tab, "step")) == pytest.approx(T_SKIP, rel=1e-5)
     assert skipped_round_cost(_cost(t_target_step=T_TARGET), R) == pytest.approx(T_TARGET)
+
+
+def test_a_settled_no_equals_its_reference():
+    """`prefix.settled_no` (no more probes at this load): fresh survivals say no admission count
+    pays by more than z standard errors of the tokens they promise; never from one slot. The
+    compiled function, the simulator's and the numpy reference agree."""
+    rng = np.random.default_rng(11)
+    seen = set()
+    for b, tv, td, extra in _tables(rng, 30):
+        tab = prefix.make_table(b, t_verify=tv, t_draft=td, skip_extra=extra)
+        tnp = prefix.make_table(b, t_verify=tv, t_draft=td, skip_extra=extra, as_numpy=True)
+        n = int(rng.integers(1, 4))
+        a = np.cumprod(rng.uniform(0, 1, (n, 3)) ** rng.uniform(0.2, 3), axis=1)
+        for z in (0.0, 2.0):
+            want = numpy_ref.settled_no_np(a, np.ones(n, bool), tnp, z=z)
+            assert bool(prefix.settled_no(a, np.ones(n, bool), tab, z)) == want
+            assert _settled_no(a, n, tnp, td, "step", z=z) == want
+            seen.add(want)
+        assert not numpy_ref.settled_no_np(a[:1], np.ones(1, bool), tnp, z=0.0)  # one slot: never
+    assert seen == {True, False}
+    # the same survivals settle with many slots and not with few: the error shrinks as 1 / sqrt(n)
+    tab = prefix.make_table(**V6E, skip_extra=T_TARGET - 11.46e-3)
+    a = np.cumprod(np.where(np.arange(R)[:, None] % 2, 0.5, 0.7) * np.ones((R, G)), axis=1)
+    for n, settles in ((R, True), (4, False)):
+        act = np.arange(R) < n
+        assert not bool(prefix.known_speculation_pays(a, act, tab)) and bool(prefix.settled_no(a, act, tab)) is settles
