@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain
+from dspark_jax.target.attention_backend import attention_backend
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.layers import (
     MASK_VALUE,
@@ -213,9 +214,10 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
     keep = jnp.ones((r, 1), bool)
     cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
 
-    # a paged cache read by the Pallas kernel: context keys < anchor in place, the block's own keys
-    # merged through their log-sum-exp (no sliding window there: the kernel has no lower bound)
-    kernel = getattr(cache, "impl", "reference") == "pallas" and window is None
+    # a cache the attention backend reads by the Pallas kernel: context keys < anchor in place, the
+    # block's own keys merged through their log-sum-exp (no sliding window there: the kernel has no
+    # lower bound)
+    kernel = window is None and attention_backend(cache.impl).kernel
     whole_block = jnp.ones((r, gamma, gamma), bool)
 
     def body(x, layer):

@@ -71,7 +71,7 @@ class PagedKVCache:
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
     lengths: jax.Array  # [R] int32, committed tokens per slot
     max_len: int  # static: positions per slot (the dense cache's S); writes at >= max_len are dropped
-    # static: how pages are read, "reference" gather, "pallas" kernel or "auto" (target/kernels.py)
+    # static: how pages are read, "reference" gather, "pallas" kernel or "auto" (target/attention_backend.py)
     impl: str = "reference"
 
     @classmethod
