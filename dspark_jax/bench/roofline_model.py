@@ -86,7 +86,7 @@ class ModelShapes(NamedTuple):
 def _cache_bytes(cache, sharding) -> tuple[float, float]:
     """Bytes of K and V per row per token: whole, and one chip's shard (KV heads and slots split)."""
     k = cache.k
-    L, R, S = k.shape[:3]
+    R, S = k.shape[1], cache.max_len  # dense [L, R, Nkv, S, D]
     item = np.dtype(k.dtype).itemsize
     whole = 2 * int(np.prod(k.shape)) * item
     chip = 2 * int(np.prod(sharding.shard_shape(k.shape))) * item if sharding is not None else whole
