@@ -30,7 +30,7 @@ FINISH_REASONS = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache | PagedKVCache  # target KV: dense [L, R, S, Nkv, D] or paged (EngineConfig(kv_pages=...))
+    cache: KVCache | PagedKVCache  # target KV: dense [L, R, Nkv, S, D] or paged (EngineConfig(kv_pages=...))
     dcache: KVCache  # drafter cache (mode dependent; a 1-position dummy for target-only)
     last: jax.Array  # Eagle3 [R, m, H] / MTP-1 [R, H] / dummy [R, 1]
     anchor: jax.Array  # [R] int32

@@ -138,8 +138,9 @@ class PagedKVCache:
                 gather_pages(v_all[layer], table, self.max_len).astype(dtype))
 
     def dense(self):
-        """(k, v) as the dense cache's [L, R, max_len, Nkv, D] (each row's pages in order; positions
-        without a page read page 0): for tests and inspection, it copies the whole cache."""
+        """(k, v) as [L, R, max_len, Nkv, D], as `KVCache.dense()` gives them (each row's pages in
+        order; positions without a page read page 0): for tests and inspection, it copies the whole
+        cache."""
         view = jax.vmap(lambda pages: gather_pages(pages, self.page_table, self.max_len))
         return view(self.k), view(self.v)
 
