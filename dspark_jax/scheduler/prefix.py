@@ -289,18 +289,25 @@ def speculation_pays(n_active, table: CostTable, max_tokens, mode="sps", cost="i
     return jnp.any(theta(n + k, n + k, table, mode, cost) > th0)
 
 
+def _best_drafting(a_rows, active, table: CostTable, mode, cost):
+    """On survivals `a_rows`: (the prepared survivals, active mask, the best throughput over
+    admission counts K >= 1, the active slots n as float) -- what both skip verdicts compare
+    with plain decoding."""
+    a, active, cand = _prep(a_rows, active)
+    sorted_a, n_cand, _ = _order(a, cand)
+    n_act = jnp.sum(active).astype(jnp.int32)
+    th = _theta_path(sorted_a, n_act, table, mode, cost)
+    k = jnp.arange(th.shape[0])
+    return a, active, jnp.max(jnp.where((k >= 1) & (k <= n_cand), th, -jnp.inf)), n_act.astype(jnp.float32)
+
+
 @partial(jax.jit, static_argnames=("mode", "cost"))
 def known_speculation_pays(a_known, active, table: CostTable, mode="latency", cost="step"):
     """Whether, on survivals already known (an earlier round's), some admission count K >= 1
     beats not drafting (``Theta_0 = n / plain_time(n)``, no draft time). Deciding from the past
     only, it cannot bias the output; False => skip drafting this round."""
-    a, active, cand = _prep(a_known, active)
-    sorted_a, n_cand, _ = _order(a, cand)
-    n_act = jnp.sum(active).astype(jnp.int32)
-    th = _theta_path(sorted_a, n_act, table, mode, cost)
-    th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
-    n = n_act.astype(jnp.float32)
-    return jnp.max(th) > n / plain_time(n, table, cost)
+    _, _, best, n = _best_drafting(a_known, active, table, mode, cost)
+    return best > n / plain_time(n, table, cost)
 
 
 SETTLE_Z = 2.0  # standard errors by which fresh survivals must say "no" for the verdict to settle
@@ -314,17 +321,12 @@ def settled_no(a_fresh, active, table: CostTable, z=SETTLE_Z, mode="latency", co
     / Theta_0, falls short of 1 by more than `z` standard errors of the tokens they promise
     (over the n active slots, t_r = 1 + sum_j a_rj: sd(t) / (mean(t) sqrt(n))). Never from fewer
     than two slots (one request's survivals say nothing of the next one's)."""
-    a, active, cand = _prep(a_fresh, active)
-    sorted_a, n_cand, _ = _order(a, cand)
-    n_act = jnp.sum(active).astype(jnp.int32)
-    th = _theta_path(sorted_a, n_act, table, mode, cost)
-    th = jnp.where((jnp.arange(th.shape[0]) >= 1) & (jnp.arange(th.shape[0]) <= n_cand), th, -jnp.inf)
-    n = n_act.astype(jnp.float32)
-    rho = jnp.max(th) * plain_time(n, table, cost) / jnp.maximum(n, 1.0)
+    a, active, best, n = _best_drafting(a_fresh, active, table, mode, cost)
+    rho = best * plain_time(n, table, cost) / jnp.maximum(n, 1.0)
     t = 1.0 + jnp.sum(a, axis=1)
     w = active.astype(jnp.float32)
     mean = jnp.sum(w * t) / jnp.maximum(n, 1.0)
     var = jnp.sum(w * (t - mean) ** 2) / jnp.maximum(n - 1.0, 1.0)
     se = jnp.sqrt(var) / (mean * jnp.sqrt(jnp.maximum(n, 1.0)))
-    return (n_act >= 2) & (1.0 - rho > z * se)
+    return (n >= 2.0) & (1.0 - rho > z * se)
 
