@@ -226,19 +226,8 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
         interpret = pallas_interpret()
-    layer = _layer_index(layer)
     local = functools.partial(_local, interpret=interpret, dense=False)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return local(layer, q, k_pages, v_pages, page_table, kv_len, q_start)
-
-    pool = logical_to_pspec(PAGE_AXES, k_pages.shape, mesh)
-    rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
-    heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
-    q_spec, row_spec = P(rows, None, heads, None), P(rows)
-    return jax.shard_map(local, in_specs=(P(), q_spec, pool, pool, P(rows, None), row_spec, row_spec),
-                         out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
-        layer, q, k_pages, v_pages, page_table, kv_len, q_start)
+    return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
 
 
 def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, interpret: bool | None = None):
@@ -249,28 +238,34 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, i
     if interpret is None:
         interpret = pallas_interpret()
     layer = _layer_index(layer)
-    local = functools.partial(_local, interpret=interpret, dense=True)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(rows, k_all.shape[1] - 1)
-        return local(layer, q, k_all, v_all, table, kv_len, q_start)
-
-    pool = logical_to_pspec(DENSE_CACHE_AXES, k_all.shape, mesh)
-    if rows is not None and pool[1] is not None:
+    if rows is not None and not mesh.empty and logical_to_pspec(DENSE_CACHE_AXES, k_all.shape, mesh)[1] is not None:
         raise ValueError("dense_attention_lse: queries of chosen cache rows (`rows`) need the cache's slots whole on "
                          "the mesh; read them with the reference path")
-    q_rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
-    heads = pool[2]
-    q_spec, row_spec = P(q_rows, None, heads, None), P(q_rows)
 
-    def shard(layer, q, k, v, table, kv_len, q_start):
+    def local(layer, q, k, v, table, kv_len, q_start):  # one shard: its own rows, or the chosen ones
         table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(table, k.shape[1] - 1)
-        return local(layer, q, k, v, table, kv_len, q_start)
+        return _local(layer, q, k, v, table, kv_len, q_start, interpret=interpret, dense=True)
 
     table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
-    return jax.shard_map(shard, in_specs=(P(), q_spec, pool, pool, row_spec, row_spec, row_spec),
-                         out_specs=(q_spec, P(q_rows, None, heads)), check_vma=False)(
-        layer, q, k_all, v_all, table, kv_len, q_start)
+    return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)
+
+
+def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start):
+    """`local` over the whole arrays, or on the mesh set by `jax.set_mesh` per shard
+    (`jax.shard_map`): rows over the batch axes, KV heads (and their query heads) as `pool_axes`
+    place them, so no shard gathers the cache."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(layer, q, k, v, table, kv_len, q_start)
+    pool = logical_to_pspec(pool_axes, k.shape, mesh)
+    rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
+    heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
+    q_spec, row_spec = P(rows, None, heads, None), P(rows)
+    table_spec = P(rows, *([None] * (table.ndim - 1)))
+    return jax.shard_map(local, in_specs=(P(), q_spec, pool, pool, table_spec, row_spec, row_spec),
+                         out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
+        layer, q, k, v, table, kv_len, q_start)
 
 
 def attention_lse(q, k, v, mask):
