@@ -118,6 +118,9 @@ class TrainSection:
     loss_l1: float = 0.9
     loss_conf: float = 1.0
     loss_decay: float = 4.0
+    loss_conf_detach: bool = False  # the confidence head reads stop_gradient(backbone output): BCE trains the head only
+    # "kind": the kind's own weighting (DFlash: CE only; DSpark: the loss_* above); "config": loss_* for every kind
+    loss_weights: Literal["kind", "config"] = "kind"
     anchor_chunk: int = 64  # anchors per loss chunk (vocabulary-sized tensors exist per chunk only)
     eagle3_steps: int = 7
     checkpoint_every: int = 200

@@ -3,7 +3,10 @@
 Per block slot j (weight w_j = exp(-j / decay) times the valid prefix mask, one shared
 denominator sum(w)):  coef_ce * CE(q_j, label) + coef_l1 * ||q_j - p_j||_1
 + coef_conf * BCE(z_j, c*_j), with c*_j = clip(1 - 0.5 ||q_j - p_j||_1, 0, 1) detached.
-All softmaxes in float32.
+All softmaxes in float32. Two switches for ablations: `conf_detach` feeds the confidence head
+stop_gradient(h_j), so the BCE trains the head (and the Markov embedding it reads) but not the
+backbone; `kind_weights` False makes a kind that fixes its own weighting (DFlash: CE only) train
+with these coefficients instead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ class LossCoefs(NamedTuple):
     l1: float = 0.9
     conf: float = 1.0
     decay: float = 4.0
+    conf_detach: bool = False  # the confidence head reads stop_gradient(h): no BCE gradient into the backbone
+    kind_weights: bool = True  # False: every kind trains with these coefficients (DFlash too)
+
+    @classmethod
+    def from_train(cls, tc) -> "LossCoefs":
+        """The coefficients a TrainSection asks for."""
+        return cls(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay, conf_detach=tc.loss_conf_detach,
+                   kind_weights=tc.loss_weights == "kind")
 
 
 def slot_weights(gamma: int, decay: float = 4.0):
@@ -102,8 +113,9 @@ def _gather_rows(x, idx):
 
 
 def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head,
-                        anchors, block_valid, chunk: int, decay: float) -> LossSums:
-    """Loss sums over anchor chunks. h [B,A,G,H]; target_hidden [B,S,H].
+                        anchors, block_valid, chunk: int, decay: float, conf_detach: bool = False) -> LossSums:
+    """Loss sums over anchor chunks. h [B,A,G,H]; target_hidden [B,S,H]. `conf_detach`: the
+    confidence head reads stop_gradient(h), so its loss does not reach the backbone.
 
     With several chunks each is rematerialised in the backward (one chunk's vocabulary-sized
     activations live at a time); a single chunk is not: recomputing it costs a second
@@ -125,7 +137,8 @@ def dspark_chunked_sums(p: dict, h, tokens, target_hidden, lm_head,
         t_rows = _gather_rows(target_hidden, pos)
         t_logits = lm_head_logits(t_rows, lm_head)
         logits = heads.base_logits(p, h_c) + heads.head_bias_train(p, h_c, prev)
-        z = confidence.confidence_logits(p, h_c, prev) if "conf_kernel" in p else None
+        h_conf = jax.lax.stop_gradient(h_c) if conf_detach else h_c
+        z = confidence.confidence_logits(p, h_conf, prev) if "conf_kernel" in p else None
         return dspark_loss_sums(logits, t_logits, labels, val_c, z, decay)
 
     if n > 1:

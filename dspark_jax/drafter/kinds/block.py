@@ -42,7 +42,7 @@ class BlockKind(DrafterKind):
                                     gamma=drafter.gamma, mask_id=drafter.mask_token_id,
                                     window=drafter.dcfg.sliding_window, remat=remat)
         sums = dspark_chunked_sums(params, h, tokens, target_out.hidden, params["lm_head"], batch["anchors"],
-                                   batch["block_valid"], chunk, coefs.decay)
+                                   batch["block_valid"], chunk, coefs.decay, coefs.conf_detach)
         loss, metrics = combine(sums, self.loss_coefs(coefs))
         return loss, (metrics, sums)
 
@@ -113,7 +113,9 @@ class BlockKind(DrafterKind):
 
 
 class DFlashKind(BlockKind):
-    """DFlash: the same backbone, slots sampled independently, no confidence head, CE loss only."""
+    """DFlash: the same backbone, slots sampled independently, no confidence head, CE loss only
+    (unless the coefficients say `kind_weights=False`: then the configured weighting, whose
+    confidence term is zero without the head)."""
 
     name = "dflash"
 
@@ -121,7 +123,7 @@ class DFlashKind(BlockKind):
         return super().resolve(target_cfg, dataclasses.replace(dcfg, markov_rank=0, confidence_head=False))
 
     def loss_coefs(self, coefs):
-        return type(coefs)(ce=1.0, l1=0.0, conf=0.0, decay=coefs.decay)
+        return coefs._replace(ce=1.0, l1=0.0, conf=0.0) if coefs.kind_weights else coefs
 
 
 DSPARK = BlockKind()
