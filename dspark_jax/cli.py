@@ -57,9 +57,6 @@ def add_kv_pages_argument(ap) -> None:
                          "its prompt + max tokens). Default: dense caches of slots x max-len")
 
 
-SERVE_PREFILL_CHUNK = 64  # the server's default: prompt tokens a round forwards for a request joining others
-
-
 def add_prefill_chunk_argument(ap, default: int | None) -> None:
     """`--prefill-chunk N`: chunked prefill (`Engine(prefill_chunk=N)`); 0 = prompts prefilled whole."""
     ap.add_argument("--prefill-chunk", type=int, default=default, metavar="N",

@@ -155,12 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
-    from dspark_jax.cli import (
-        SERVE_PREFILL_CHUNK,
-        add_kv_pages_argument,
-        add_prefill_chunk_argument,
-        prefill_chunk,
-    )
+    from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
+    from dspark_jax.serve.defaults import SERVE_PREFILL_CHUNK
 
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)

@@ -349,6 +349,12 @@ def build_embedded_target(out_dir, *, preset: str | Preset = "full", small: bool
     return out_dir
 
 
+def resolve_target_dir(target_dir=None):
+    """`target_dir` as given when one is named, else the embedded target's directory (a Path,
+    built when missing): what every command and the server mean by "no --target"."""
+    return target_dir if target_dir is not None else embedded_target_dir(build=True, progress=True)
+
+
 def embedded_target_dir(build: bool = True, progress: bool = True, *, preset: str | Preset = "full",
                         small: bool = False, seed: int = 0, force: bool = False, cache_dir=None) -> Path:
     """Directory of the cached embedded target, building it when missing or corrupt.

@@ -7,7 +7,7 @@ length / context), when a stop string appears in its text, or when it is cancell
 its slot and pages are freed before the next round. With paged KV a request joins only when the
 pool can hold everything it may write (its reach: prompt + max_tokens + one round's drafts)
 beside what running requests were promised; otherwise it waits at the head of the queue. Nothing
-here knows about HTTP (serve/app.py does), and nothing here touches the engine's decode state
+here knows about HTTP (serve/handler.py does), and nothing here touches the engine's decode state
 (the Batcher owns it).
 
 Isolation: `submit` checks every value against the engine's ranges (int32 / float32 controls,
@@ -25,45 +25,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import jax
 
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.engine.batcher import Batcher, Job, Round, Update, warmup_lengths
-from dspark_jax.engine.errors import InvalidRequest
+from dspark_jax.engine.batcher import Batcher, Round, Update
+from dspark_jax.serve.request import EngineFailure, InvalidRequest, QueueFull, Request, intact
+from dspark_jax.serve.warmup import warm_up
 
 __all__ = ["EngineLoop", "Request", "QueueFull", "InvalidRequest", "EngineFailure"]
 
 log = logging.getLogger(__name__)
 
 ENGINE_FAILURES = 3  # consecutive failed rounds (each from a fresh state) before the loop gives up
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
-
-
-@dataclass
-class Request(Job):
-    """One generation. `on_tokens(new_ids)` and `on_finish(reason)` are called from the loop thread;
-    reason "error" comes with `error` set."""
-
-    stop_text: Callable[[list[int]], int | None] | None = None  # tokens -> how many to keep, if a stop string hit
-    on_tokens: Callable[[list[int]], None] = lambda ids: None
-    on_finish: Callable[[str], None] = lambda reason: None
-    cancelled: bool = False
-    error: str | None = None
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-
-
-class EngineFailure(RuntimeError):
-    """The decode state is gone (a compiled call consumed it and raised)."""
-
-
-def _intact(st) -> bool:
-    return not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(st))
 
 
 class EngineLoop:
@@ -248,7 +220,7 @@ class EngineLoop:
         try:
             b.join(taken)
         except Exception as e:
-            if not _intact(b.state):
+            if not intact(b.state):
                 raise EngineFailure(f"a join consumed the decode state: {e!r}") from e
             log.warning("a join of %d requests failed (%r); joining them one at a time", len(taken), e)
             for s, req in taken:
@@ -257,7 +229,7 @@ class EngineLoop:
                     b.reserve(s, req)
                     b.join([(s, req)])
                 except Exception as e1:
-                    if not _intact(b.state):
+                    if not intact(b.state):
                         raise EngineFailure(f"a join consumed the decode state: {e1!r}") from e1
                     self._end(req, "error", e1)
                     b.give_back([s])
@@ -300,39 +272,6 @@ class EngineLoop:
             req.on_tokens(new)
         return reason
 
-    # ---------------------------------------------------------------- warm-up
     def _warm(self):
-        """Compile what the first requests would: each prefill bucket from an idle engine (R
-        prompts a wave), the round, and (with chunked prefill) a join beside a running request."""
-        eng = self.engine
-        lens, min_len = warmup_lengths(eng), eng.min_prompt_len
-
-        def warm(n, max_new=2):
-            return Request([1] * n, max_new, SamplingParams(0.0, 0, 1.0), (), seed=0)
-
-        for i in range(0, len(lens), eng.R):
-            self._drain(collections.deque(warm(n) for n in lens[i: i + eng.R]))
-        if eng.prefill_chunk and eng.R > 1:
-            pending = collections.deque([warm(min_len, 4)])
-            self._iterate(pending)
-            pending.append(warm(min_len))
-            self._drain(pending)
-
-    def _drain(self, pending):
-        for _ in range(10_000):
-            if self._stop.is_set():
-                break
-            busy = self._batcher.busy
-            if not busy and pending and not self._admit_possible(pending):
-                break
-            if not busy and not pending:
-                break
-            self._iterate(pending)
-
-    def _admit_possible(self, pending) -> bool:
-        req = pending[0]
-        try:
-            return self._batcher.can_admit(req)
-        except Exception:  # noqa: BLE001  (too large for the page pool: not warmed)
-            pending.clear()
-            return False
+        """Compile what the first requests would (serve/warmup.py)."""
+        warm_up(self.engine, self._batcher, self._iterate, self._stop)

@@ -476,7 +476,8 @@ def test_clients_that_leave_free_their_slots_within_a_round(srv, monkeypatch):
 
 def test_api_key_cors_and_docs_are_off_unless_asked_for(srv):
     from dspark_jax.serve import serve_in_thread
-    from dspark_jax.serve.app import Access, make_app
+    from dspark_jax.serve.app import make_app
+    from dspark_jax.serve.served import Access
 
     port, m = srv.port, srv.model
     for path in ("/docs", "/redoc", "/openapi.json"):
@@ -647,8 +648,9 @@ def test_a_flood_of_messages_is_refused_before_it_is_validated_or_rendered(srv, 
 
 def test_prompt_limit_is_configurable(srv, monkeypatch):
     from dspark_jax.serve import serve_in_thread
-    from dspark_jax.serve.app import Limits, make_app
+    from dspark_jax.serve.app import make_app
     from dspark_jax.serve.convert import message_chars
+    from dspark_jax.serve.served import Limits
 
     served = dataclasses.replace(srv.served, limits=Limits(max_body_bytes=2048, max_prompt_chars=20, max_messages=4))
     server, thread, port = serve_in_thread(make_app(served, owns_loop=False))
@@ -695,7 +697,8 @@ def test_slow_clients_are_cut_off_after_the_read_timeouts(srv, monkeypatch):
     connection idle between requests, and a request read in full that takes longer to answer
     (40 tokens at >= 20 ms a round), are not cut."""
     from dspark_jax.serve import serve_in_thread
-    from dspark_jax.serve.app import Limits, make_app
+    from dspark_jax.serve.app import make_app
+    from dspark_jax.serve.served import Limits
 
     served = dataclasses.replace(srv.served, limits=Limits(header_timeout=0.5, body_timeout=0.5))
     server, thread, port = serve_in_thread(make_app(served, owns_loop=False))
@@ -743,7 +746,7 @@ def test_an_engine_that_cannot_continue_says_so_and_the_server_exits_nonzero(srv
     """Every round raises: each request in flight gets a 500; after three failed rounds in a row
     the loop stops, /health answers 500 "error", later requests 503, and `run_server` (what
     `python -m dspark_jax serve` returns) exits with status 1."""
-    from dspark_jax.serve.__main__ import run_server
+    from dspark_jax.serve.run import run_server
     from tests.serve.helpers import free_port
 
     served, eng = srv.served, srv.served.loop.engine

@@ -23,9 +23,9 @@ def test_target_dir_without_a_drafter_serves_target_only_not_the_embedded_target
         embedded_tiny_dir, tiny_dspark_drafter_dir, monkeypatch):
     """--target DIR used to pick up runs/dspark/drafter (trained for the embedded target) and
     refuse to start on any other target; that default belongs to the embedded target only."""
-    from dspark_jax.serve import __main__ as cli
+    from dspark_jax.serve import defaults
 
-    monkeypatch.setattr(cli, "DEFAULT_DRAFTER", tiny_dspark_drafter_dir)  # as if the embedded run's drafter existed
+    monkeypatch.setattr(defaults, "DEFAULT_DRAFTER", tiny_dspark_drafter_dir)  # as if the embedded run had one
     served = _build(embedded_tiny_dir)
     assert served.loop.engine.mode == "ar" and served.about["drafter"] is None
     assert "no drafter for this target" in served.about["drafter_why"]
@@ -35,7 +35,7 @@ def test_a_drafter_in_or_beside_the_target_is_served_when_it_was_trained_for_it(
         embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
     from dspark_jax.io.drafter_dir import CONFIG_FILE
     from dspark_jax.serve.__main__ import startup_line
-    from dspark_jax.serve.app import Access
+    from dspark_jax.serve.served import Access
 
     root = tmp_path / "models"
     root.mkdir()
