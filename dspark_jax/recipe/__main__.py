@@ -2,6 +2,8 @@
 
     python -m dspark_jax recipe smollm2-135m-instruct --out runs/smollm2
     python -m dspark_jax recipe smollm2-135m-instruct --out runs/smollm2 data.num_prompts=400 train.steps=60
+    python -m dspark_jax recipe embedded-study --out runs/study   (DSpark, DFlash and ablations with seeds:
+                                                                   recipe/study.py, its own options)
 
 Fetches the target (or takes --target), trains every drafter of the recipe on the same regenerated
 data, evaluates them side by side on the public prompt sets at each temperature (tau with 95 %
@@ -24,9 +26,14 @@ DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["embedded-study"]:  # its own options: recipe/study.py
+        from dspark_jax.recipe.study import main as study_main
+
+        return study_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m dspark_jax recipe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=sorted(RECIPES), help="the recipe")
+    ap.add_argument("name", choices=sorted(RECIPES) + ["embedded-study"], help="the recipe")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every training run")
     ap.add_argument("--out", required=True, help="output directory (one subfolder per drafter, eval_T*, logs)")
     ap.add_argument("--target", default=None, help="HF checkpoint directory instead of fetching the recipe's model")

@@ -1,0 +1,62 @@
+"""`python -m dspark_jax recipe embedded-study` end to end at toy scale on the tiny embedded target:
+every stage runs, the report holds both temperatures with seed-and-prompt intervals, a rerun does no
+work, the docs rendering keeps the page's own text; bad input is one clear error."""
+
+import json
+
+import pytest
+
+from dspark_jax.recipe import study as study_mod
+from dspark_jax.recipe.run import RecipeError
+from dspark_jax.recipe.study import Study, render_docs, run_study
+
+TOY = ("data.num_anchors=8", "train.anchor_chunk=8", "train.batch_size=4", "train.steps=2", "train.eval_every=1",
+       "train.eval_batches=1", "train.checkpoint_every=0", "drafter.num_layers=1", "drafter.gamma=4",
+       "drafter.markov_rank=16", "drafter.target_layer_ids=[1,3,5]", "train.measure_prompts=0")
+
+
+def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_path, monkeypatch):
+    st = Study(variants=("dspark", "dflash"), seeds=(0, 1), num_train_prompts=8, num_heldout_prompts=2,
+               regen_max_new_tokens=16, seq_len=96, eval_max_new_tokens=8, temperatures=(1.0, 0.0),
+               train=TOY)
+    out = tmp_path / "study"
+    s = run_study(st, out, embedded_tiny_dir, echo=False)
+    for t in ("1", "0"):
+        per = s["eval"][t]
+        assert set(per) == {"dspark", "dflash"}
+        for r in per.values():
+            assert r["seeds"] == [0, 1] and r["prompts"] == 2 and len(r["acceptance_per_position"]) == 4
+            assert r["ci95"][0] <= r["tau"] <= r["ci95"][1] and r["tau"] >= 1.0
+        assert "vs_dflash" in per["dspark"] and "vs_dflash" not in per["dflash"]
+    results = json.loads((out / "eval" / "s1_T1" / "results.json").read_text())
+    assert results["meta"]["mode"] == "engine" and results["meta"]["temperature"] == 1.0
+    assert json.loads((out / "eval" / "s0_T0" / "results.json").read_text())["meta"]["mode"] == "forced"
+    assert [p["step"] for p in s["curves"]["dspark"]] == [1, 2]
+    assert all(set(p["seeds"]) == {0, 1} for p in s["curves"]["dflash"])
+    report = (out / "report.md").read_text()
+    assert "## tau at T = 1 (engine-sampled rounds)" in report and "## tau at T = 0" in report
+    assert "| dspark |" in report and "## Answer" in report and (out / "study.png").is_file()
+
+    docs = tmp_path / "study.md"
+    docs.write_text("# Study\n\nPhase 1 notes stay.\n")
+    render_docs(out, docs)
+    render_docs(out, docs)  # idempotent: the block is replaced, not appended again
+    text = docs.read_text()
+    assert text.startswith("# Study\n\nPhase 1 notes stay.") and text.count(study_mod.BEGIN) == 1
+    assert "(study.png)" in (out / "report.md").read_text() and "](study.png)" in text and docs.with_suffix(
+        ".png").is_file()
+
+    def no_work(name, *a, **k):
+        raise AssertionError(f"stage {name} ran again")
+
+    monkeypatch.setattr(study_mod, "run_stage", no_work)
+    again = run_study(st, out, embedded_tiny_dir, echo=False)
+    assert json.dumps(again["eval"]) == json.dumps(s["eval"])
+
+
+def test_bad_input_is_one_clear_error(tmp_path):
+    with pytest.raises(RecipeError, match="unknown variant.*dspark"):
+        Study(variants=("dspark", "medusa"))
+    with pytest.raises(RecipeError, match="seeds repeat"):
+        Study(seeds=(0, 0))
+    assert study_mod.main(["--out", str(tmp_path / "o"), "--variants", "eagle"]) == 2
