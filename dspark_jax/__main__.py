@@ -1,7 +1,15 @@
 """`python -m dspark_jax <command> [options]` (or `dspark-jax <command>`): every command in one place.
 
-`python -m dspark_jax.train` also runs the trainer directly, as the TPU launch scripts do.
-Each command's module is imported only when it runs, so listing the commands needs no JAX.
+Every command is a module of `dspark_jax.commands` (parse the arguments, call the library, print);
+`python -m dspark_jax.train` also runs the trainer directly, as the TPU launch scripts do. Each
+command's module is imported only when it runs, so listing the commands needs no JAX.
+
+Naming rule: a command is one lowercase word, a verb for what it does (`train`, `generate`,
+`serve`, `convert`) or the noun of the thing it makes or works on (`costs`, `models`, `features`);
+variants of one kind of work are subcommands of one command, never hyphenated names of their own
+(`plan train` and `plan engine`, `bench serve` and `bench tpu-memory`, `convert gguf`). An old
+spelling stays for one release as an alias (`ALIASES`) that runs the new command after a one-line
+notice on stderr.
 """
 
 from __future__ import annotations
@@ -19,22 +27,23 @@ class Command(NamedTuple):
     summary: str
 
 
+class Alias(NamedTuple):
+    """An old spelling: `old [drop] args...` runs `new args...` (`drop`: a word the old form had)."""
+
+    new: tuple[str, ...]
+    drop: str | None = None
+
+
 COMMANDS = {
-    "train": Command("dspark_jax.train.__main__",
+    "train": Command("dspark_jax.commands.train",
                      "train a drafter (dspark, dflash, eagle3, mtp1); no arguments = the embedded default"),
-    "train-plan": Command("dspark_jax.commands.train_plan",
-                          "sharding check and per-chip memory of a preset's train / eval steps, no devices needed"),
-    "engine-plan": Command("dspark_jax.commands.engine_plan",
-                           "per-chip serving memory of the engine (weights, KV caches, compiled round) for a preset"),
-    "tpu-memory": Command("dspark_jax.bench.tpu_memory",
-                          "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)"),
-    "tpu-predict": Command("dspark_jax.bench.tpu_predict",
-                           "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU compiler's cost "
-                           "model, beside published TPU runs (resumable)"),
-    "embedded": Command("dspark_jax.embedded.__main__", "build / locate / verify / report the embedded default target"),
+    "plan": Command("dspark_jax.commands.plan",
+                    "per-chip memory without devices: plan train (a preset's train / eval steps), "
+                    "plan engine (serving)"),
+    "embedded": Command("dspark_jax.commands.embedded",
+                        "build / locate / verify / report the embedded default target"),
     "models": Command("dspark_jax.commands.models",
                       "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache"),
-    "gguf": Command("dspark_jax.commands.gguf", "import a GGUF model as a Hugging Face checkpoint directory"),
     "recipe": Command("dspark_jax.recipe.__main__",
                       "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time "
                       "(e.g. smollm2-135m-instruct)"),
@@ -50,14 +59,39 @@ COMMANDS = {
     "eval": Command("dspark_jax.commands.eval",
                     "tau with intervals, conditional acceptance, calibration report and plots"),
     "calibrate": Command("dspark_jax.commands.calibrate", "fit Sequential Temperature Scaling on engine traces"),
-    "costs": Command("dspark_jax.commands.costs", "measure / show verification cost tables"),
-    "serve": Command("dspark_jax.serve.__main__",
+    "costs": Command("dspark_jax.commands.costs", "measure / predict / show verification cost tables"),
+    "serve": Command("dspark_jax.commands.serve",
                      "an OpenAI-compatible HTTP server (completions, chat, streaming) with continuous batching"),
     "simulate": Command("dspark_jax.commands.simulate", "serving simulation of the schedulers under concurrency"),
     "convert": Command("dspark_jax.commands.convert",
-                       "import / export DeepSpec reference-layout drafters (what vLLM / SGLang load)"),
-    "bench": Command("dspark_jax.bench.__main__", "benchmarks (regen, train, engine, vs-torch, sampling, grid, serve)"),
+                       "drafters to / from DeepSpec's layout (what vLLM / SGLang load); a GGUF model "
+                       "as a Hugging Face checkpoint"),
+    "bench": Command("dspark_jax.commands.bench",
+                     "benchmarks and the TPU reports of docs/ (regen, train, engine, serve, roofline, "
+                     "tpu-memory, tpu-predict, ...)"),
 }
+
+# old spelling -> the command it is now; kept for one release
+ALIASES = {
+    "train-plan": Alias(("plan", "train")),
+    "engine-plan": Alias(("plan", "engine")),
+    "tpu-memory": Alias(("bench", "tpu-memory")),
+    "tpu-predict": Alias(("bench", "tpu-predict")),
+    "gguf": Alias(("convert", "gguf"), drop="import"),
+}
+
+
+def resolve_alias(name: str, rest: list[str]) -> tuple[str, list[str]]:
+    """An old spelling -> (the command, its arguments), with the notice on stderr; others as they are."""
+    alias = ALIASES.get(name)
+    if alias is None:
+        return name, rest
+    if alias.drop is not None and rest[:1] == [alias.drop]:
+        rest = rest[1:]
+    old = " ".join([name] + ([alias.drop] if alias.drop else []))
+    print(f"note: `{old}` is now `{' '.join(alias.new)}`; the old name goes away in the next release",
+          file=sys.stderr)
+    return alias.new[0], list(alias.new[1:]) + rest
 
 
 def usage() -> str:
@@ -66,7 +100,9 @@ def usage() -> str:
     return ("usage: python -m dspark_jax [--no-compile-cache] <command> [options]   (or: dspark-jax ...)\n\n"
             "Compiled programs are kept in the user cache ($DSPARK_JAX_COMPILE_CACHE, default\n"
             "~/.cache/dspark_jax/xla; 'off' or --no-compile-cache keeps them in memory only).\n\n"
-            "commands (each answers --help):\n" + "\n".join(lines))
+            "commands (each answers --help):\n" + "\n".join(lines) +
+            "\n\nold names, for one more release: " +
+            ", ".join(f"{old} (now {' '.join(a.new)})" for old, a in ALIASES.items()))
 
 
 def use_compile_cache() -> None:
@@ -87,7 +123,7 @@ def main(argv=None) -> int:
         if not argv:
             print(usage())
             return 0
-    name, rest = argv[0], argv[1:]
+    name, rest = resolve_alias(argv[0], argv[1:])
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

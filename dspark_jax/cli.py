@@ -83,8 +83,6 @@ def parse_kv_pages(text: str) -> tuple[int, int]:
     return num, size
 
 
-# The drafter kinds, listed once: the config schema's `drafter.kind`, the commands' choices (built
-# without jax) and drafter.registry.KINDS (one adapter per name; equal, tests/test_cli_errors.py).
 def parse_mesh_shape(text: str | None, devices: int) -> tuple[int, int, int]:
     """--mesh DATA,FSDP,TENSOR; None: 1,1,devices (tensor parallel over every device)."""
     text = text or f"1,1,{devices}"
@@ -95,11 +93,3 @@ def parse_mesh_shape(text: str | None, devices: int) -> tuple[int, int, int]:
     if len(shape) != 3:
         raise ValueError(f"--mesh {text!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8")
     return shape
-
-
-KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")
-
-# The engine's verification-length policies as the planner compiles them, and the programs it can
-# compile (engine/plan.py; listed here so that parsers need no jax).
-ENGINE_POLICIES = ("fixed", "scheduled")
-PLAN_PROGRAMS = ("round", "prefill", "admit")

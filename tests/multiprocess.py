@@ -2,7 +2,7 @@
 
 Each process sees `devices_per_process` fake CPU devices and finds the others through the
 coordinator at 127.0.0.1:<free port> (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-JAX_PROCESS_ID, read by `dspark_jax.train.__main__.maybe_initialize_distributed`). This is
+JAX_PROCESS_ID, read by `dspark_jax.parallel.distributed.maybe_initialize_distributed`). This is
 how a multi-host TPU job is exercised on CPU: cross-process arrays, collectives over gloo,
 per-process data shards and checkpoints, all real.
 

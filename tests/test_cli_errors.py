@@ -11,7 +11,7 @@ NOPE = "/nonexistent/dspark_jax_test"
 
 CASES = {
     "train": [f"{NOPE}.yaml"],
-    "train-plan": [f"{NOPE}.yaml"],
+    "plan train": ["train", f"{NOPE}.yaml"],
     "regenerate": ["--target", NOPE, "--out", f"{NOPE}/out"],
     "prepare": [f"{NOPE}.jsonl", "--out", f"{NOPE}/out"],
     "eval": ["--target", NOPE, "--drafter", NOPE],
@@ -19,7 +19,7 @@ CASES = {
     "convert": ["export", NOPE, f"{NOPE}/ref", "--target", NOPE],
     "generate": ["--target", NOPE, "--prompts", f"{NOPE}.txt"],
     "serve": ["--target", NOPE],
-    "gguf": ["import", f"{NOPE}.gguf", f"{NOPE}/out"],
+    "convert gguf": ["gguf", f"{NOPE}.gguf", f"{NOPE}/out"],
     "simulate": ["--costs", f"{NOPE}.json", "--synthetic-traces", "--out", f"{NOPE}/o"],
     "bench": ["engine", "--target", NOPE],
     "bench regen": ["regen", "--target", NOPE],
@@ -71,8 +71,8 @@ def test_one_name_per_concept_old_spellings_are_refused(command, old, new, capsy
     assert e.value.code == 2 and f"unrecognized arguments: {old} x" in capsys.readouterr().err
 
 
-FAST_HELP = ["train", "regenerate", "prepare", "eval", "calibrate", "convert", "generate", "serve", "engine-plan",
-             "models", "recipe", "bench"]
+FAST_HELP = ["train", "regenerate", "prepare", "eval", "calibrate", "convert", "generate", "serve", "plan",
+             "engine-plan", "embedded", "models", "recipe", "bench"]
 
 
 def test_help_of_the_user_commands_does_not_import_jax():
@@ -99,14 +99,14 @@ def test_help_of_the_user_commands_does_not_import_jax():
 
 
 def test_kind_names_match_the_registry():
-    from dspark_jax.cli import KIND_NAMES
     from dspark_jax.drafter.registry import KINDS
+    from dspark_jax.names import KIND_NAMES
 
     assert tuple(KINDS) == KIND_NAMES
 
 
 def test_train_help_lists_the_loaders_presets():
+    from dspark_jax.commands.train import _preset_names
     from dspark_jax.config.loader import preset_names
-    from dspark_jax.train.__main__ import _preset_names
 
     assert _preset_names() == preset_names() and "smollm2_135m_dspark" in preset_names()

@@ -60,3 +60,49 @@ def test_no_shim_packages_at_the_top_level():
         if pkg.is_dir() and (pkg / "__init__.py").is_file():
             modules = [p for p in pkg.rglob("*.py") if p.name != "__init__.py"]
             assert modules != [pkg / "__main__.py"], f"{pkg.name}/ holds only a __main__.py"
+
+
+@pytest.mark.parametrize("old,argv,usage", [
+    ("train-plan", ["train-plan", "--help"], "usage: python -m dspark_jax plan train"),
+    ("engine-plan", ["engine-plan", "--help"], "usage: python -m dspark_jax plan engine"),
+    ("tpu-memory", ["tpu-memory", "--help"], "usage: python -m dspark_jax bench tpu-memory"),
+    ("tpu-predict", ["tpu-predict", "--help"], "usage: python -m dspark_jax bench tpu-predict"),
+    ("gguf import", ["gguf", "import", "--help"], "usage: python -m dspark_jax convert gguf"),
+])
+def test_an_old_name_runs_the_new_command_after_a_one_line_notice(old, argv, usage, capsys):
+    from dspark_jax.__main__ import ALIASES
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    captured = capsys.readouterr()
+    assert usage in captured.out, captured.out[:400]
+    new = " ".join(ALIASES[argv[0]].new)
+    assert captured.err == f"note: `{old}` is now `{new}`; the old name goes away in the next release\n"
+    assert argv[0] not in COMMANDS
+
+
+def test_every_command_is_a_module_of_the_command_package():
+    """One command layer: each command's module is in dspark_jax.commands (the recipe's own is
+    dspark_jax.recipe.__main__), and `python -m dspark_jax.train` runs the train command."""
+    outside = {n: c.module for n, c in COMMANDS.items() if not c.module.startswith("dspark_jax.commands.")}
+    assert outside == {"recipe": "dspark_jax.recipe.__main__"}, outside
+    train_main = (ROOT / "dspark_jax" / "train" / "__main__.py").read_text()
+    assert "from dspark_jax.commands.train import main" in train_main
+
+
+def test_command_modules_hold_no_library_functions():
+    """A command parses, calls the library and prints: at module level it imports only the
+    JAX-free modules its parser needs (the library comes inside `main`)."""
+    import ast
+
+    allowed = ("dspark_jax.cli", "dspark_jax.console", "dspark_jax.names", "dspark_jax.commands",
+               "dspark_jax.serve.defaults", "dspark_jax.io.cache", "dspark_jax.io.models", "dspark_jax.io.gguf",
+               "dspark_jax.data.regen_defaults", "dspark_jax.decoding.params")
+    for path in sorted((ROOT / "dspark_jax" / "commands").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspark_jax"):
+                assert node.module.startswith(allowed), f"{path.name}: module-level import of {node.module}"

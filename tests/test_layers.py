@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dspark_jax"
 
 # Bottom to top; docs/design.md ("Layers") explains each floor.
 LAYERS = [
-    "cli", "console", "decoding",
+    "cli", "console", "names", "decoding",
     "parallel",
     "target",
     "config",

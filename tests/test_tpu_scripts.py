@@ -433,7 +433,7 @@ def test_python_starts_jax_distributed_from_the_worker_env(monkeypatch):
     `python -m dspark_jax.train` call jax.distributed.initialize with them; none, no call."""
     import jax
 
-    from dspark_jax.train.__main__ import maybe_initialize_distributed
+    from dspark_jax.parallel.distributed import maybe_initialize_distributed
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))

@@ -383,10 +383,11 @@ def bench_skip(target, drafter, prompts, args, out):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_jax.commands.generate import load_models
+    from dspark_jax.embedded.target import resolve_target_dir
     from dspark_jax.io.drafter_dir import load as load_drafter
+    from dspark_jax.io.loading import load_models
 
-    target, drafter, _ = load_models(args.target, args.drafter, None, args.dtype)
+    target, drafter, _ = load_models(resolve_target_dir(args.target), args.drafter, None, args.dtype)
     prompts, tok = _prompts(target, args)
     sections = set(args.sections.split(","))
     drafter = drafter if drafter is not None else _random_drafter(target, 7, 256)

@@ -1,6 +1,6 @@
-"""`python -m dspark_jax tpu-memory`: docs/tpu_memory.md's tables, from the TPU compiler.
+"""`python -m dspark_jax bench tpu-memory`: docs/tpu_memory.md's tables, from the TPU compiler.
 
-    python -m dspark_jax tpu-memory --out docs/tpu_memory.md
+    python -m dspark_jax bench tpu-memory --out docs/tpu_memory.md
 
 Every Qwen3 preset's train and eval steps compiled for the slice it names, and the serving
 engine's round and prefill (dense and paged KV) of each Qwen3 target on v5e-8 / v6e-8 / v5p-8 /
@@ -172,7 +172,7 @@ def write_doc(out: Path, table: str) -> None:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax tpu-memory", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench tpu-memory", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     root = Path(__file__).resolve().parents[2]

@@ -51,5 +51,6 @@ def plot_methods(results: dict, methods, no_overhead: str, plots: Path, lines: l
         lines += [f"![{preset}]({os.path.relpath(path, out_dir)})", "",
                   f"Total against per-user tokens/s, {PREDICTED}, not measured: the serving simulation on the "
                   "predicted cost tables with the paper's Qwen3-4B GSM8K acceptance (temperature 1) "
-                  "(`python -m dspark_jax tpu-predict --render-only`). Each point is one concurrency (its label); "
+                  "(`python -m dspark_jax bench tpu-predict --render-only`). Each point is one concurrency "
+                  "(its label); "
                   "DSpark gamma=7 lies under DSpark scheduled wherever the scheduler keeps the whole block.", ""]

@@ -1,7 +1,7 @@
-"""`python -m dspark_jax tpu-predict`: docs/tpu_predictions.md, what DSpark will do on Cloud TPU
+"""`python -m dspark_jax bench tpu-predict`: docs/tpu_predictions.md, what DSpark will do on Cloud TPU
 slices, from cost tables the TPU compiler predicts on this machine.
 
-    python -m dspark_jax tpu-predict --out docs/tpu_predictions.md
+    python -m dspark_jax bench tpu-predict --out docs/tpu_predictions.md
 
 Each entry is one `costs predict` run (a preset on a slice at R slots: the draft, a round per
 verification bucket, the target-only step, the DFlash and MTP-1 drafts), in a process of its own,
@@ -124,7 +124,7 @@ def _reprice(cache: Path) -> None:
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax tpu-predict", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax bench tpu-predict", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "tpu_predictions.md")

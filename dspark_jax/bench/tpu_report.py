@@ -1,6 +1,6 @@
 """docs/tpu_predictions.md from predicted cost tables: the comparison with published TPU runs, the
 overhead model, the serving simulation per slice, target and concurrency, and the plots
-(`python -m dspark_jax tpu-predict`, bench/tpu_predict.py, makes the tables)."""
+(`python -m dspark_jax bench tpu-predict`, bench/tpu_predict.py, makes the tables)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def _ms(x: float) -> str:
 def _comparison(cache: Path, lines: list[str]) -> Overhead | None:
     sg = {r: _load(cache, f"sglang-v7x-8-qwen3_8b_dspark-r{r}") for r in (1, 8, 32, 128)}
     if sg[1] is None:
-        lines.append("The v7x-8 tables are not predicted yet: run `python -m dspark_jax tpu-predict --only sglang`.")
+        lines.append("The v7x-8 tables are not predicted yet: run "
+                     "`python -m dspark_jax bench tpu-predict --only sglang`.")
         return None
     pub = PUBLISHED["sglang-jax"]
     o = fit_overhead(sg)
@@ -156,7 +157,7 @@ def _comparison(cache: Path, lines: list[str]) -> Overhead | None:
     pub = PUBLISHED["tpu-inference"]
     lines += ["", f"**tpu-inference** ({pub['source']}), at its published tau {pub['tau']}:", ""]
     if ti is None:
-        lines.append("not predicted yet: `python -m dspark_jax tpu-predict --only tpu-inference`.")
+        lines.append("not predicted yet: `python -m dspark_jax bench tpu-predict --only tpu-inference`.")
     else:
         pa, pb, p0 = (fixed_speedup(x, pub["tau"], 16) for x in (one.apply(ti), o.apply(ti), ti))
         lines += [f"- Qwen3-4B on v5p-8 (4 chips, TP 4): target step {_ms(ti['t_target_step'])} ms, DFlash draft "

@@ -1,5 +1,6 @@
-"""`python -m dspark_jax convert import|export ...`: drafters between DeepSpec's layout (what vLLM /
-SGLang load) and ours; the work is in `dspark_jax.io.reference`."""
+"""`python -m dspark_jax convert import|export|gguf ...`: drafters between DeepSpec's layout (what
+vLLM / SGLang load) and ours (`dspark_jax.io.reference`), and a GGUF model (llama.cpp's format) as a
+Hugging Face checkpoint directory (`dspark_jax.io.gguf`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dspark_jax convert",
         description="Convert DSpark/DFlash drafters between the DeepSpec (PyTorch, Hugging Face save_pretrained) "
-                    "layout and dspark_jax's drafter directory (drafter.safetensors + drafter_config.json).",
+                    "layout and dspark_jax's drafter directory (drafter.safetensors + drafter_config.json), or "
+                    "a GGUF model into a Hugging Face checkpoint directory.",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="DeepSpec drafter directory -> dspark_jax drafter directory",
@@ -38,7 +40,13 @@ def main(argv=None) -> int:
                        help="the target's Hugging Face checkpoint directory "
                             "(the drafter's embedding / LM head come from it)")
         add_mesh_argument(p, "so a target larger than one chip can be read (the converted files are the same)")
+    gguf = sub.add_parser("gguf", help="GGUF file -> HF directory (config, safetensors, tokenizer, chat template)")
+    gguf.add_argument("gguf", help="the .gguf file")
+    gguf.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    gguf.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
+    if args.cmd == "gguf":
+        return _gguf(args)
     from dspark_jax.io.reference import (  # jax: after --help
         export_reference,
         import_reference,
@@ -57,4 +65,16 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _gguf(args) -> int:
+    from dspark_jax.io.gguf import GGUFError, import_gguf
+
+    try:
+        out = import_gguf(args.gguf, args.out_dir, args.dtype)
+    except GGUFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
     return 0

@@ -10,7 +10,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dspark_jax.cli import KIND_NAMES, add_kv_pages_argument, parse_mesh_shape, report_user_errors
+from dspark_jax.cli import add_kv_pages_argument, parse_mesh_shape, report_user_errors
+from dspark_jax.names import KIND_NAMES
 
 
 def _build_engine(args):
@@ -19,11 +20,11 @@ def _build_engine(args):
     models that will serve."""
     import jax.numpy as jnp
 
-    from dspark_jax.commands.generate import load_models
     from dspark_jax.config import from_cli
     from dspark_jax.drafter.kinds.eagle3 import EAGLE3
     from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.engine.timing import verify_gamma_policy
+    from dspark_jax.io.loading import load_models
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None

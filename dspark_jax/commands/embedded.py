@@ -7,17 +7,13 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.embedded.report import format_report, heldout_report
-from dspark_jax.embedded.target import (
-    PRESETS,
-    _cache_name,
-    embedded_target_dir,
-    get_preset,
-    verify_target_dir,
-)
+from dspark_jax.cli import report_user_errors
 from dspark_jax.io.cache import CACHE_ENV, cache_root
 
+PRESET_NAMES = ("full", "tiny")  # embedded.target.PRESETS, named here so that --help needs no jax
 
+
+@report_user_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax embedded",
                                  description="Build, locate, verify or evaluate the embedded default target.")
@@ -27,13 +23,16 @@ def main(argv=None) -> int:
                       ("verify", "check the cached target against its manifest"),
                       ("report", "held-out loss per domain vs a Kneser-Ney-lite bigram")):
         sp = sub.add_parser(name, help=hlp)
-        sp.add_argument("--preset", default="full", choices=sorted(PRESETS))
+        sp.add_argument("--preset", default="full", choices=PRESET_NAMES)
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--cache-dir", default=None, help=f"default ${CACHE_ENV} or ~/.cache/dspark_jax")
         if name == "build":
             sp.add_argument("--force", action="store_true", help="rebuild even if a valid target is cached")
         sp.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
+    from dspark_jax.embedded.report import format_report, heldout_report
+    from dspark_jax.embedded.target import _cache_name, embedded_target_dir, get_preset, verify_target_dir
+
     prog = not a.no_progress
     root = Path(a.cache_dir) if a.cache_dir else cache_root()
     d = root / _cache_name(get_preset(a.preset), a.seed)

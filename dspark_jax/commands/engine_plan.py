@@ -1,7 +1,7 @@
-"""`python -m dspark_jax engine-plan`: per-chip serving memory of the engine for a target preset,
+"""`python -m dspark_jax plan engine`: per-chip serving memory of the engine for a target preset,
 R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the compiled programs.
 
-    python -m dspark_jax engine-plan configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
+    python -m dspark_jax plan engine configs/qwen3_8b_dspark.yaml --topology v6e-8 --slots 32 --context 4096 --compile
 
 Weights and caches are exact (their shapes and the rules table's shardings). With `--compile` the
 engine's programs are lowered for those shardings and compiled: the round (draft, verification
@@ -23,19 +23,18 @@ import argparse
 import sys
 
 from dspark_jax.cli import (
-    ENGINE_POLICIES,
-    PLAN_PROGRAMS,
     add_kv_pages_argument,
     add_prefill_chunk_argument,
     parse_mesh_shape,
     prefill_chunk,
     report_user_errors,
 )
+from dspark_jax.names import ENGINE_POLICIES, PLAN_PROGRAMS
 
 
 @report_user_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark_jax engine-plan", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax plan engine", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("config", help="a preset naming target.model (and the drafter), e.g. configs/qwen3_8b_dspark.yaml")

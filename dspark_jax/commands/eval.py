@@ -79,10 +79,10 @@ def main(argv=None) -> int:
         CalibrationMissingError,
         load_temperatures,
     )
-    from dspark_jax.commands.generate import load_models
     from dspark_jax.console import progress_bar
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.embedded.target import resolve_target_dir
     from dspark_jax.eval.evaluate import (
         EvalError,
         engine_check,
@@ -94,12 +94,13 @@ def main(argv=None) -> int:
     )
     from dspark_jax.eval.forced import greedy_continuations
     from dspark_jax.io import drafter_dir as drafter_io
+    from dspark_jax.io.loading import load_models
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     try:
         from dspark_jax.parallel.sharding import parse_mesh
         mesh = parse_mesh(args.mesh)
-        target, _, _ = load_models(args.target, None, "ar", args.dtype, mesh)
+        target, _, _ = load_models(resolve_target_dir(args.target), None, "ar", args.dtype, mesh)
         tok = target.require_tokenizer()
         drafters = {}
         for spec in args.drafter:

@@ -7,7 +7,7 @@ Prompts: a jsonl file (`{"turns": [...]}` or `{"conversations": [...]}` lines) o
 `--prompts`, one user message per non-empty stdin line. They are rendered with the target's
 chat template (generation prompt appended). Prints each completion and per-request
 statistics (rounds, mean accepted length tau, tokens/s), then a summary line.
-Python API: `dspark_jax.engine.Engine`, `load_models`, `generate_texts`.
+Python API: `dspark_jax.engine.Engine`, `dspark_jax.io.loading.load_models`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def parse_args(argv=None):
     add_dtype_argument(ap)
     add_mesh_argument(ap, "request slots over data, KV heads over tensor")
     ap.add_argument("--drafter", default=None, help="drafter directory written by the train or convert command")
-    from dspark_jax.cli import KIND_NAMES as KINDS
+    from dspark_jax.names import KIND_NAMES as KINDS
 
     ap.add_argument("--mode", default=None, choices=("ar", *KINDS),
                     help="default: the drafter's kind, or ar without a drafter")
@@ -87,35 +87,6 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
     if not convs:
         raise ValueError(f"no prompts in {path or 'stdin'}")
     return convs
-
-
-def load_models(target_dir=None, drafter_dir=None, mode=None, dtype: str = "float32", mesh=None):
-    """(LoadedTarget, drafter or None, mode) for any drafter kind saved by the trainer.
-    `dtype` is the target's ("auto": as stored); the drafter computes in the same dtype. With a
-    `mesh` the target is read straight onto it and the drafter laid out by the rules table."""
-    import jax.numpy as jnp
-
-    from dspark_jax.io.drafter_dir import load as load_drafter
-    from dspark_jax.io.hf import load_target
-
-    if target_dir is None:
-        from dspark_jax.embedded.target import embedded_target_dir
-
-        target_dir = embedded_target_dir(build=True, progress=True)
-    target = load_target(target_dir, dtype=dtype, mesh=mesh)
-    drafter = None
-    if drafter_dir:
-        tdt = target.model.embed[...].dtype
-        drafter = load_drafter(drafter_dir, target, dtype=None if tdt == jnp.float32 else tdt, mesh=mesh)
-    kind = drafter.dcfg.kind if drafter is not None else "ar"
-    mode = mode or kind
-    if mode == "ar":
-        drafter = None
-    elif drafter is None:
-        raise ValueError(f"--mode {mode} needs --drafter DIR (a drafter trained with python -m dspark_jax.train)")
-    elif kind != mode:
-        raise ValueError(f"--mode {mode} but the drafter in {drafter_dir} is a {kind} drafter")
-    return target, drafter, mode
 
 
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
@@ -182,7 +153,9 @@ def main(argv=None) -> int:
     from dspark_jax.cli import prefill_chunk
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter.frozen import TargetMismatchError
+    from dspark_jax.embedded.target import resolve_target_dir
     from dspark_jax.engine import EngineError
+    from dspark_jax.io.loading import load_models
     from dspark_jax.parallel.sharding import parse_mesh
     from dspark_jax.scheduler.costs import CostTableError
 
@@ -191,7 +164,7 @@ def main(argv=None) -> int:
         convs = read_prompts(args.prompts)
         table, sts = scheduling_inputs(args, sampling)
         mesh = parse_mesh(args.mesh)
-        target, drafter, mode = load_models(args.target, args.drafter, args.mode, args.dtype, mesh)
+        target, drafter, mode = load_models(resolve_target_dir(args.target), args.drafter, args.mode, args.dtype, mesh)
         res, ids, texts = generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,

@@ -1,4 +1,5 @@
-"""`python -m dspark_jax.train [CONFIG.yaml] [section.key=value ...]`
+"""`python -m dspark_jax train [CONFIG.yaml] [section.key=value ...]` (also `python -m dspark_jax.train`,
+as the TPU launch scripts run it)
 
 With no arguments: trains a DSpark drafter for the embedded target, building the target
 and its regenerated training data first when the cache is empty.
@@ -39,25 +40,6 @@ def _preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".yaml"))
 
 
-def maybe_initialize_distributed() -> None:
-    """Multi-host (a TPU pod slice): connect the hosts before any other JAX call.
-
-    On Cloud TPU VMs the workers are listed in TPU_WORKER_HOSTNAMES and
-    `jax.distributed.initialize()` finds its coordinator by itself; elsewhere set
-    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
-    """
-    import os
-
-    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    if len(hosts) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        import jax
-
-        env = os.environ
-        explicit = {"num_processes": int(env["JAX_NUM_PROCESSES"]), "process_id": int(env["JAX_PROCESS_ID"])} \
-            if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env else {}
-        jax.distributed.initialize(**explicit)
-
-
 @report_user_errors
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -76,6 +58,8 @@ def main(argv=None) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    from dspark_jax.parallel.distributed import maybe_initialize_distributed
+
     maybe_initialize_distributed()
     from dspark_jax.io.compile_cache import enable_compile_cache
     from dspark_jax.train.run import run

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax train-plan`: sharding check and per-chip memory of a preset's train and
+"""`python -m dspark_jax plan train`: sharding check and per-chip memory of a preset's train and
 eval steps, abstractly or compiled (dspark_jax/train/plan.py, train/compiled.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-USAGE = """usage: python -m dspark_jax train-plan CONFIG.yaml [section.key=value ...] [--compile] [--topology SLICE] \
+USAGE = """usage: python -m dspark_jax plan train CONFIG.yaml [section.key=value ...] [--compile] [--topology SLICE] \
 [--hbm-gib N]
 Checks sharding divisibility on the config's mesh, traces the step abstractly and prints a
 per-device memory estimate.

@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dspark_jax.cli import KIND_NAMES
 from dspark_jax.config.loader import ConfigError, load_config, split_cli
+from dspark_jax.names import KIND_NAMES
 from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.target.config import ModelConfig
 

@@ -2,7 +2,7 @@
 
 Everything that depends on the kind (building, the training loss, the engine's prefill /
 draft / update, memory planning) goes through the adapter found here; adding a kind is a
-new file under `drafter/kinds/` and one entry in `KINDS` (plus its name in `cli.KIND_NAMES`, which
+new file under `drafter/kinds/` and one entry in `KINDS` (plus its name in `names.KIND_NAMES`, which
 the config schema and the commands read without importing jax).
 """
 

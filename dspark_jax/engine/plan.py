@@ -16,15 +16,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.cli import (
-    ENGINE_POLICIES,
-    PLAN_PROGRAMS,
-)
 from dspark_jax.drafter.abstract import abstract_models
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.layout import decode_shardings
 from dspark_jax.engine.round import admit, prefill_group, round_step
+from dspark_jax.names import ENGINE_POLICIES, PLAN_PROGRAMS
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.slices import parse_slice
 from dspark_jax.parallel.topology import hbm_refusal, slice_devices, slice_mesh

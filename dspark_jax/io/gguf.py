@@ -1,6 +1,6 @@
 """Import a GGUF file (llama.cpp's format) as an ordinary Hugging Face checkpoint directory.
 
-    python -m dspark_jax gguf import FILE.gguf OUT_DIR [--dtype float32|bfloat16]
+    python -m dspark_jax convert gguf FILE.gguf OUT_DIR [--dtype float32|bfloat16]
 
 Writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` (with
 the chat template) and `generation_config.json`, which `load_target` (and transformers) read

@@ -72,7 +72,6 @@ def checkpoint_dtype(path: str | Path) -> str:
             else "float32")
 
 
-from dspark_jax.cli import add_dtype_argument  # noqa: E402,F401  (defined without jax, re-exported)
 from dspark_jax.parallel.sharding import state_shardings
 from dspark_jax.text.chat import load_chat_template
 from dspark_jax.text.tokenizer import Tokenizer

@@ -67,8 +67,6 @@ def parse_mesh(text: str | None) -> Mesh | None:
 
 from jax.experimental import mesh_utils
 
-from dspark_jax.cli import add_mesh_argument  # noqa: E402,F401  (defined without jax, re-exported)
-
 
 def device_grid(shape: tuple[int, int, int], devices) -> np.ndarray:
     """Devices arranged as (data, fsdp, tensor) by jax's mesh utilities: on TPU the axes follow

@@ -1,7 +1,7 @@
 """Plan a training run without devices: sharding divisibility on the preset's mesh, the
 step's shapes traced abstractly, and a per-device memory estimate.
 
-`python -m dspark_jax train-plan configs/qwen3_8b_dspark.yaml` prints the table that
+`python -m dspark_jax plan train configs/qwen3_8b_dspark.yaml` prints the table that
 docs/tpu_memory.md records. With `--compile` the real train and eval steps are compiled: for the
 preset's Cloud TPU slice (`mesh.slice`, or `--topology NAME`) by the TPU compiler on this machine
 (libtpu, no TPU), else on fake CPU devices; a step whose peak exceeds a device's HBM makes the

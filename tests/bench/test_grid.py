@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dspark_jax.bench import grid
-from dspark_jax.bench.__main__ import main as bench_main
+from dspark_jax.commands.bench import main as bench_main
 
 
 def _result(tau, G, sts=True):

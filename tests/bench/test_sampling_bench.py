@@ -1,7 +1,7 @@
 """`python -m dspark_jax bench sampling` runs both paths on the same logits and prints their ratio;
 the two agree (the bisection cut is the sorted cut)."""
 
-from dspark_jax.bench.__main__ import main
+from dspark_jax.commands.bench import main
 
 
 def test_sampling_bench_prints_ratio_and_agreement(capsys):

@@ -39,8 +39,8 @@ def test_each_configuration_names_its_own_policy():
 
 def test_skip_drafting_reaches_the_server_and_only_scheduled_configurations():
     from dspark_jax.bench.serve import SCHEDULED_POLICIES
+    from dspark_jax.commands.serve import parse_args
     from dspark_jax.engine.policy import SCHEDULED
-    from dspark_jax.serve.__main__ import parse_args
 
     assert parse_args(["--skip-drafting"]).skip_drafting == "known"
     assert parse_args([]).skip_drafting is False

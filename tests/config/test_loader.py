@@ -55,8 +55,8 @@ def test_inherit(tmp_path):
 
 def test_train_print_config_round_trips(tmp_path, capsys):
     """`train --print-config` prints the resolved config; fed back as a file it is the same config."""
+    from dspark_jax.commands.train import main
     from dspark_jax.config import from_cli
-    from dspark_jax.train.__main__ import main
 
     assert main(["micro", "drafter.gamma=3", "train.steps=7", "--print-config"]) == 0
     printed = capsys.readouterr().out

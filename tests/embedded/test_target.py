@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from dspark_jax.commands.embedded import main as embedded_main
 from dspark_jax.embedded import report as report_mod
 from dspark_jax.embedded import target as E
-from dspark_jax.embedded.__main__ import main as embedded_main
 
 # Margins (bigram nats/token minus target nats/token) recorded in docs/embedded_target.md.
 TINY_MATH_MARGIN = 0.5

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax engine-plan`: exact per-chip cache sizes from the shapes and the rules
+"""`python -m dspark_jax plan engine`: exact per-chip cache sizes from the shapes and the rules
 table, and a compiled round whose memory XLA reports, on fake devices in a subprocess."""
 
 import json

@@ -165,12 +165,12 @@ def test_bad_gguf_gets_one_clear_error(tmp_path, kw, match):
 
 
 def test_truncated_gguf(tmp_path, capsys):
-    from dspark_jax.commands.gguf import main
+    from dspark_jax.commands.convert import main
 
     write_tiny_gguf(tmp_path / "m.gguf")
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
-    assert main(["import", str(tmp_path / "cut.gguf"), str(tmp_path / "hf")]) == 2
+    assert main(["gguf", str(tmp_path / "cut.gguf"), str(tmp_path / "hf")]) == 2
     assert "is not a readable GGUF file" in capsys.readouterr().err and not (tmp_path / "hf").exists()
 
 

@@ -202,7 +202,8 @@ def test_auto_dtype_follows_the_stored_weights(hf_checkpoints, capsys):
     memory) and a float32 one in float32."""
     import argparse
 
-    from dspark_jax.io.hf import add_dtype_argument, checkpoint_dtype
+    from dspark_jax.cli import add_dtype_argument
+    from dspark_jax.io.hf import checkpoint_dtype
 
     assert checkpoint_dtype(hf_checkpoints["qwen3_bf16"][0]) == "bfloat16"
     assert checkpoint_dtype(hf_checkpoints["qwen3_f32"][0]) == "float32"
@@ -222,7 +223,7 @@ def test_auto_dtype_follows_the_stored_weights(hf_checkpoints, capsys):
 
 MULTIPROCESS_LOAD = r"""
 import json, numpy as np, jax
-from dspark_jax.train.__main__ import maybe_initialize_distributed
+from dspark_jax.parallel.distributed import maybe_initialize_distributed
 maybe_initialize_distributed()
 from dspark_jax import load_target
 from dspark_jax.io import keymap

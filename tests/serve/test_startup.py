@@ -33,8 +33,8 @@ def test_target_dir_without_a_drafter_serves_target_only_not_the_embedded_target
 
 def test_a_drafter_in_or_beside_the_target_is_served_when_it_was_trained_for_it(
         embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path):
+    from dspark_jax.commands.serve import startup_line
     from dspark_jax.io.drafter_dir import CONFIG_FILE
-    from dspark_jax.serve.__main__ import startup_line
     from dspark_jax.serve.served import Access
 
     root = tmp_path / "models"
@@ -61,7 +61,7 @@ def test_a_drafter_in_or_beside_the_target_is_served_when_it_was_trained_for_it(
 
 
 def test_access_flags_and_the_api_key_from_the_environment(monkeypatch):
-    from dspark_jax.serve.__main__ import API_KEY_ENV, parse_args
+    from dspark_jax.commands.serve import API_KEY_ENV, parse_args
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = parse_args([])

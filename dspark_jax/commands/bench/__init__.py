@@ -1,0 +1,38 @@
+"""`python -m dspark_jax bench <benchmark>`: benchmarks and the reports that write docs/ (see
+docs/benchmarks.md). Each benchmark is a module of its own exposing `main(argv)`; register it in
+`SUBCOMMANDS`."""
+
+from __future__ import annotations
+
+import sys
+
+from dspark_jax.cli import report_user_errors
+from dspark_jax.commands.family import Sub, dispatch
+
+SUBCOMMANDS = {
+    "regen": Sub("dspark_jax.bench.regen", "regeneration tokens/s (batch 1, 16) and compiled vs host decode loop"),
+    "train": Sub("dspark_jax.bench.train", "drafter training step throughput"),
+    "engine": Sub("dspark_jax.bench.engine", "speculative decoding engine throughput"),
+    "vs-torch": Sub("dspark_jax.bench.vs_torch", "target forward vs transformers; "
+                                                 "train step, draft, verify vs an older commit"),
+    "sampling": Sub("dspark_jax.bench.sampling", "top-p / top-k cut by bisection vs a full vocabulary sort"),
+    "serve": Sub("dspark_jax.bench.serve", "the HTTP server under load: throughput vs per-user speed, TTFT, ITL"),
+    "grid": Sub("dspark_jax.bench.grid",
+                "reproduction-grid tables and plots from eval results (optionally runs evals)"),
+    "roofline": Sub("dspark_jax.bench.roofline", "each decode program timed (or TPU-predicted) beside its roofline: "
+                                                 "bytes / bandwidth, FLOPs / matmul rate"),
+    "tpu-memory": Sub("dspark_jax.bench.tpu_memory",
+                      "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)"),
+    "tpu-predict": Sub("dspark_jax.bench.tpu_predict",
+                       "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU compiler's cost model, "
+                       "beside published TPU runs (resumable)"),
+}
+
+
+@report_user_errors
+def main(argv=None) -> int:
+    return dispatch("bench", SUBCOMMANDS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
