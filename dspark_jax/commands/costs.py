@@ -22,14 +22,14 @@ def _build_engine(args):
 
     from dspark_jax.config import from_cli
     from dspark_jax.drafter.kinds.eagle3 import EAGLE3
+    from dspark_jax.drafter.random_models import random_drafter, random_target, tiny_config
     from dspark_jax.engine import Engine, EngineConfig
     from dspark_jax.engine.timing import verify_gamma_policy
     from dspark_jax.io.loading import load_models
-    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     drafter_dir = args.drafter if Path(args.drafter).is_dir() else None
-    e3 = args.drafter == EAGLE3.name  # testing.tiny's Eagle3 drafter fuses target layer 0
+    e3 = args.drafter == EAGLE3.name  # the random Eagle3 drafter fuses target layer 0
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
               policy=verify_gamma_policy)
     if (Path(args.model) / "config.json").is_file():
@@ -39,7 +39,7 @@ def _build_engine(args):
         if drafter_dir:
             kw.update(gamma=None, layer_ids=None)  # the trained drafter's own
         elif args.drafter != "none":
-            drafter = tiny_drafter(args.drafter, target, gamma=args.gamma)
+            drafter = random_drafter(args.drafter, target, gamma=args.gamma)
     elif drafter_dir:
         raise ValueError(f"--drafter {args.drafter} is a trained drafter: give --target the checkpoint directory it "
                          "was trained for (a config or 'tiny' times random models)")
@@ -54,8 +54,8 @@ def _build_engine(args):
             if args.drafter in ("dspark", "dflash"):  # the preset's drafter (layers, features, Markov rank), not a toy
                 dcfg = dataclasses.replace(full.drafter, kind=args.drafter, gamma=args.gamma)
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-        target = tiny_target(cfg, param_dtype=dtype)
-        drafter = None if args.drafter == "none" else tiny_drafter(
+        target = random_target(cfg, param_dtype=dtype)
+        drafter = None if args.drafter == "none" else random_drafter(
             args.drafter, target, gamma=args.gamma, dcfg=dcfg, dtype=None if dtype == jnp.float32 else dtype)
     eng = Engine(target, drafter, EngineConfig(num_slots=args.num_slots, buckets=buckets, **kw))
     return eng, cfg, lambda r: Engine(target, drafter, EngineConfig(num_slots=r, **kw))
