@@ -29,7 +29,6 @@ LAYERS = [
     "engine",
     "eval",
     "train",
-    "notebook_tpu",
     "recipe",
     "serve",
     "commands",

@@ -106,9 +106,9 @@ def test_quickstart_hub_target_is_downloaded_then_loaded_locally(embedded_tiny_d
 
 def test_memory_cell_without_the_tpu_compiler(embedded_tiny_dir, tmp_path, monkeypatch, capsys):
     """Without libtpu the notebook says how to get the table and goes on (CI without the aot extra)."""
-    from dspark_jax import notebook_tpu
+    from dspark_jax.train import chip_memory
 
-    monkeypatch.setattr(notebook_tpu, "tpu_compiler_available", lambda: False)
+    monkeypatch.setattr(chip_memory, "tpu_compiler_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     ns = run_notebook("quickstart.ipynb", {"SHRINK": True, "OUT": str(tmp_path / "q")}, stop_after="chip-memory")
     assert ns["chip_rows"] is None and ns["CHIPS"] == ("v5e-1", "v6e-1")

@@ -1,15 +1,18 @@
 """The evaluation's statistics as pure numpy functions: tau with bootstrap intervals (alone, per
-group, and the paired ratio of two drafters), conditional acceptance per draft position, and the
-static-threshold replay."""
+group, and the paired ratio of two drafters), conditional acceptance per draft position (also
+pooled over an engine run's traces, with an interval over requests), and the static-threshold
+replay."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
 from dspark_jax.calibration.sts import survival
 
-__all__ = ["THRESHOLDS", "bootstrap_tau", "paired_tau_ratio", "conditional_acceptance", "conditional_support",
-           "tau_by_group", "threshold_sweep"]
+__all__ = ["THRESHOLDS", "acceptance_by_position", "bootstrap_tau", "paired_tau_ratio", "conditional_acceptance",
+           "conditional_support", "tau_by_group", "threshold_sweep"]
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -82,3 +85,40 @@ def threshold_sweep(conf_logits, accepted, temps=None, thresholds=THRESHOLDS) ->
         rows.append({"threshold": float(th), "verified_per_round": float(l.mean()),
                      "accepted_share": float(got.sum() / max(l.sum(), 1)), "tau": float((got + 1).mean())})
     return rows
+
+
+def acceptance_by_position(traces: dict, gamma: int, *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Conditional acceptance per draft position k = 1..gamma pooled over every round of every
+    request (`Traces.arrays()`: "request", "accepted", "length"), and its `level` bootstrap interval
+    over requests. Keys: "position", "rate", "lo", "hi" (nan where no round reached k), "rounds"
+    (rounds that reached k: the denominators), "requests". Rounds cut short by a stop token or the
+    token budget ("cut") are left out, as in `eval.evaluate`."""
+    req, acc, length = (np.asarray(traces[k]) for k in ("request", "accepted", "length"))
+    if "cut" in traces:  # rounds cut by a stop token or max_new discarded drafts: not rejections
+        keep = ~np.asarray(traces["cut"], bool)
+        req, acc, length = req[keep], acc[keep], length[keep]
+    ids, inv = np.unique(req, return_inverse=True)
+    ks = np.arange(1, gamma + 1)
+    num = np.zeros((len(ids), gamma))
+    den = np.zeros((len(ids), gamma))
+    np.add.at(num, inv, (acc[:, None] >= ks).astype(float))
+    np.add.at(den, inv, ((acc[:, None] >= ks - 1) & (length[:, None] >= ks)).astype(float))
+    tot_n, tot_d = num.sum(0), den.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where(tot_d > 0, tot_n / np.maximum(tot_d, 1), np.nan)
+        lo = hi = np.full(gamma, np.nan)
+        if len(ids) > 1:
+            rng = np.random.default_rng(seed)
+            w = rng.multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=n_boot).astype(float)
+            bn, bd = w @ num, w @ den
+            boot = np.where(bd > 0, bn / np.maximum(bd, 1), np.nan)
+            q = (1 - level) / 2
+            ok = ~np.isnan(boot).all(0)
+            lo, hi = np.full(gamma, np.nan), np.full(gamma, np.nan)
+            if ok.any():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    lo[ok] = np.nanquantile(boot[:, ok], q, axis=0)
+                    hi[ok] = np.nanquantile(boot[:, ok], 1 - q, axis=0)
+    return {"position": ks.tolist(), "rate": rate.tolist(), "lo": lo.tolist(), "hi": hi.tolist(),
+            "rounds": tot_d.astype(int).tolist(), "requests": len(ids)}
