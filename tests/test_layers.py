@@ -31,13 +31,13 @@ LAYERS = [
     "train",
     "recipe",
     "serve",
-    "commands",
     "bench",
+    "commands",
     "__main__",
 ]
 # Where a command's parser and `main` live: they import the library inside `main`, so that
 # `--help` answers without starting JAX.
-COMMAND_PACKAGES = {"commands", "bench", "recipe", "__main__"}
+COMMAND_PACKAGES = {"commands", "recipe", "__main__"}
 # Heavy or optional third-party packages a library function may import when it runs.
 OPTIONAL = {"matplotlib", "torch", "transformers", "tensorboardX", "etils", "pyarrow", "datasets", "uvicorn",
             "starlette", "fastapi", "openai", "gguf", "jax.experimental.multihost_utils"}

@@ -7,7 +7,7 @@ import json
 
 
 def test_skip_section_reports_both_round_times(embedded_tiny_dir, tmp_path, capsys):
-    from dspark_jax.bench.engine import main
+    from dspark_jax.commands.bench.engine import main
 
     out = tmp_path / "engine.json"
     assert main(["--target", str(embedded_tiny_dir), "--sections", "skip", "--repeats", "1", "--num-prompts", "4",
@@ -25,7 +25,7 @@ def test_speed_section_times_scheduled_dspark_on_a_table_for_its_batch(embedded_
     import jax
     import pytest
 
-    from dspark_jax.bench.engine import main
+    from dspark_jax.commands.bench.engine import main
 
     table = tmp_path / "r1.json"
     table.write_text(json.dumps({"format": "dspark_cost_table/1", "backend": jax.default_backend(),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dspark_jax.bench import grid
+from dspark_jax.commands.bench import grid
 from dspark_jax.commands.bench import main as bench_main
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dspark_jax.bench import roofline_model as rm
-from dspark_jax.bench.roofline import main
+from dspark_jax.commands.bench.roofline import main
 
 # micro: V 512, H 64, I 192, 2 layers, 4 heads, 2 KV heads, head dim 16, tied, Qwen3 (q/k norms);
 # drafter: 1 layer, gamma 4, one feature layer, Markov rank 16, confidence head; float32

@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 
 
 def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_drafter_dir, tmp_path, capsys):
-    from dspark_jax.bench.serve import main
+    from dspark_jax.commands.bench.serve import main
 
     assert main(["--target", str(embedded_tiny_dir), "--drafter", f"dspark={tiny_dspark_drafter_dir}",
                  "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8", "--num-prompts", "4",
@@ -30,7 +30,7 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
 
 
 def test_each_configuration_names_its_own_policy():
-    from dspark_jax.bench.serve import parse_config
+    from dspark_jax.commands.bench.serve import parse_config
 
     assert parse_config("dspark-sched=/runs/d@production", "fixed") == ("dspark-sched", "/runs/d", "production")
     assert parse_config("dspark=/runs/d", "fixed") == ("dspark", "/runs/d", "fixed")
@@ -38,7 +38,7 @@ def test_each_configuration_names_its_own_policy():
 
 
 def test_skip_drafting_reaches_the_server_and_only_scheduled_configurations():
-    from dspark_jax.bench.serve import SCHEDULED_POLICIES
+    from dspark_jax.commands.bench.serve import SCHEDULED_POLICIES
     from dspark_jax.commands.serve import parse_args
     from dspark_jax.engine.policy import SCHEDULED
 

@@ -2,7 +2,7 @@
 
 import json
 
-from dspark_jax.bench import tpu_memory
+from dspark_jax.commands.bench import tpu_memory
 
 
 def test_entries_cover_every_qwen3_preset_and_the_serving_slices(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.bench import vs_torch
+from dspark_jax.commands.bench import vs_torch
 
 REPO = Path(__file__).resolve().parents[2]
 needs_git = pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")

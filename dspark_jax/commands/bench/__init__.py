@@ -9,23 +9,25 @@ import sys
 from dspark_jax.cli import report_user_errors
 from dspark_jax.commands.family import Sub, dispatch
 
+
+def _here(name: str, summary: str) -> Sub:
+    return Sub(f"{__name__}.{name}", summary)
+
+
 SUBCOMMANDS = {
-    "regen": Sub("dspark_jax.bench.regen", "regeneration tokens/s (batch 1, 16) and compiled vs host decode loop"),
-    "train": Sub("dspark_jax.bench.train", "drafter training step throughput"),
-    "engine": Sub("dspark_jax.bench.engine", "speculative decoding engine throughput"),
-    "vs-torch": Sub("dspark_jax.bench.vs_torch", "target forward vs transformers; "
-                                                 "train step, draft, verify vs an older commit"),
-    "sampling": Sub("dspark_jax.bench.sampling", "top-p / top-k cut by bisection vs a full vocabulary sort"),
-    "serve": Sub("dspark_jax.bench.serve", "the HTTP server under load: throughput vs per-user speed, TTFT, ITL"),
-    "grid": Sub("dspark_jax.bench.grid",
-                "reproduction-grid tables and plots from eval results (optionally runs evals)"),
-    "roofline": Sub("dspark_jax.bench.roofline", "each decode program timed (or TPU-predicted) beside its roofline: "
-                                                 "bytes / bandwidth, FLOPs / matmul rate"),
-    "tpu-memory": Sub("dspark_jax.bench.tpu_memory",
-                      "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice (resumable)"),
-    "tpu-predict": Sub("dspark_jax.bench.tpu_predict",
-                       "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU compiler's cost model, "
-                       "beside published TPU runs (resumable)"),
+    "regen": _here("regen", "regeneration tokens/s (batch 1, 16) and compiled vs host decode loop"),
+    "train": _here("train", "drafter training step throughput"),
+    "engine": _here("engine", "speculative decoding engine throughput"),
+    "vs-torch": _here("vs_torch", "target forward vs transformers; train step, draft, verify vs an older commit"),
+    "sampling": _here("sampling", "top-p / top-k cut by bisection vs a full vocabulary sort"),
+    "serve": _here("serve", "the HTTP server under load: throughput vs per-user speed, TTFT, ITL"),
+    "grid": _here("grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
+    "roofline": _here("roofline", "each decode program timed (or TPU-predicted) beside its roofline: "
+                                  "bytes / bandwidth, FLOPs / matmul rate"),
+    "tpu-memory": _here("tpu_memory", "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice "
+                                      "(resumable)"),
+    "tpu-predict": _here("tpu_predict", "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU "
+                                        "compiler's cost model, beside published TPU runs (resumable)"),
 }
 
 

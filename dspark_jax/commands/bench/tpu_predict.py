@@ -27,7 +27,7 @@ from dspark_jax.cli import report_user_errors
 
 log = logging.getLogger(__name__)
 BEGIN, END = "<!-- tpu_predictions:begin -->", "<!-- tpu_predictions:end -->"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GRID_TARGETS = ("qwen3_8b", "qwen3_4b", "qwen3_14b")
 GRID_SLICES = ("v6e-8", "v5e-8", "v5p-8", "v7x-8")
 GRID_SLOTS = (1, 8, 64, 256)

@@ -2,7 +2,7 @@
 
     python -m dspark_jax bench vs-torch [--baseline-ref REF|none] [--rounds 5] [--repeats 5] [--json OUT]
 
-Three worker processes (dspark_jax/bench/vs_torch_worker.py) build the `bench_cpu` preset's shapes
+Three worker processes (dspark_jax/commands/bench/vs_torch_worker.py) build the `bench_cpu` preset's shapes
 (target vocab 8192, hidden 256, 8 layers, 8/4 heads, head_dim 32, MLP 768; DSpark drafter 2
 layers, Markov rank 64, gamma 7; sequence 512, 64 anchors, batch 1) and compile: transformers'
 Qwen3ForCausalLM (torch), this checkout, and this repository at `--baseline-ref` (extracted with
@@ -62,7 +62,7 @@ class Worker:
 
 def extract_ref(ref: str, dest: Path) -> Path:
     """This repository's `dspark_jax/` and `configs/` at `ref`, written under `dest`."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     if not (repo / ".git").exists():
         raise SystemExit(f"--baseline-ref needs a git checkout of dspark_jax ({repo} is not one); "
                          "pass --baseline-ref none to compare with transformers only")
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write every timing to this JSON file")
     args = ap.parse_args(argv)
 
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     workers = []
     with tempfile.TemporaryDirectory(prefix="vs_torch_") as tmp:
         print("compiling in the workers (about a minute each) ...", flush=True)

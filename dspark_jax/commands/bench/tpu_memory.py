@@ -95,7 +95,7 @@ def _serve_worker(preset: str, slc_name: str, paged: bool, configs: Path) -> dic
 def run_entry(entry: dict, configs: Path, cache: Path, timeout: int) -> dict | None:
     """Compile one entry in a child process -> its figures (cached), or None with the error logged."""
     path = cache / f"{entry['key']}.json"
-    cmd = [sys.executable, "-m", "dspark_jax", "tpu-memory", "--worker", json.dumps(entry),
+    cmd = [sys.executable, "-m", "dspark_jax", "bench", "tpu-memory", "--worker", json.dumps(entry),
            "--configs", str(configs), "--cache", str(cache)]
     t0 = time.perf_counter()
     try:
@@ -120,7 +120,7 @@ def _gib(b) -> str:
 
 def render(configs: Path, cache: Path) -> str:
     """The markdown tables from the cached figures (missing entries say how to compile them)."""
-    cpu_path = Path(__file__).resolve().parents[2] / "docs" / "tpu_memory_xla_cpu.json"
+    cpu_path = Path(__file__).resolve().parents[3] / "docs" / "tpu_memory_xla_cpu.json"
     cpu = json.loads(cpu_path.read_text()) if cpu_path.exists() else {}
     load = lambda key: json.loads((cache / f"{key}.json").read_text()) if (cache / f"{key}.json").exists() else None
     lines = ["Train and eval steps, per chip, compiled for the slice each preset names (XLA:CPU on fake devices "
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench tpu-memory", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     ap.add_argument("--out", type=Path, default=root / "docs" / "tpu_memory.md")
     ap.add_argument("--configs", type=Path, default=root / "configs")
     ap.add_argument("--cache", type=Path, default=root / "docs" / "tpu_memory_figures",
