@@ -107,3 +107,10 @@ def test_command_modules_hold_no_library_functions():
         for node in tree.body:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspark_jax"):
                 assert node.module.startswith(allowed), f"{path.name}: module-level import of {node.module}"
+
+
+def test_the_embedded_command_lists_the_presets_it_can_build():
+    from dspark_jax.commands.embedded import PRESET_NAMES
+    from dspark_jax.embedded.target import PRESETS
+
+    assert PRESET_NAMES == tuple(sorted(PRESETS))

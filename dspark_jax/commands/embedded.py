@@ -31,11 +31,11 @@ def main(argv=None) -> int:
         sp.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     from dspark_jax.embedded.report import format_report, heldout_report
-    from dspark_jax.embedded.target import _cache_name, embedded_target_dir, get_preset, verify_target_dir
+    from dspark_jax.embedded.target import embedded_target_dir, target_cache_dir, verify_target_dir
 
     prog = not a.no_progress
     root = Path(a.cache_dir) if a.cache_dir else cache_root()
-    d = root / _cache_name(get_preset(a.preset), a.seed)
+    d = target_cache_dir(a.preset, a.seed, root)
     if a.cmd == "verify":
         problem = verify_target_dir(d)
         print(f"{d}: {'ok' if problem is None else problem}")

@@ -131,8 +131,7 @@ def _versus(args, ap) -> int:
     return 0
 
 
-@report_user_errors
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--costs", required=True,
                     help="cost table JSON (dspark_jax.scheduler.costs); with --vs-target-only several, comma-"
@@ -177,30 +176,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", dest="out_dir", default=None,
                     help="output directory (required unless --vs-target-only, where it receives ratios.md / .csv)")
-    args = ap.parse_args(argv)
-    if args.vs_target_only:
-        return _versus(args, ap)
-    if not args.out_dir:
-        ap.error("--out is required (the sweep's CSV, plots and summary go there)")
-    if args.all_profiles:
-        ap.error("--all-profiles runs with --vs-target-only")
+    return ap
+
+
+def _acceptance(args, cost, ap) -> tuple[dict, str]:
+    """(traces per drafter kind, what they are) from --acceptance, --traces or --synthetic-traces."""
     from dspark_jax.calibration.profiles import parse_profile, profile_traces
     from dspark_jax.calibration.traces import load_traces, synthetic_traces
-    from dspark_jax.scheduler.costs import describe_table, expect_table_for, load_cost_file, with_overhead
-    from dspark_jax.scheduler.simulate import (
-        SCHEDULED,
-        default_methods,
-        headline,
-        matched_throughput,
-        run_sweep,
-        write_outputs,
-    )
 
-    cost = load_cost_file(args.costs)
-    expect_table_for(cost, args.costs, topology=args.expect_topology, target=args.expect_target)
-    print(describe_table(cost, args.costs))
-    if args.overhead_ms:
-        cost = with_overhead(cost, args.overhead_ms / 1e3, "--overhead-ms")
     if args.acceptance:
         gamma = int((cost.get("engine") or {}).get("gamma") or 7)
         traces, parts = {}, []
@@ -227,22 +210,11 @@ def main(argv=None) -> int:
             f"{k}: tau {t.tau():.2f}" for k, t in traces.items()) + ")"
     else:
         ap.error("give --traces FILE (real), --acceptance PROFILE or --synthetic-traces")
-    temps, temps_src = _load_temps(args, traces["dspark"])
-    conc = [int(c) for c in (args.concurrency or "1,2,4,8,16,32,64,128,256").split(",")]
-    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
-    results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
-                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
-                        probe_every=args.probe_every, probe_max=args.probe_max)
-    files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
-    hl = headline(results)
-    matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
-    summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
-               "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
-               "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
-               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every",
-                                                          "probe_max", "theta", "charge", "turnover", "seed")},
-               "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
-    Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    return traces, source
+
+
+def _print_sweep(args, cost, source, temps_src, conc, methods, results, hl, matched) -> None:
+    """The sweep as text: total tokens/s and budget per method and concurrency, the headline ratios."""
     print(f"traces: {source}\nSTS: {temps_src}\ncosts: {args.costs} ({cost.get('backend')})")
     print(f"{'method':28s} " + " ".join(f"{'R=' + str(c):>9s}" for c in conc) + "   (total tokens/s)")
     for m in methods:
@@ -260,5 +232,50 @@ def main(argv=None) -> int:
         if pts:
             print(f"{name} vs MTP-1 at matched total throughput: per-user gain " + ", ".join(
                 f"R_mtp={p['baseline_concurrency']}: {100 * p['gain']:+.0f} %" for p in pts))
+
+
+@report_user_errors
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.vs_target_only:
+        return _versus(args, ap)
+    if not args.out_dir:
+        ap.error("--out is required (the sweep's CSV, plots and summary go there)")
+    if args.all_profiles:
+        ap.error("--all-profiles runs with --vs-target-only")
+    from dspark_jax.scheduler.costs import describe_table, expect_table_for, load_cost_file, with_overhead
+    from dspark_jax.scheduler.simulate import (
+        SCHEDULED,
+        default_methods,
+        headline,
+        matched_throughput,
+        run_sweep,
+        write_outputs,
+    )
+
+    cost = load_cost_file(args.costs)
+    expect_table_for(cost, args.costs, topology=args.expect_topology, target=args.expect_target)
+    print(describe_table(cost, args.costs))
+    if args.overhead_ms:
+        cost = with_overhead(cost, args.overhead_ms / 1e3, "--overhead-ms")
+    traces, source = _acceptance(args, cost, ap)
+    temps, temps_src = _load_temps(args, traces["dspark"])
+    conc = [int(c) for c in (args.concurrency or "1,2,4,8,16,32,64,128,256").split(",")]
+    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
+    results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
+                        mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
+                        probe_every=args.probe_every, probe_max=args.probe_max)
+    files = write_outputs(results, args.out_dir, title=f"{Path(args.costs).name}; {source}"[:150])
+    hl = headline(results)
+    matched = {m.name: matched_throughput(results, m.name, "MTP-1") for m in methods if m.kind in SCHEDULED}
+    summary = {"costs": args.costs, "cost_backend": cost.get("backend"), "traces": source,
+               "mtp1": "traces" if "mtp1" in traces else f"stated acceptance {args.mtp_accept}",
+               "sts": temps_src, "temperatures": None if temps is None else [float(t) for t in temps],
+               "settings": {k: getattr(args, k) for k in ("rounds", "threshold", "skip", "probe_every",
+                                                          "probe_max", "theta", "charge", "turnover", "seed")},
+               "concurrency": conc, "headline": hl, "matched_vs_mtp1": matched, **files}
+    Path(args.out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
+    _print_sweep(args, cost, source, temps_src, conc, methods, results, hl, matched)
     print(f"wrote {files['csv']}, {', '.join(files['png'])}, summary.json")
     return 0

@@ -349,6 +349,12 @@ def build_embedded_target(out_dir, *, preset: str | Preset = "full", small: bool
     return out_dir
 
 
+def target_cache_dir(preset: str | Preset = "full", seed: int = 0, cache_dir=None) -> Path:
+    """Where the embedded target of `preset` and `seed` is cached (built or not)."""
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    return root / _cache_name(get_preset(preset), seed)
+
+
 def resolve_target_dir(target_dir=None):
     """`target_dir` as given when one is named, else the embedded target's directory (a Path,
     built when missing): what every command and the server mean by "no --target"."""
