@@ -91,7 +91,7 @@ def _helps() -> dict:
 
 def test_readme_has_the_qwen3_path():
     modules = {m for m, _ in COMMANDS}
-    assert {"prepare", "regenerate", "engine-plan", "train", "eval", "convert", "serve"} <= modules
+    assert {"prepare", "regenerate", "plan", "train", "eval", "convert", "serve"} <= modules
     assert "hf download Qwen/Qwen3-8B --local-dir" in README
     assert 'pip install -e ".[test]" && python -m pytest -q' in README  # .ci/run greps for it
     assert "Python >= 3.11" in README
