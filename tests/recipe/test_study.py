@@ -17,8 +17,8 @@ TOY = ("data.num_anchors=8", "train.anchor_chunk=8", "train.batch_size=4", "trai
 
 def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_path, monkeypatch):
     st = Study(variants=("dspark", "dflash"), seeds=(0, 1), num_train_prompts=8, num_heldout_prompts=2,
-               regen_max_new_tokens=16, seq_len=96, eval_max_new_tokens=8, temperatures=(1.0, 0.0),
-               train=TOY)
+               regen_max_new_tokens=16, regen_max_prompt_len=72, seq_len=96, eval_max_new_tokens=8,
+               temperatures=(1.0, 0.0), train=TOY)
     out = tmp_path / "study"
     s = run_study(st, out, embedded_tiny_dir, echo=False)
     for t in ("1", "0"):
