@@ -10,9 +10,9 @@ what is done and a killed training resumes from its checkpoints):
            reference settings (OUT/data/<split>/meta.json); every drafter trains on the same data
   train    `python -m dspark_jax train` per variant and seed, the variant's overrides on the shared
            ones (OUT/runs/<variant>_s<seed>/summary.json); held-out expected tau every eval_every steps
-  eval     `python -m dspark_jax eval` per seed and temperature, every variant's drafter of that
-           seed side by side on the held-out prompts: engine-sampled rounds at T > 0, exact greedy
-           rounds (teacher forced, equal to the engine's) at T = 0 (OUT/eval/s<seed>_T<t>/results.json)
+  eval     `python -m dspark_jax eval` per temperature, every variant's drafter of every seed side by
+           side on the held-out prompts: engine-sampled rounds at T > 0, exact greedy rounds (teacher
+           forced, equal to the engine's) at T = 0 (OUT/eval/T<t>_s<seeds>/results.json)
 Then OUT/summary.json, OUT/report.md and OUT/study.png are rewritten from whatever is done; with
 --docs PATH the report is also rendered into PATH (docs/study.md) between its markers.
 """
@@ -99,6 +99,12 @@ def run_dir(out: Path, variant: str, seed: int) -> Path:
     return out / "runs" / f"{variant}_s{seed}"
 
 
+def eval_dir(out: Path, study: Study, t: float) -> Path:
+    """One evaluation per temperature of every variant's drafter of every seed (named
+    <variant>_s<seed>); the seed set is in the name, so a study with more seeds evaluates anew."""
+    return out / "eval" / f"{_t(t)}_s{'-'.join(map(str, study.seeds))}"
+
+
 def write_prompts(study: Study, data: Path) -> None:
     """The math generator's held-out and train splits as chats (their reference answers are replaced
     by the target's in the regen stage)."""
@@ -156,20 +162,20 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
                        *VARIANTS[v][1], *study.overrides]
                 run_stage(f"train {v} s{seed}", cmd, logs / f"train_{v}_s{seed}.log", echo)
     if "eval" in stages:
+        missing = [f"{v} s{seed}" for seed in study.seeds for v in study.variants
+                   if not (run_dir(out, v, seed) / "drafter").is_dir()]
+        if missing:
+            raise RecipeError(f"no trained drafter for {', '.join(missing)}; run the train stage")
         for t in study.temperatures:
-            for seed in study.seeds:
-                res = out / "eval" / f"s{seed}_{_t(t)}"
-                if (res / "results.json").is_file():
-                    continue
-                missing = [v for v in study.variants if not (run_dir(out, v, seed) / "drafter").is_dir()]
-                if missing:
-                    raise RecipeError(f"seed {seed}: no trained drafter for {', '.join(missing)}; run the train stage")
-                named = [f"{v}={run_dir(out, v, seed) / 'drafter'}" for v in study.variants]
-                cmd = _py("eval", "--target", target, *[a for n in named for a in ("--drafter", n)],
-                          "--prompts", data / "heldout_prompts.jsonl", "--num-prompts", study.num_heldout_prompts,
-                          "--max-new-tokens", study.eval_max_new_tokens, "--temperature", t,
-                          "--mode", "engine" if t > 0 else "forced", "--no-sts-split", "--seed", 0, "--out", res)
-                run_stage(f"eval s{seed} {_t(t)}", cmd, logs / f"eval_s{seed}_{_t(t)}.log", echo)
+            res = eval_dir(out, study, t)
+            if (res / "results.json").is_file():
+                continue
+            named = [f"{v}_s{seed}={run_dir(out, v, seed) / 'drafter'}" for seed in study.seeds for v in study.variants]
+            cmd = _py("eval", "--target", target, *[a for n in named for a in ("--drafter", n)],
+                      "--prompts", data / "heldout_prompts.jsonl", "--num-prompts", study.num_heldout_prompts,
+                      "--max-new-tokens", study.eval_max_new_tokens, "--temperature", t,
+                      "--mode", "engine" if t > 0 else "forced", "--no-sts-split", "--seed", 0, "--out", res)
+            run_stage(f"eval {res.name}", cmd, logs / f"eval_{res.name}.log", echo)
     summary = collect(study, out, target)
     if plot_study(summary, out / "study.png"):
         summary["plot"] = "study.png"
@@ -222,9 +228,10 @@ def collect(study: Study, out: Path, target) -> dict:
         arrays: dict = {}
         for v in study.variants:
             acc, rnd, pos, seeds = [], [], [], []
+            r = _read(eval_dir(out, study, t) / "results.json")
+            per_drafter = next(iter(r["results"].values())) if r else {}
             for seed in study.seeds:
-                r = _read(out / "eval" / f"s{seed}_{_t(t)}" / "results.json")
-                res = next(iter(r["results"].values())).get(v) if r else None
+                res = per_drafter.get(f"{v}_s{seed}")
                 if not res:
                     continue
                 acc.append(res["per_request"]["accepted"])

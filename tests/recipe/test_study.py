@@ -28,9 +28,10 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
             assert r["seeds"] == [0, 1] and r["prompts"] == 2 and len(r["acceptance_per_position"]) == 4
             assert r["ci95"][0] <= r["tau"] <= r["ci95"][1] and r["tau"] >= 1.0
         assert "vs_dflash" in per["dspark"] and "vs_dflash" not in per["dflash"]
-    results = json.loads((out / "eval" / "s1_T1" / "results.json").read_text())
+    results = json.loads((out / "eval" / "T1_s0-1" / "results.json").read_text())
     assert results["meta"]["mode"] == "engine" and results["meta"]["temperature"] == 1.0
-    assert json.loads((out / "eval" / "s0_T0" / "results.json").read_text())["meta"]["mode"] == "forced"
+    assert set(results["meta"]["drafters"]) == {"dspark_s0", "dflash_s0", "dspark_s1", "dflash_s1"}
+    assert json.loads((out / "eval" / "T0_s0-1" / "results.json").read_text())["meta"]["mode"] == "forced"
     assert [p["step"] for p in s["curves"]["dspark"]] == [1, 2]
     assert all(set(p["seeds"]) == {0, 1} for p in s["curves"]["dflash"])
     report = (out / "report.md").read_text()
