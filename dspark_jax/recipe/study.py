@@ -142,7 +142,11 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
         write_prompts(study, data)
     if "regen" in stages:
         for split, n in (("heldout", study.num_heldout_prompts), ("train", study.num_train_prompts)):
-            if not (data / split / "meta.json").is_file():
+            meta = _read(data / split / "meta.json")
+            if meta and meta.get("count") != n:
+                raise RecipeError(f"{data / split} holds {meta.get('count')} regenerated records, the study asks for "
+                                  f"{n}: use a new --out for a different prompt count")
+            if not meta:
                 cmd = _py("regenerate", "--target", target, "--prompts", data / f"{split}_prompts.jsonl",
                           "--out", data / split, "--num-prompts", n, "--batch", 64,
                           "--max-new-tokens", study.regen_max_new_tokens, "--max-prompt-len",

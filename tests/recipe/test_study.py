@@ -61,3 +61,9 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(RecipeError, match="seeds repeat"):
         Study(seeds=(0, 0))
     assert study_mod.main(["--out", str(tmp_path / "o"), "--variants", "eagle"]) == 2
+    held = tmp_path / "s" / "data" / "heldout"
+    held.mkdir(parents=True)
+    (held / "meta.json").write_text(json.dumps({"count": 5}))
+    with pytest.raises(RecipeError, match="holds 5 regenerated records.*asks for 2.*new --out"):
+        run_study(Study(num_heldout_prompts=2, num_train_prompts=3), tmp_path / "s", tmp_path,
+                  stages=("prompts", "regen"), echo=False)
