@@ -10,6 +10,12 @@ layers, plus the LM head, plus the chip's KV bytes at the rate the compiler pric
 declared bytes (`tpu_cost.kernel_rates`). A compiled step over that floor is time the program
 spends on something else: copies of weights, attention reading more cache than it holds, small
 operations (docs/performance.md).
+
+The compiler prices a short product with a fixed part of a few microseconds besides its bytes (on
+v6e-8 at 8 rows, q/k/v as three products 12.1 us a layer, merged into one 4.7 us), and not every
+merge is cheaper (v5p-8: gate and up 10.8 us as two products, 24 us merged). So each group of
+products that read the same input (q/k/v, gate/up) is priced both ways, as the parts and merged
+(target/merged.py), and the floor takes the cheaper: it does not depend on which form the step runs.
 """
 
 from __future__ import annotations
@@ -17,43 +23,62 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.tpu_cost import kernel_rates, program_cost
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.merged import MergeChoice, gate_up, merge_choice
 
 __all__ = ["product_shapes", "read_once_seconds"]
 
 
-def product_shapes(cfg: ModelConfig, tensor: int) -> dict[str, tuple[int, int, int]]:
+def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = None) -> dict[str, tuple]:
     """One chip's weight products of a decode step with the weights split over `tensor` chips as
-    the rules table splits them (heads, KV heads, MLP and vocabulary over `tensor`):
-    name -> (in, out, how many per step)."""
+    the rules table splits them (heads, KV heads, MLP and vocabulary over `tensor`), merged as the
+    decode weights merge them there (target/merged.py; `merged` overrides):
+    name -> (one chip's weight shape, how many per step)."""
+    if merged is None:
+        merged = merge_choice(cfg, AbstractMesh((tensor,), ("tensor",)))
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d // tensor, max(cfg.num_kv_heads // tensor, 1) * d
     n = cfg.num_layers
-    return {"q_proj": (h, q, n), "k_proj": (h, kv, n), "v_proj": (h, kv, n), "o_proj": (q, h, n),
-            "gate_proj": (h, i // tensor, n), "up_proj": (h, i // tensor, n), "down_proj": (i // tensor, h, n),
-            "lm_head": (h, cfg.vocab_size // tensor, 1)}
+    out = {"qkv_proj": ((h, q + 2 * kv), n)} if merged.qkv else \
+        {"q_proj": ((h, q), n), "k_proj": ((h, kv), n), "v_proj": ((h, kv), n)}
+    out["o_proj"] = ((q, h), n)
+    out.update({"gate_up_proj": ((2, h, i // tensor), n)} if merged.gate_up else
+               {"gate_proj": ((h, i // tensor), n), "up_proj": ((h, i // tensor), n)})
+    out["down_proj"] = ((i // tensor, h), n)
+    out["lm_head"] = ((h, cfg.vocab_size // tensor), 1)
+    return out
 
 
-def _bare_seconds(device, rows: int, k: int, n: int, dtype) -> float:
+def _bare_seconds(device, rows: int, weight: tuple[int, ...], dtype) -> float:
+    """One product of `rows` token rows with a weight of shape `weight` ([K, N], or [2, K, N] for a
+    merged pair, as target/merged.py multiplies it), compiled alone for `device`."""
     mesh = Mesh(np.array([device]), ("x",))
     rep = NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((rows, k), dtype, sharding=rep)
-    w = jax.ShapeDtypeStruct((k, n), dtype, sharding=rep)
+    x = jax.ShapeDtypeStruct((rows, weight[-2]), dtype, sharding=rep)
+    w = jax.ShapeDtypeStruct(weight, dtype, sharding=rep)
+    product = (lambda a, b: a @ b) if len(weight) == 2 else gate_up
     with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
-        return program_cost(jax.jit(lambda a, b: a @ b).lower(x, w).compile(), device).seconds
+        return program_cost(jax.jit(product).lower(x, w).compile(), device).seconds
+
+
+GROUPS = {"q/k/v": (("q_proj", "k_proj", "v_proj"), "qkv_proj"), "gate/up": (("gate_proj", "up_proj"), "gate_up_proj")}
 
 
 def read_once_seconds(cfg: ModelConfig, device, *, rows: int, tensor: int, kv_bytes_per_chip: int,
                       dtype=jnp.bfloat16) -> dict:
     """The compiler's price of one chip's share of a decode step of `rows` token rows: its weight
-    products compiled bare ({name: seconds, all layers}) and its KV read -> {"weights": s, "kv": s,
-    "total": s, "products": {...}}."""
-    products = {name: m * _bare_seconds(device, rows, k, n, dtype)
-                for name, (k, n, m) in product_shapes(cfg, tensor).items()}
+    products compiled bare ({name: seconds, all layers}; a group the cheaper of its parts and its
+    merged product) and its KV read -> {"weights": s, "kv": s, "total": s, "products": {...}}."""
+    price = lambda choice: {name: m * _bare_seconds(device, rows, shape, dtype)
+                            for name, (shape, m) in product_shapes(cfg, tensor, choice).items()}
+    parts, merged = price(MergeChoice(False, False)), price(MergeChoice(True, True))
+    products = {k: v for k, v in parts.items() if not any(k in names for names, _ in GROUPS.values())}
+    for label, (names, one) in GROUPS.items():
+        products[label] = min(sum(parts[n] for n in names), merged[one])
     weights = sum(products.values())
     kv = kv_bytes_per_chip / kernel_rates(device)[1]
     return {"weights": weights, "kv": kv, "total": weights + kv, "products": products}

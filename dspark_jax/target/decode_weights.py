@@ -11,6 +11,9 @@ engine is built, each layer's weights are arrays of their own and the forward
 The split is a copy of the decoder layers' weights, made once per engine: while the stacked
 parameters live too (the caller's model), the layers' weights are held twice (docs/performance.md,
 "Memory").
+
+The split also merges the products that read the same input (q/k/v, gate/up: target/merged.py),
+where the rules table keeps every chip's share of a merged product its own.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.merged import MERGED_AXES, MergeChoice, merge_choice, merge_gate_up, merge_qkv
 from dspark_jax.target.transformer import layer_param_shapes
 
-__all__ = ["unstack_layers", "decode_arrays", "per_layer_sharding", "abstract_decode_arrays"]
+__all__ = ["unstack_layers", "decode_arrays", "per_layer_sharding", "abstract_decode_arrays", "merge_projections"]
 
 
 def per_layer_sharding(sharding):
@@ -32,6 +36,16 @@ def per_layer_sharding(sharding):
     if not isinstance(sharding, NamedSharding):
         return None
     return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+
+
+def merge_projections(p: dict, cfg: ModelConfig, choice: MergeChoice) -> dict:
+    """One layer's weights with q/k/v and gate/up merged as `choice` says (target/merged.py)."""
+    out = dict(p)
+    if choice.qkv:
+        out["qkv_proj"] = merge_qkv(*(out.pop(k) for k in ("q_proj", "k_proj", "v_proj")), cfg)
+    if choice.gate_up:
+        out["gate_up_proj"] = merge_gate_up(out.pop("gate_proj"), out.pop("up_proj"))
+    return out
 
 
 def unstack_layers(layers: dict) -> tuple[dict, ...]:
@@ -54,17 +68,40 @@ def unstack_layers(layers: dict) -> tuple[dict, ...]:
     return tuple(take(i) for i in range(n))
 
 
+def _merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ...]:
+    """`merge_projections` of each per-layer dict, each merged weight split over the mesh as its
+    parts are (traced, as an abstract engine is built: for the mesh it is traced under)."""
+    first = layers[0]["down_proj"]
+    if isinstance(first, jax.core.Tracer):
+        mesh = jax.sharding.get_abstract_mesh()
+        choice = merge_choice(cfg, None if mesh.empty else mesh)
+        return tuple(merge_projections(p, cfg, choice) for p in layers)
+    sharding = first.sharding
+    if not isinstance(sharding, NamedSharding):
+        return tuple(merge_projections(p, cfg, merge_choice(cfg)) for p in layers)
+    mesh = sharding.mesh
+    choice = merge_choice(cfg, mesh)
+    _, axes = _axes(cfg)
+    shapes = jax.eval_shape(lambda p: merge_projections(p, cfg, choice), layers[0])
+    out_sh = {k: NamedSharding(mesh, logical_to_pspec(axes[k], a.shape, mesh)) for k, a in shapes.items()}
+    merge = jax.jit(lambda p: merge_projections(p, cfg, choice), out_shardings=out_sh)
+    return tuple(merge(p) for p in layers)
+
+
 def decode_arrays(model, dtype=None, per_layer: bool = True) -> dict:
     """`model.arrays(dtype)` (embed, final_norm, lm_head [H, V]) with the layers split per layer
-    (`per_layer`; else stacked, as the parameters are: `target.kernels.per_layer_decode` decides)."""
+    and their products merged (`per_layer`; else stacked, as the parameters are:
+    `target.kernels.per_layer_decode` decides)."""
     arrays = model.arrays(dtype)
-    return {**arrays, "layers": unstack_layers(arrays["layers"])} if per_layer else arrays
+    if not per_layer:
+        return arrays
+    return {**arrays, "layers": _merged_layers(unstack_layers(arrays["layers"]), model.cfg)}
 
 
 def _axes(cfg: ModelConfig) -> tuple[dict, dict]:
     """Logical axis names of `decode_arrays`' leaves: (the non-layer weights, one layer's)."""
     top = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
-    return top, {name: axes for name, (_, axes) in layer_param_shapes(cfg).items()}
+    return top, {**{name: axes for name, (_, axes) in layer_param_shapes(cfg).items()}, **MERGED_AXES}
 
 
 def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh, per_layer: bool = True) -> dict:
@@ -80,6 +117,7 @@ def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh, per_layer: bool
     out = {k: sds(arrays[k], names) for k, names in top.items()}
     if not per_layer:
         return {**out, "layers": {k: sds(a, ("layers", *layer[k])) for k, a in arrays["layers"].items()}}
-    stacked = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in arrays["layers"].items()}
-    out["layers"] = tuple({k: sds(a, layer[k]) for k, a in stacked.items()} for _ in range(cfg.num_layers))
+    one = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in arrays["layers"].items()}
+    merged = jax.eval_shape(lambda p: merge_projections(p, cfg, merge_choice(cfg, mesh)), one)
+    out["layers"] = tuple({k: sds(a, layer[k]) for k, a in merged.items()} for _ in range(cfg.num_layers))
     return out

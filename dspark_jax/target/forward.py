@@ -75,7 +75,7 @@ def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: Atte
     b, t = tokens.shape
     layers = target_params["layers"]
     per_layer = isinstance(layers, (tuple, list))
-    dtype = (layers[0] if per_layer else layers)["q_proj"].dtype
+    dtype = (layers[0] if per_layer else layers)["down_proj"].dtype
     axes = attn.activation_axes
     pin = (lambda x: constrain(x, axes)) if axes else (lambda x: x)
     x = pin(jnp.take(target_params["embed"], tokens, axis=0).astype(dtype))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.target.config import ModelConfig, RopeConfig
+from dspark_jax.target.merged import gate_up, split_qkv
 
 # A large finite negative, so a fully masked row gives a uniform (finite) softmax, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -67,13 +68,21 @@ def swiglu(x, gate, up, down):
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
+def _qkv(p: dict, h, cfg: ModelConfig):
+    """h [B,T,H] -> q [B,T,Nq,D], k, v [B,T,Nkv,D], from the three products or the merged one
+    (target/merged.py)."""
+    b, t, _ = h.shape
+    d, nkv = cfg.head_dim, cfg.num_kv_heads
+    if "qkv_proj" not in p:
+        return ((h @ p["q_proj"]).reshape(b, t, cfg.num_heads, d), (h @ p["k_proj"]).reshape(b, t, nkv, d),
+                (h @ p["v_proj"]).reshape(b, t, nkv, d))
+    return split_qkv(h @ p["qkv_proj"], cfg)
+
+
 def project_qkv(p: dict, x, cos, sin, cfg: ModelConfig):
     """Pre-norm, q/k/v projections, Qwen3 q/k RMSNorm, RoPE. x [B,T,H] -> q [B,T,Nq,D], k/v [B,T,Nkv,D]."""
-    b, t, _ = x.shape
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-    q = (h @ p["q_proj"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (h @ p["k_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (h @ p["v_proj"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = _qkv(p, h, cfg)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -85,6 +94,9 @@ def finish_layer(p: dict, x, attn_out, cfg: ModelConfig):
     b, t = x.shape[:2]
     x = x + attn_out.reshape(b, t, -1) @ p["o_proj"]
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
+    if "gate_up_proj" in p:  # merged (target/merged.py)
+        gate, up = gate_up(h, p["gate_up_proj"])
+        return x + (jax.nn.silu(gate) * up) @ p["down_proj"]
     return x + swiglu(h, p["gate_proj"], p["up_proj"], p["down_proj"])
 
 

@@ -22,12 +22,14 @@ from dspark_jax.engine.predict import _abstract_args, _round_cost
 from dspark_jax.engine.read_once import product_shapes, read_once_seconds
 from dspark_jax.engine.round import round_step
 from dspark_jax.parallel.tpu_cost import program_cost
+from dspark_jax.target.merged import MergeChoice
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip install -e '.[aot]'")
 
 LAYERS, SLOTS, CONTEXT, SLICE = 4, 8, 2048, "v6e-8"
-# the step over the read-once price at these shapes (libtpu 0.0.42): 1.59 with the layers unrolled
-# over per-layer weights, 2.65 with the weights copied out of a stack under `lax.scan`
+# the step over the read-once price at these shapes (libtpu 0.0.42; each product group priced at
+# the cheaper of its parts and its merged product): 1.77 with the layers unrolled over merged
+# per-layer weights, 2.84 with the weights copied out of a stack under `lax.scan`
 BOUND = 2.1
 
 
@@ -53,14 +55,14 @@ def _floor(cfg, ab, slots):
 
 def test_attention_reads_the_cache_once(qwen3_8b_short):
     """At 64 slots the cache is a third of what a step reads. The kernel backend (chosen for TPU)
-    keeps the step within 1.75x of the read-once price (1.58 at libtpu 0.0.42); the reference,
+    keeps the step within 1.9x of the read-once price (1.77 at libtpu 0.0.42); the reference,
     which XLA:TPU compiles into a score pass and a value pass over every position of every row,
-    costs at least half a cache read more (0.66 of one), so a change that brings the whole-cache
-    reads back fails here."""
+    costs at least half a cache read more (0.64 of one; 2.00x the price), so a change that brings
+    the whole-cache reads back fails here."""
     ab, ctl = _engine(qwen3_8b_short, 64)
     floor = _floor(qwen3_8b_short, ab, 64)
     step = _round_cost(ab, 64, ctl).seconds
-    assert step <= 1.75 * floor["total"], f"64-slot step {1e3 * step:.3f} ms > 1.75 x {1e3 * floor['total']:.3f} ms"
+    assert step <= 1.9 * floor["total"], f"64-slot step {1e3 * step:.3f} ms > 1.9 x {1e3 * floor['total']:.3f} ms"
     ab_ref, ctl_ref = _engine(qwen3_8b_short, 64, "reference")
     reference = _round_cost(ab_ref, 64, ctl_ref).seconds
     assert reference - step >= 0.5 * floor["kv"], (reference, step, floor["kv"])
@@ -82,10 +84,15 @@ def _stacked_step(ab, ctl):
 
 
 def test_product_shapes_split_over_tensor(qwen3_8b_short):
-    shapes = product_shapes(qwen3_8b_short.target.model, 8)
-    assert shapes["q_proj"] == (4096, 512, LAYERS) and shapes["k_proj"] == (4096, 128, LAYERS)
-    assert shapes["gate_proj"] == (4096, 1536, LAYERS) and shapes["down_proj"] == (1536, 4096, LAYERS)
-    assert shapes["lm_head"] == (4096, 151936 // 8, 1)
+    """The products the step runs: merged on v6e-8 (one KV head a chip), unmerged when asked."""
+    m = qwen3_8b_short.target.model
+    shapes = product_shapes(m, 8)
+    assert shapes["qkv_proj"] == ((4096, 512 + 2 * 128), LAYERS) and "q_proj" not in shapes
+    assert shapes["gate_up_proj"] == ((2, 4096, 1536), LAYERS) and shapes["down_proj"] == ((1536, 4096), LAYERS)
+    assert shapes["lm_head"] == ((4096, 151936 // 8), 1)
+    parts = product_shapes(m, 8, MergeChoice(False, False))
+    assert parts["q_proj"] == ((4096, 512), LAYERS) and parts["k_proj"] == ((4096, 128), LAYERS)
+    assert parts["gate_proj"] == ((4096, 1536), LAYERS) and "qkv_proj" not in parts
 
 
 def test_decode_step_reads_each_weight_once(qwen3_8b_short):

@@ -35,7 +35,7 @@ def test_per_layer_weights_equal_the_stacked_forward(target):
     arrays = target.arrays()
     split = decode_arrays(target)
     assert len(split["layers"]) == target.cfg.num_layers
-    np.testing.assert_array_equal(split["layers"][1]["q_proj"], arrays["layers"]["q_proj"][1])
+    np.testing.assert_array_equal(split["layers"][1]["down_proj"], arrays["layers"]["down_proj"][1])
     tokens = jnp.asarray([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     valid = pos < jnp.asarray([[5], [3]])
@@ -44,8 +44,8 @@ def test_per_layer_weights_equal_the_stacked_forward(target):
         cache = KVCache.create(target.cfg, 2, 8)
         outs.append(forward(params, target.cfg, tokens, pos, cache_update(cache, pos, valid), feature_layers=(0,)))
     for a, b in zip(outs[0][:3], outs[1][:3]):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(outs[0].cache.k), np.asarray(outs[1].cache.k), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(outs[0].cache.k), np.asarray(outs[1].cache.k), rtol=1e-5, atol=1e-5)
 
 
 def test_unstack_refuses_ragged_stacks():
