@@ -131,7 +131,8 @@ def parse_config(spec: str, default_policy: str) -> tuple[str, str, str]:
     path, _, policy = rest.partition("@")
     return (name or Path(path).name), path, (policy or default_policy)
 
-def main(argv=None) -> int:
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -155,15 +156,20 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
-    from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument, prefill_chunk
+    from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument
     from dspark_jax.serve.defaults import SERVE_PREFILL_CHUNK
 
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)
     ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import openai
 
+    from dspark_jax.cli import prefill_chunk
     from dspark_jax.serve import build, serve_in_thread
 
     prompts = load_prompts(args.prompts, args.num_prompts)

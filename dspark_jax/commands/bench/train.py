@@ -75,6 +75,22 @@ def time_steps(tr, batches: dict, steps: int):
     return compile_s, times
 
 
+class _Synthetic:
+    """Random tokens, everything an assistant span: no dataset needed."""
+
+    def __init__(self, n, s, v):
+        rng = np.random.default_rng(0)
+        self.recs = [{"tokens": rng.integers(0, v, s).astype(np.int32),
+                      "loss_mask": np.r_[np.zeros(8, bool), np.ones(s - 8, bool)]}
+                     for _ in range(n)]
+
+    def __len__(self):
+        return len(self.recs)
+
+    def __getitem__(self, i):
+        return self.recs[i]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark_jax bench train", description=__doc__)
     ap.add_argument("config", nargs="?", default="bench_cpu", help="config preset or path (default: bench_cpu)")
@@ -95,19 +111,6 @@ def main(argv=None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench_train_"))
     cfg = from_cli([args.config, *args.overrides, f"train.output_dir={scratch / 'out'}", "train.checkpoint_every=0"])
     target = prepare_target(cfg)
-
-    class _Synthetic:  # random tokens, everything an assistant span: no dataset needed
-        def __init__(self, n, s, v):
-            rng = np.random.default_rng(0)
-            self.recs = [{"tokens": rng.integers(0, v, s).astype(np.int32),
-                          "loss_mask": np.r_[np.zeros(8, bool), np.ones(s - 8, bool)]}
-                         for _ in range(n)]
-
-        def __len__(self):
-            return len(self.recs)
-
-        def __getitem__(self, i):
-            return self.recs[i]
 
     ds = _Synthetic(max(4, cfg.train.batch_size * 2), cfg.data.seq_len, cfg.target.model.vocab_size - 1)
     tr = Trainer(cfg, target.model, ds, None, progress=False)
@@ -144,16 +147,21 @@ def main(argv=None) -> int:
     if cache is None:
         print(f"feature cache: not available for {tr.dcfg.kind} (its loss reads the target's logits)")
         return 0
-    compile_c, times_c = compiles["cache"], all_times["cache"]
-    med_c = statistics.median(times_c)
+    _print_cache(compiles["cache"], all_times["cache"], times, tokens, args.steps,
+                 bytes_per_token(len(tr.dcfg.target_layer_ids), cfg.target.model.hidden_size),
+                 flops["target forward"] / total)
+    return 0
+
+
+def _print_cache(compile_c, times_c, times, tokens, steps, per_token, target_share) -> None:
+    """The feature-cache variant beside the online step (`times`: the online step's)."""
+    med, med_c = statistics.median(times), statistics.median(times_c)
     ratios = [a / b for a, b in zip(times, times_c)]
-    per_token = bytes_per_token(len(tr.dcfg.target_layer_ids), cfg.target.model.hidden_size)
     print(f"with the feature cache (data.features=cache, {per_token:,} bytes per token on disk):")
     print(f"  compile + first step: {compile_c:.2f} s")
-    print(f"  median step time:     {med_c * 1e3:.1f} ms over {args.steps} steps "
+    print(f"  median step time:     {med_c * 1e3:.1f} ms over {steps} steps "
           f"(min {min(times_c) * 1e3:.1f}, max {max(times_c) * 1e3:.1f})")
     print(f"  target tokens/s:      {tokens / med_c:,.0f}")
     print(f"step time online / cache: {med / med_c:.2f}x (median of the per-round ratios "
           f"{statistics.median(ratios):.2f}x, min {min(ratios):.2f}, max {max(ratios):.2f}; the steps alternate)")
-    print(f"the target forward's analytic share of the online step's FLOPs: {flops['target forward'] / total:.2f}")
-    return 0
+    print(f"the target forward's analytic share of the online step's FLOPs: {target_share:.2f}")
