@@ -101,7 +101,8 @@ def run_dir(out: Path, variant: str, seed: int) -> Path:
 
 def eval_dir(out: Path, study: Study, t: float) -> Path:
     """One evaluation per temperature of every variant's drafter of every seed (named
-    <variant>_s<seed>); the seed set is in the name, so a study with more seeds evaluates anew."""
+    <variant>_s<seed>); the seed set is in the name, so a study with more seeds evaluates anew (and
+    one with more variants too: the stage checks the drafters its results hold)."""
     return out / "eval" / f"{_t(t)}_s{'-'.join(map(str, study.seeds))}"
 
 
@@ -172,7 +173,9 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
             raise RecipeError(f"no trained drafter for {', '.join(missing)}; run the train stage")
         for t in study.temperatures:
             res = eval_dir(out, study, t)
-            if (res / "results.json").is_file():
+            names = [f"{v}_s{seed}" for seed in study.seeds for v in study.variants]
+            done = (_read(res / "results.json") or {}).get("meta", {}).get("drafters", {})
+            if all(n in done for n in names):  # an evaluation of fewer variants is redone with all of them
                 continue
             named = [f"{v}_s{seed}={run_dir(out, v, seed) / 'drafter'}" for seed in study.seeds for v in study.variants]
             cmd = _py("eval", "--target", target, *[a for n in named for a in ("--drafter", n)],
@@ -317,9 +320,8 @@ def report_markdown(s: dict) -> str:
     if ans:
         lines += ["", "## Answer", ""] + ans
     for t, per in s["eval"].items():
-        how = ("engine-sampled rounds" if float(t) > 0 else "exact greedy rounds (teacher forced, equal to the "
-               "engine's)")
-        lines += ["", f"## tau at T = {t} ({how})", "",
+        how = "engine-sampled rounds" if float(t) > 0 else "exact greedy rounds, teacher forced, equal to the engine's"
+        lines += ["", f"## tau at T = {t}: {how}", "",
                   "tau = mean over seeds of each seed's (accepted + rounds) / rounds; 95 % intervals: two-level "
                   "bootstrap (seeds, then prompts within each seed); the prompt-only interval holds the seeds "
                   "fixed.", "",

@@ -35,7 +35,7 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
     assert [p["step"] for p in s["curves"]["dspark"]] == [1, 2]
     assert all(set(p["seeds"]) == {0, 1} for p in s["curves"]["dflash"])
     report = (out / "report.md").read_text()
-    assert "## tau at T = 1 (engine-sampled rounds)" in report and "## tau at T = 0" in report
+    assert "## tau at T = 1: engine-sampled rounds" in report and "## tau at T = 0: exact greedy" in report
     assert "| dspark |" in report and "## Answer" in report and (out / "study.png").is_file()
 
     docs = tmp_path / "study.md"
