@@ -1,7 +1,7 @@
 """Per-chip serving memory of the engine for a target preset, R slots x a context, on a
 (data, fsdp, tensor) mesh: exact weights and caches from the shapes and the rules table's
 shardings, and the compiler's figures for the programs the server compiles (the command:
-`python -m dspark_jax engine-plan`, commands/engine_plan.py)."""
+`python -m dspark_jax plan engine`, commands/engine_plan.py)."""
 
 from __future__ import annotations
 

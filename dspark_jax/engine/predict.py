@@ -25,6 +25,7 @@ import logging
 import time
 
 import jax
+from jax.experimental.layout import Format, Layout
 
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.buckets import tiled
@@ -53,7 +54,11 @@ def _abstract_args(ab: AbstractEngine):
     return (ab.tp, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
 
 
-def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
+def _round_compiled(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False,
+                    auto_weight_layouts: bool = False):
+    """The round of one bucket compiled for the abstract engine's slice. `auto_weight_layouts`: the
+    decoder layers' weights in layouts the compiler chooses (`Layout.AUTO`), not the row-major ones
+    the engine places them in; an experiment for docs/performance.md, not what the engine runs."""
     spec = dataclasses.replace(ab.eng.spec, buckets=tiled((bucket,), row_tile(ab.mesh)),
                                verify_widths=(width,) if width else (),
                                **({"skip_drafting": "always"} if skip else {}))
@@ -61,10 +66,18 @@ def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, 
     def one_round(tp, dp, dfz, s):
         return round_step(spec, tp, ab.darrays(dp, dfz), s, ctl)
 
+    tp_sh = ab.tp_sh
+    if auto_weight_layouts:
+        tp_sh = {**tp_sh, "layers": jax.tree.map(lambda sh, a: Format(Layout.AUTO, sh) if a.ndim >= 2 else sh,
+                                                 tp_sh["layers"], ab.tp["layers"])}
     with jax.set_mesh(ab.mesh):
-        lowered = jax.jit(one_round, in_shardings=(ab.tp_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
+        lowered = jax.jit(one_round, in_shardings=(tp_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
                           out_shardings=(ab.state_sh, None), donate_argnums=(3,)).lower(*_abstract_args(ab))
-        return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
+        return lowered.compile()
+
+
+def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
+    return program_cost(_round_compiled(ab, bucket, ctl, width, skip), ab.mesh.devices.flat[0])
 
 
 def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:

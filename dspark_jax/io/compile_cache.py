@@ -20,7 +20,7 @@ import jax
 
 from dspark_jax.io.cache import cache_root
 
-__all__ = ["COMPILE_CACHE_ENV", "compile_cache_dir", "enable_compile_cache"]
+__all__ = ["COMPILE_CACHE_ENV", "compile_cache_dir", "enable_compile_cache", "compile_seconds"]
 
 COMPILE_CACHE_ENV = "DSPARK_JAX_COMPILE_CACHE"
 _OFF = ("off", "0", "false", "no")
@@ -55,3 +55,25 @@ def enable_compile_cache() -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+# JAX's own duration events of a program's way to an executable: tracing, lowering, and the backend
+# compile (which includes reading a program back from the persistent cache)
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compile_total = [0.0, False]  # seconds so far, listener registered
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event in COMPILE_EVENTS:
+        _compile_total[0] += seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent turning programs into executables (tracing, lowering,
+    compiling or reading back from the cache) since the first call: a phase's compile share is
+    the difference of two calls around it over its wall time."""
+    if not _compile_total[1]:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _compile_total[1] = True
+    return _compile_total[0]

@@ -35,6 +35,7 @@ from dspark_jax.drafter.frozen import Frozen, attach_target
 from dspark_jax.drafter.losses import LossCoefs
 from dspark_jax.eval.metrics import bootstrap_tau
 from dspark_jax.io import drafter_dir as drafter_io
+from dspark_jax.io.compile_cache import compile_seconds
 from dspark_jax.io.reference import write_reference
 from dspark_jax.parallel.sharding import (
     create_model,
@@ -59,22 +60,26 @@ class TrainingError(RuntimeError):
 
 
 class Phases:
-    """Wall time per phase, for the final summary table."""
+    """Wall time per phase, and the part of it spent compiling (tracing, lowering, compiling or
+    reading programs back from the persistent cache), for the final summary table."""
     def __init__(self):
         self.times: dict[str, float] = {}
+        self.compile: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            self.compile[name] = self.compile.get(name, 0.0) + compile_seconds() - c0
 
     def table(self) -> str:
         total = sum(self.times.values()) or 1.0
-        rows = [f"  {k:<22} {v:8.1f} s  {100 * v / total:5.1f} %" for k, v in self.times.items()]
-        return "\n".join(["  phase                      time   share", *rows])
+        rows = [f"  {k:<22} {v:8.1f} s  {100 * v / total:5.1f} %  {self.compile.get(k, 0.0):8.1f} s"
+                for k, v in self.times.items()]
+        return "\n".join(["  phase                      time   share   compiling", *rows])
 
 
 def is_remote(path) -> bool:

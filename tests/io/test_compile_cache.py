@@ -54,3 +54,18 @@ def test_compiles_are_written_to_the_cache(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "xla")
     assert any((tmp_path / "xla").iterdir()), "no compiled program was written to the cache"
+
+
+def test_compile_seconds_counts_compiles_not_cached_calls():
+    """A new program adds its tracing and compile time; calling it again (compiled, in memory)
+    adds nothing: what the main job's phase table reports as compiling."""
+    import jax
+    import jax.numpy as jnp
+
+    before = compile_cache.compile_seconds()
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + x.sum())
+    f(jnp.ones(7)).block_until_ready()
+    after_compile = compile_cache.compile_seconds()
+    assert after_compile > before
+    f(jnp.ones(7)).block_until_ready()
+    assert compile_cache.compile_seconds() == after_compile

@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "grid": _here("grid", "reproduction-grid tables and plots from eval results (optionally runs evals)"),
     "roofline": _here("roofline", "each decode program timed (or TPU-predicted) beside its roofline: "
                                   "bytes / bandwidth, FLOPs / matmul rate"),
+    "step": _here("step", "the target-only decode step on a TPU slice against its read-once price, and where its "
+                          "time goes (predicted)"),
     "tpu-memory": _here("tpu_memory", "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice "
                                       "(resumable)"),
     "tpu-predict": _here("tpu_predict", "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU "
