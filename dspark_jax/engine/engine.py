@@ -123,7 +123,7 @@ class Engine:
         self._unread_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
         # the target's weights one array per layer: what every compiled program reads (each once)
-        self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh))
+        self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh), release=cfg.release_target_layers)
         self.dp = drafter.arrays() if drafter is not None else {}
         state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)

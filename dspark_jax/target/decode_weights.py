@@ -48,10 +48,11 @@ def merge_projections(p: dict, cfg: ModelConfig, choice: MergeChoice) -> dict:
     return out
 
 
-def unstack_layers(layers: dict) -> tuple[dict, ...]:
+def unstack_layers(layers: dict, release: bool = False) -> tuple[dict, ...]:
     """Stacked layer weights {name: [L, ...]} -> L dicts {name: [...]}, each weight laid out on the
     mesh as its stack was (less the layers axis). Eager: the arrays are copied once, here (traced,
-    as an abstract engine is built, the slices stay in the trace)."""
+    as an abstract engine is built, the slices stay in the trace). `release`: each stack is
+    deleted once its layers are copied, so at most one weight's stack is held twice."""
     num = {a.shape[0] for a in layers.values()}
     if len(num) != 1:
         raise ValueError(f"stacked layer weights disagree on the number of layers: {sorted(num)}")
@@ -59,13 +60,13 @@ def unstack_layers(layers: dict) -> tuple[dict, ...]:
     shardings = {k: None if isinstance(a, jax.core.Tracer) else per_layer_sharding(a.sharding)
                  for k, a in layers.items()}
 
-    def take(i):
-        out = {}
-        for k, a in layers.items():
-            out[k] = a[i] if shardings[k] is None else jax.device_put(a[i], shardings[k])
-        return out
-
-    return tuple(take(i) for i in range(n))
+    split = {}
+    for k, a in layers.items():
+        split[k] = [a[i] if shardings[k] is None else jax.device_put(a[i], shardings[k]) for i in range(n)]
+        if release and isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            jax.block_until_ready(split[k])
+            a.delete()
+    return tuple({k: split[k][i] for k in layers} for i in range(n))
 
 
 def _merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ...]:
@@ -88,14 +89,18 @@ def _merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ..
     return tuple(merge(p) for p in layers)
 
 
-def decode_arrays(model, dtype=None, per_layer: bool = True) -> dict:
+def decode_arrays(model, dtype=None, per_layer: bool = True, release: bool = False) -> dict:
     """`model.arrays(dtype)` (embed, final_norm, lm_head [H, V]) with the layers split per layer
     and their products merged (`per_layer`; else stacked, as the parameters are:
-    `target.kernels.per_layer_decode` decides)."""
+    `target.kernels.per_layer_decode` decides). `release` (with `per_layer`): the model's stacked
+    decoder weights are deleted as they are split (the model cannot run afterwards)."""
     arrays = model.arrays(dtype)
     if not per_layer:
         return arrays
-    return {**arrays, "layers": _merged_layers(unstack_layers(arrays["layers"]), model.cfg)}
+    layers = unstack_layers(arrays.pop("layers"), release=release)
+    if release:
+        model.layers.release()  # where `arrays(dtype)` cast copies, the parameters themselves
+    return {**arrays, "layers": _merged_layers(layers, model.cfg)}
 
 
 def _axes(cfg: ModelConfig) -> tuple[dict, dict]:

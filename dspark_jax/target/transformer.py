@@ -61,6 +61,14 @@ class DecoderStack(nnx.Module):
             value = _init(rngs, name, (self.num_layers, *shape), param_dtype)
             setattr(self, name, nnx.Param(value, out_sharding=("layers", *axes)))
 
+    def release(self) -> None:
+        """Delete the stacked weights' device buffers (their per-layer copies live elsewhere,
+        target/decode_weights.py): the stack cannot run afterwards."""
+        for n in self.names:
+            a = getattr(self, n)[...]
+            if isinstance(a, jax.Array) and not a.is_deleted():
+                a.delete()
+
     def arrays(self, dtype=None) -> dict:
         out = {n: getattr(self, n)[...] for n in self.names}
         return out if dtype is None else jax.tree.map(lambda a: a.astype(dtype), out)

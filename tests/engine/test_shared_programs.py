@@ -2,6 +2,8 @@
 (another model of the same shapes, a new server or evaluation set) compiles nothing; an engine of
 other shapes gets programs of its own; per-layer weights give the stacked forward's outputs."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,3 +76,21 @@ def test_engine_over_per_layer_weights_decodes_as_over_stacked(target, monkeypat
     for d in (None, drafter):
         for sampling in (SamplingParams(0.0, 0, 1.0), SamplingParams(1.0, 0, 1.0)):
             assert tokens(True, d, sampling) == tokens(False, d, sampling)
+
+
+def test_release_target_layers_deletes_the_stack_and_decodes_the_same(target, monkeypatch):
+    """`release_target_layers` (the server's setting): where the engine splits the weights per
+    layer, the model's stacked decoder weights are deleted once split (not held twice), and the
+    engine decodes the tokens it decodes without the release."""
+    from dspark_jax.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: True)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    sampling = SamplingParams(0.0, 0, 1.0)
+    keep = Engine(target, None, CONFIG).generate(prompts, max_new_tokens=6, sampling=sampling)
+    other = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
+    released = Engine(other, None, dataclasses.replace(CONFIG, release_target_layers=True))
+    assert all(getattr(other.layers, n)[...].is_deleted() for n in other.layers.names)
+    assert not other.embed[...].is_deleted()  # only the decoder layers: the drafter may read the embedding
+    res = released.generate(prompts, max_new_tokens=6, sampling=sampling)
+    assert [r.tokens for r in res.results] == [r.tokens for r in keep.results]
