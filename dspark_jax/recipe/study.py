@@ -352,11 +352,9 @@ def report_markdown(s: dict) -> str:
 
 def plot_study(s: dict, path: Path) -> Path | None:
     """Left: held-out expected tau against steps (mean over seeds, band min-max). Right: acceptance
-    per position at the highest temperature evaluated."""
-    has_curves = any(s["curves"].values())
-    hot = max(s["eval"], key=float, default=None)
-    has_pos = hot is not None and bool(s["eval"][hot])
-    if not (has_curves or has_pos):
+    per position (mean over seeds), solid at the highest temperature evaluated, dashed at the others."""
+    temps = sorted((t for t in s["eval"] if s["eval"][t]), key=float, reverse=True)
+    if not (any(s["curves"].values()) or temps):
         return None
     import matplotlib
 
@@ -371,17 +369,17 @@ def plot_study(s: dict, path: Path) -> Path | None:
             ax1.plot(x, [p["mean"] for p in pts], "o-", color=f"C{i}", label=v)
             ax1.fill_between(x, [min(p["seeds"].values()) for p in pts], [max(p["seeds"].values()) for p in pts],
                              color=f"C{i}", alpha=0.15)
-        r = s["eval"].get(hot, {}).get(v) if hot is not None else None
-        if r:
-            ax2.plot(range(1, len(r["acceptance_per_position"]) + 1), r["acceptance_per_position"], "o-",
-                     color=f"C{i}", label=f"{v} (tau {r['tau']:.2f})")
+        for k, t in enumerate(temps):
+            r = s["eval"][t].get(v)
+            if r:
+                ax2.plot(range(1, len(r["acceptance_per_position"]) + 1), r["acceptance_per_position"],
+                         "o-" if k == 0 else "s--", color=f"C{i}", label=f"{v}, T = {t} (tau {r['tau']:.2f})")
     ax1.set(xlabel="training step", ylabel="held-out expected tau (T = 1)", title="tau against steps")
-    ax2.set(xlabel="draft position", ylabel="conditional acceptance",
-            title=f"acceptance per position, T = {hot}" if hot is not None else "")
+    ax2.set(xlabel="draft position", ylabel="conditional acceptance", title="acceptance per position")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
