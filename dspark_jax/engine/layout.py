@@ -41,7 +41,8 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
         cache=cache, dcache=dcache, last=last, anchor=zi(), pos=zi(), active=jnp.zeros((R,), bool),
         keys=jax.random.split(jax.random.key(0), R), rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
         out=jnp.zeros((R, S), jnp.int32), a_hist=jnp.full((2, R, spec.Gs), -1.0, jnp.float32), step=jnp.int32(0),
-        since_draft=jnp.int32(0), probe_gap=jnp.int32(spec.probe_every), finish=zi(), plen=zi(), joined=zi(),
+        since_draft=jnp.int32(0), probe_gap=jnp.int32(spec.probe_every),
+        probe_credit=jnp.float32(0.0), finish=zi(), plen=zi(), joined=zi(),
         prompt=jnp.zeros((R, S if chunked else 1), jnp.int32))
 
 

@@ -178,36 +178,48 @@ def _settled(st: DecodeState, act):
     return (st.probe_gap < 0) & (jnp.sum(act) >= -st.probe_gap)
 
 
+def _gain(spec: Spec, a, act, ctl: Control):
+    return prefix.drafting_gain(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+
+
 def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
     """(drafts, settled) for this round. "best_case": draft when some admission count beats plain
     decoding even with every draft accepted. "known": also on the last known survivals (past
     rounds only, so lossless), except after `probe_gap` skipped rounds (or with no survivals yet),
-    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`).
+    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`). A
+    round that may lose (the lower bound of its gain on the known survivals, `prefix.drafting_gain`,
+    is negative: a probe, or a "yes" within its sampling error) drafts only while `probe_credit`,
+    what earlier drafted rounds saved, covers that loss; a round with no survivals yet drafts.
     `settled` ("known" only): the round skips and expects no draft at this load (the best case
-    does not pay, or a settled "no" holds), so it need not keep the drafter's context. Plain
-    decoding is priced as what a round without a draft costs (`prefix.plain_time`)."""
+    does not pay, a settled "no" holds, or the credit does not cover the next draft), so it need
+    not keep the drafter's context. Plain decoding is priced as what a round without a draft
+    costs (`prefix.plain_time`)."""
     best = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
     if spec.skip_drafting != "known":
         return best, jnp.bool_(False)
     known = st.a_hist[0]
     settled = _settled(st, act)
-    probe = ((st.since_draft + 1 >= st.probe_gap) & ~settled) | ~_known(known, act)
-    pays = best & (probe | _known_pays(spec, known, act, ctl))
-    return pays, ~pays & (~best | settled)
+    _, low = _gain(spec, known, act, ctl)
+    funded = (low >= 0.0) | (st.probe_credit + low >= 0.0)
+    probe = (st.since_draft + 1 >= st.probe_gap) & ~settled
+    pays = best & (~_known(known, act) | (funded & (probe | _known_pays(spec, known, act, ctl))))
+    return pays, ~pays & (~best | settled | ~funded)
 
 
 def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
-    """(since_draft, probe_gap) after a round that drafted: the gap resets when its fresh
-    survivals say speculation pays and doubles (up to `probe_max`) when they say it does not;
-    when they say no by more than their sampling error (`prefix.settled_no`) it becomes -n, n
-    the slots decoding: no probe while at least n slots decode."""
+    """(since_draft, probe_gap, probe_credit) after a round that drafted: the gap resets when its
+    fresh survivals say speculation pays and doubles (up to `probe_max`) when they say it does
+    not; when they say no by more than their sampling error (`prefix.settled_no`) it becomes -n,
+    n the slots decoding: no probe while at least n slots decode. The credit gains what the round
+    saved by its fresh survivals (`prefix.drafting_gain`; negative: what it cost)."""
     if spec.skip_drafting != "known":
-        return st.since_draft, st.probe_gap
+        return st.since_draft, st.probe_gap, st.probe_credit
     n = jnp.sum(act).astype(jnp.int32)
     settled = prefix.settled_no(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
     backoff = jnp.minimum(2 * jnp.maximum(st.probe_gap, spec.probe_every // 2), spec.probe_max)
     gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.where(settled, -n, backoff))
-    return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32)
+    credit = st.probe_credit + _gain(spec, a, act, ctl)[0]
+    return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32), credit.astype(jnp.float32)
 
 
 def _width_index(widths, act, lengths):
@@ -388,7 +400,7 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
     lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
     lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
-    since_draft, probe_gap = _probe_schedule(spec, st, a, act, ctl)
+    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl)
 
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
     widths = spec.widths
@@ -419,7 +431,7 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
                                     acc, act & ~done)
     dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
     new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
-                      since_draft=since_draft, probe_gap=probe_gap)
+                      since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit)
     return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut)
 
 

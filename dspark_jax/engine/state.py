@@ -49,6 +49,9 @@ class DecodeState(NamedTuple):
     # scalar int32 rounds between probes; doubles while fresh survivals say "no"; -n after a settled
     # "no" with n slots decoding (no probes while at least n decode)
     probe_gap: jax.Array
+    # scalar float32 seconds the rounds that drafted saved against plain decoding, as their own
+    # survivals expect (`prefix.drafting_gain`, "known" skip rule): what funds rounds that may lose
+    probe_credit: jax.Array
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
     plen: jax.Array  # [R] int32 prompt length of the slot's request
     joined: jax.Array  # [R] int32 `step` at which it joined (chunked prefill serves the earliest first)

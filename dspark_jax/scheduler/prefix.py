@@ -40,7 +40,7 @@ __all__ = [
     "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
     "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
-    "settled_no", "SETTLE_Z",
+    "settled_no", "drafting_gain", "SETTLE_Z",
 ]
 
 
@@ -310,7 +310,17 @@ def known_speculation_pays(a_known, active, table: CostTable, mode="latency", co
     return best > n / plain_time(n, table, cost)
 
 
-SETTLE_Z = 2.0  # standard errors by which fresh survivals must say "no" for the verdict to settle
+SETTLE_Z = 2.0  # standard errors by which survivals must say "no" (or "yes") for the verdict to stand
+
+
+def _token_se(a, active, n):
+    """Relative standard error of the mean tokens the active slots' survivals promise (t_r = 1 +
+    sum_j a_rj over the n active slots: sd(t) / (mean(t) sqrt(n))); 0 below two slots."""
+    t = 1.0 + jnp.sum(a, axis=1)
+    w = active.astype(jnp.float32)
+    mean = jnp.sum(w * t) / jnp.maximum(n, 1.0)
+    var = jnp.sum(w * (t - mean) ** 2) / jnp.maximum(n - 1.0, 1.0)
+    return jnp.where(n >= 2.0, jnp.sqrt(var) / (mean * jnp.sqrt(jnp.maximum(n, 1.0))), 0.0)
 
 
 @partial(jax.jit, static_argnames=("mode", "cost"))
@@ -323,10 +333,28 @@ def settled_no(a_fresh, active, table: CostTable, z=SETTLE_Z, mode="latency", co
     than two slots (one request's survivals say nothing of the next one's)."""
     a, active, best, n = _best_drafting(a_fresh, active, table, mode, cost)
     rho = best * plain_time(n, table, cost) / jnp.maximum(n, 1.0)
-    t = 1.0 + jnp.sum(a, axis=1)
-    w = active.astype(jnp.float32)
-    mean = jnp.sum(w * t) / jnp.maximum(n, 1.0)
-    var = jnp.sum(w * (t - mean) ** 2) / jnp.maximum(n - 1.0, 1.0)
-    se = jnp.sqrt(var) / (mean * jnp.sqrt(jnp.maximum(n, 1.0)))
-    return (n >= 2.0) & (1.0 - rho > z * se)
+    return (n >= 2.0) & (1.0 - rho > z * _token_se(a, active, n))
 
+
+@partial(jax.jit, static_argnames=("mode", "cost"))
+def drafting_gain(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", cost="step"):
+    """(gain, low): on survivals `a_rows`, the seconds a round that drafts and admits the best
+    count K >= 1 saves against plain decoding of the tokens it expects, ``gain = (rho - 1) t_K``
+    (rho = Theta_K / Theta_0, t_K = tau_K / Theta_K the round's time by the objective `mode`;
+    negative: what it costs), and that gain with rho lowered by `z` standard errors of the tokens
+    the survivals promise (`settled_no`'s; none below two slots), ``low = gain - z se t_K``: what
+    the round may lose. The "known" skip rule adds each drafted round's gain to a credit and drafts
+    a round whose `low` is negative only while the credit covers it. 0 without active slots."""
+    a, active, cand = _prep(a_rows, active)
+    sorted_a, n_cand, _ = _order(a, cand)
+    n_act = jnp.sum(active).astype(jnp.int32)
+    n = n_act.astype(jnp.float32)
+    th = _theta_path(sorted_a, n_act, table, mode, cost)
+    i = jnp.arange(th.shape[0])
+    kb = jnp.where(n_cand > 0, jnp.argmax(jnp.where((i >= 1) & (i <= n_cand), th, -jnp.inf)), 0)
+    tau = n + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_a)])[kb]
+    t = tau / jnp.maximum(th[kb], 1e-30)
+    gain = tau * plain_time(n, table, cost) / jnp.maximum(n, 1.0) - t
+    low = gain - z * _token_se(a, active, n) * t
+    ok = (n > 0.0) & jnp.isfinite(gain)
+    return jnp.where(ok, gain, 0.0), jnp.where(ok, low, 0.0)

@@ -29,13 +29,17 @@ skip when the best case does not pay or when the survivals of the last round tha
 say no admission count beats a round without a draft (priced as `skipped_round_cost`, as the
 engine's rule prices it: ``prefix.plain_time``), drafting after ``--probe-every`` skipped rounds
 to refresh them (the interval doubles up to ``--probe-max`` while fresh survivals say no, and
-probes stop when they say no by more than their sampling error, ``prefix.settled_no``; rounds
-skipped while the best case does not pay or such a "no" holds are settled: the engine runs them
-as the target-only program, without keeping the drafter's context). The window is steady state:
-the rule starts from the survivals of the round before it, as the production scheduler's stale
-input does. ``--skip best_case`` (``prefix.speculation_pays``) only the first part. ``--skip
-stale`` is an idealisation no engine can run: it reads the survivals of two rounds ago
-even when that round skipped drafting (so produced none).
+probes stop when they say no by more than their sampling error, ``prefix.settled_no``). A round
+that may lose (a probe, or a "yes" within its sampling error: the lower bound of its gain,
+``prefix.drafting_gain``, is negative) drafts only while the credit, what the drafted rounds
+saved by their own survivals, covers that loss. Rounds skipped while the best case does not pay,
+such a "no" holds or the credit does not cover the next draft are settled: the engine runs them
+as the target-only program, without keeping the drafter's context. The window is steady state:
+the rule starts from the survivals of the round before it (and that round's gain as its credit),
+as the production scheduler's stale input does. ``--skip best_case``
+(``prefix.speculation_pays``) only the first part. ``--skip stale`` is an idealisation no
+engine can run: it reads the survivals of two rounds ago even when that round skipped drafting
+(so produced none).
 """
 
 from __future__ import annotations
@@ -176,6 +180,20 @@ def _best_case_pays(R, table_np, t_draft, max_tokens, mode="latency"):
     return bool(np.any(th > R / _plain_cost(R, table_np, "interp")))
 
 
+def _drafting_gain(a, R, table_np, t_draft, charge, mode="latency", z=prefix.SETTLE_Z):
+    """``prefix.drafting_gain`` on one round's survivals [R, G] (all R slots active): (expected,
+    lower bound) seconds that drafting with the best admission count saves against plain decoding
+    of the tokens it expects."""
+    flat = -np.sort(-np.clip(a, 0.0, 1.0).reshape(-1))
+    tau = R + np.cumsum(flat)
+    t = (t_draft if mode == "latency" else 0.0) + _verify_cost(R + np.arange(1, flat.size + 1), table_np, charge)
+    k = int(np.argmax(tau / t))
+    gain = float(tau[k] * _plain_cost(R, table_np, charge) / R - t[k])
+    tt = 1.0 + np.clip(a, 0.0, 1.0).sum(axis=-1)
+    se = tt.std(ddof=1) / (tt.mean() * np.sqrt(R)) if R >= 2 else 0.0
+    return gain, gain - z * se * float(t[k])
+
+
 def _settled_no(a, R, table_np, t_draft, charge, mode="latency", z=prefix.SETTLE_Z):
     """``prefix.settled_no`` on one round's survivals [R, G] (all R slots active): fresh
     survivals that say no admission count pays by more than z standard errors of the tokens they
@@ -198,31 +216,38 @@ def _known_rounds(a, best_case_pays, R, table_np, t_draft, charge, probe_every, 
     beats a round without a draft, or there are none yet, or `gap` rounds have passed since that
     round (a probe). After each drafted round the gap resets to `probe_every` if its survivals
     say drafting pays, else it doubles, up to `probe_max`; when they say no by more than their
-    sampling error (`_settled_no`) the verdict settles: no more probes at this load. `settled`:
-    skipped rounds that expect no draft at this load (the best case does not pay, or a settled
-    "no"), which the engine runs without keeping the drafter's context. `seed` [R, G]: the
-    survivals of the round before the first (steady state: the rule has drafted before), else
-    the first round drafts to learn them."""
+    sampling error (`_settled_no`) the verdict settles: no more probes at this load. A round
+    whose gain on the known survivals may be negative (`_drafting_gain`'s lower bound) drafts
+    only while the credit, the sum of the drafted rounds' gains on their own survivals, covers
+    that bound. `settled`: skipped rounds that expect no draft at this load (the best case does
+    not pay, a settled "no", or no credit for the next draft), which the engine runs without
+    keeping the drafter's context. `seed` [R, G]: the survivals of the round before the first
+    (steady state: the rule has drafted before; its gain is the starting credit), else the first
+    round drafts to learn them."""
     T = a.shape[0]
     if not best_case_pays:
         return np.ones(T, bool), np.ones(T, bool)
     skip, final = np.zeros(T, bool), np.zeros(T, bool)
-    known_pays, settled, since, gap = None, False, 0, probe_every
+    known_pays, settled, since, gap, gain, low, credit = None, False, 0, probe_every, 0.0, 0.0, 0.0
 
     def verdict(x, gap):
         pays = not bool(_stale_skip(x[None], R, table_np, t_draft, charge, mode)[0])
         settled = not pays and _settled_no(x, R, table_np, t_draft, charge, mode)
-        return pays, settled, probe_every if pays else min(2 * gap, probe_max)
+        gain, low = _drafting_gain(x, R, table_np, t_draft, charge, mode)
+        return pays, settled, probe_every if pays else min(2 * gap, probe_max), gain, low
 
     if seed is not None:
-        known_pays, settled, gap = verdict(seed, probe_every // 2)
+        known_pays, settled, gap, gain, low = verdict(seed, probe_every // 2)
+        credit = gain
     for t in range(T):
-        skip[t] = known_pays is not None and not known_pays and (settled or since + 1 < gap)
+        funded = low >= 0.0 or credit + low >= 0.0
+        skip[t] = known_pays is not None and not (funded and (known_pays or (not settled and since + 1 >= gap)))
         if skip[t]:
-            final[t] = settled
+            final[t] = settled or not funded
             since += 1
         else:
-            known_pays, settled, gap = verdict(a[t], gap)
+            known_pays, settled, gap, gain, low = verdict(a[t], gap)
+            credit += gain
             since = 0
     return skip, final
 

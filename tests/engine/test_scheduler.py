@@ -191,9 +191,10 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
 
 def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     """With a table where perfect drafts would pay but these drafters' survivals do not (draft
-    time 0.6 of a step), the "known" rule drafts only on probes (round 0, with no survivals yet,
-    then after 8, 16, ... rounds: probe_every 4, doubled while fresh survivals say no) or when
-    the survivals say drafting pays for the current set of requests; "best_case" never skips;
+    time 0.6 of a step), the "known" rule drafts in round 0 (no survivals yet) and when a request
+    without survivals joins, but probes no more: round 0's draft cost more than it saved, so no
+    credit covers a probe (`prefix.drafting_gain`; probing with credit:
+    test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it); "best_case" never skips;
     the output is unchanged."""
     target, prompts, reference = setup
     d = tiny_drafter("dspark", target, gamma=3)
@@ -211,17 +212,18 @@ def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
         drafted[rule] = ran
         n_rounds = len(np.unique(tr["round"]))
     assert len(drafted["best_case"]) == n_rounds
-    # round 0 (nothing known) and the first probe after 8 rounds draft; round 4 no longer does (the
-    # gap doubled); other drafted rounds come from a changed set of active requests
+    # round 0 (nothing known) drafts; no probe follows (round 4 and 8 would have been the first);
+    # other drafted rounds come from a changed set of active requests
     known = drafted["known"]
-    assert {0, 8}.issubset(known) and 4 not in known and len(known) <= n_rounds / 4, (known, n_rounds)
+    assert 0 in known and not {4, 8} & known and len(known) <= n_rounds / 4, (known, n_rounds)
 
 
 def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
     """After a drafted round whose survivals say no admission count pays by more than their
     sampling error (`prefix.settled_no`), the probe gap becomes -n (n the slots decoding): the
     "known" rule then drafts no probe while at least n slots decode, and probes at once when
-    fewer do; a "no" within its error keeps the doubling backoff."""
+    fewer do (here with a credit that covers the probe); a "no" within its error keeps the
+    doubling backoff."""
     import jax.numpy as jnp
 
     from dspark_jax.engine import round as round_mod
@@ -241,13 +243,40 @@ def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
         assert not numpy_ref.known_speculation_pays_np(a, act, tab_np)
         assert numpy_ref.settled_no_np(a, act, tab_np) is settles
         st = eng.init_state()._replace(active=jnp.ones(3, bool), probe_gap=jnp.int32(8))
-        _, gap = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl)
+        _, gap, _ = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl)
         assert int(gap) == (-3 if settles else 16)
     st = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(alike, jnp.float32)] * 2), since_draft=jnp.int32(99),
-                                   probe_gap=jnp.int32(-3))
+                                   probe_gap=jnp.int32(-3), probe_credit=jnp.float32(100.0))
     for act, probes in (((True, True, True), False), ((True, True, False), True)):
         pays, settled = round_mod._skip_decision(eng.spec, st, jnp.asarray(act), ctl, 9)
         assert bool(pays) is probes and bool(settled) is not probes, act
+
+
+def test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it(setup):
+    """A probe (the known survivals say no within their sampling error) drafts only while
+    `probe_credit`, what earlier drafted rounds saved by their own survivals, covers the lower
+    bound of its gain (`prefix.drafting_gain`); otherwise the round is settled (it need not keep
+    the drafter's context). A drafted round adds its fresh survivals' gain to the credit."""
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import round as round_mod
+
+    target = setup[0]
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="early_stop", skip_drafting="known", probe_every=4))
+    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
+    ctl = eng.control(GREEDY, table=table)
+    apart = jnp.asarray(np.cumprod(np.array([[0.3] * 3, [0.5] * 3, [0.7] * 3]), axis=1), jnp.float32)
+    act = jnp.ones(3, bool)
+    gain, low = (float(x) for x in scheduler.drafting_gain(apart, act, table))
+    assert low < gain < 0.0
+    base = eng.init_state()._replace(a_hist=jnp.stack([apart] * 2), since_draft=jnp.int32(99), probe_gap=jnp.int32(8))
+    for credit, probes in ((0.0, False), (-low - 1e-3, False), (-low + 1e-3, True)):
+        pays, settled = round_mod._skip_decision(eng.spec, base._replace(probe_credit=jnp.float32(credit)), act, ctl, 9)
+        assert bool(pays) is probes and bool(settled) is not probes, credit
+    _, _, credit = round_mod._probe_schedule(eng.spec, base._replace(probe_credit=jnp.float32(1.0)), apart, act, ctl)
+    assert float(credit) == pytest.approx(1.0 + gain)
 
 
 def test_known_speculation_pays_matches_numpy():

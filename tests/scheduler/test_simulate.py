@@ -141,23 +141,33 @@ def test_cli_synthetic(tmp_path):
 
 def test_known_skip_probes_and_matches_the_engine_rule():
     """The simulator's "known" rule is the engine's: the same decision as
-    scheduler.known_speculation_pays on the last drafted round's survivals; with survivals that
-    never pay it probes at doubling intervals (probe_every, 2x, ... up to probe_max), until
-    survivals say no by more than their sampling error (scheduler.settled_no)."""
+    scheduler.known_speculation_pays on the last drafted round's survivals, the same gain as
+    scheduler.drafting_gain; with survivals that never pay it probes at doubling intervals
+    (probe_every, 2x, ... up to probe_max) while the credit earlier drafted rounds saved covers
+    each probe's loss, until survivals say no by more than their sampling error
+    (scheduler.settled_no)."""
     from dspark_jax.scheduler import prefix as scheduler
-    from dspark_jax.scheduler.simulate import _known_skip, _stale_skip
+    from dspark_jax.scheduler.simulate import _drafting_gain, _known_skip, _stale_skip
 
     tab = scheduler.make_table([8, 16, 32, 64], t_verify=[1.0, 1.2, 2.0, 4.0], t_draft=0.5, as_numpy=True)
+    jtab = scheduler.make_table([8, 16, 32, 64], t_verify=[1.0, 1.2, 2.0, 4.0], t_draft=0.5)
     rng = np.random.default_rng(0)
-    for _ in range(30):
+    for i in range(30):
         a = np.cumprod(rng.uniform(0, 1, (8, G)) ** rng.uniform(0.2, 3), axis=1)
         for mode in ("latency", "sps"):
             assert bool(_stale_skip(a[None], 8, tab, 0.5, "step", mode)[0]) == (
                 not numpy_ref.known_speculation_pays_np(a, np.ones(8, bool), tab, mode=mode, cost="step"))
-    # one request's "no" never settles: probes at doubling intervals
+            if i < 6:
+                want = scheduler.drafting_gain(a, np.ones(8, bool), jtab, mode=mode)
+                np.testing.assert_allclose(_drafting_gain(a, 8, tab, 0.5, "step", mode), want, rtol=1e-4, atol=1e-5)
+    # one request whose drafts never pay: after round 0 (nothing known) nothing covers a probe
     hopeless = np.full((200, 1, G), 0.01)
-    skip = _known_skip(hopeless, True, 1, tab, 0.5, "step", probe_every=4, probe_max=32)
-    assert np.flatnonzero(~skip).tolist() == [0, 8, 24, 56, 88, 120, 152, 184]  # gaps 8, 16, 32, 32, ...
+    assert np.flatnonzero(~_known_skip(hopeless, True, 1, tab, 0.5, "step", 4, 32)).tolist() == [0]
+    # a round that paid (perfect drafts: 6.5 s saved) funds probes at doubling intervals (here 8, up
+    # to probe_max 8), 0.43 s each, until the credit is spent: 14 probes
+    paid = np.concatenate([np.ones((1, 1, G)), hopeless])
+    skip = _known_skip(paid, True, 1, tab, 0.5, "step", probe_every=4, probe_max=8)
+    assert np.flatnonzero(~skip).tolist() == [0, 1, *range(9, 114, 8)]
     # eight requests saying no beyond their sampling error settle it: no probe after the first round,
     # none at all when the round before the first (`seed`) said so
     hopeless = np.full((200, 8, G), 0.01)
@@ -238,12 +248,13 @@ def test_priced_concurrency_of_each_kind_of_table(accel):
 
 def test_scheduled_dspark_is_never_below_target_only_with_mt_bench_on_a_kept_table():
     """DeepSpec's mt-bench acceptance for the Qwen3-8B drafter (tau 3.72, the lowest of its five
-    sets) on the predicted v6e-8 Qwen3-4B tables, where scheduled DSpark fell to 0.88x of
-    target-only at R = 256 while the skip rule priced plain decoding at t_verify(R) and probed
-    there: at every concurrency the tables price, scheduled DSpark is at least target-only.
-    On the Qwen3-8B tables R = 256 sits at break-even (the survivals' best throughput is 0.95-1.03
-    of plain decoding's, within their sampling error, so the rule keeps probing): there it is
-    within 0.1 % of target-only (0.85x before)."""
+    sets) on the predicted v6e-8 Qwen3-4B and Qwen3-8B tables: at every concurrency the tables
+    price, scheduled DSpark is at least target-only. R = 256 sits at break-even for Qwen3-8B
+    (the survivals' best throughput is 0.96-1.0 of plain decoding's, within their sampling
+    error): a rule that probes there on each verdict alone, with nothing to pay for the probes,
+    gave 0.9997; the credit that drafted rounds earn (scheduler.drafting_gain) must cover what a
+    probe may lose, so it does not probe there. With plain decoding priced at t_verify(R) and
+    unsettled probes the tables gave 0.88 (Qwen3-4B) and 0.85 (Qwen3-8B) at R = 256."""
     from dspark_jax.calibration.profiles import parse_profile, profile_traces
     from dspark_jax.scheduler.simulate import priced_concurrency, versus_target_only
 
@@ -257,8 +268,7 @@ def test_scheduled_dspark_is_never_below_target_only_with_mt_bench_on_a_kept_tab
             points.update({(target, r["concurrency"]): r["ratio"]
                            for r in versus_target_only(cost, {"dspark": ts}, temps, priced_concurrency(cost))})
     assert len(points) == 8
-    assert all(ratio >= 1.0 for (t, _), ratio in points.items() if t == "qwen3_4b"), points
-    assert all(ratio >= 0.999 for ratio in points.values()), points
+    assert all(ratio >= 1.0 for ratio in points.values()), points
 
 
 def test_vs_target_only_command(tmp_path):
