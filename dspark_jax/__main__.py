@@ -44,7 +44,7 @@ COMMANDS = {
                         "build / locate / verify / report the embedded default target"),
     "models": Command("dspark_jax.commands.models",
                       "fetch a real target (SmolLM2-135M-Instruct from its GGUF) into the user cache"),
-    "recipe": Command("dspark_jax.recipe.__main__",
+    "recipe": Command("dspark_jax.commands.recipe",
                       "a whole recipe, resumable: fetch, train DSpark and DFlash, evaluate, time "
                       "(e.g. smollm2-135m-instruct)"),
     "prepare": Command("dspark_jax.commands.prepare",

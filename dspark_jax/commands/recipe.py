@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from dspark_jax.recipe.recipes import RECIPES
-from dspark_jax.recipe.run import STAGES, RecipeError, record_time, run_recipe
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval_datasets"
 
@@ -31,6 +30,8 @@ def main(argv=None) -> int:
         from dspark_jax.recipe.study import main as study_main
 
         return study_main(argv[1:])
+    from dspark_jax.recipe.run import STAGES, RecipeError, record_time, run_recipe
+
     ap = argparse.ArgumentParser(prog="python -m dspark_jax recipe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(RECIPES) + ["embedded-study"], help="the recipe")

@@ -97,10 +97,11 @@ def test_smollm2_recipe_names_its_sets_and_presets():
 def test_overrides_may_follow_the_options(tmp_path, monkeypatch):
     """`recipe NAME --out D --stages train data.x=1` (overrides last) reaches the run like overrides
     first (argparse's plain parse_args rejects them as unrecognized)."""
-    from dspark_jax.recipe import __main__ as cli
+    from dspark_jax.commands import recipe as cli
+    from dspark_jax.recipe import run
 
     got = []
-    monkeypatch.setattr(cli, "run_recipe", lambda *a, **k: got.append(k["overrides"]))
+    monkeypatch.setattr(run, "run_recipe", lambda *a, **k: got.append(k["overrides"]))
     for argv in (["smollm2-135m-instruct", "data.num_prompts=4", "--out", str(tmp_path), "--target", str(tmp_path)],
                  ["smollm2-135m-instruct", "--out", str(tmp_path), "--target", str(tmp_path), "--stages", "train",
                   "data.num_prompts=4"]):
