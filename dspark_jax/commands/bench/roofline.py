@@ -156,7 +156,7 @@ def _report(doc: dict, args) -> str:
                      f"matmul {rates['flop_rate'] / 1e12:.1f} TFLOP/s (the compiler's kernel rates)")
         out += [head, rm.format_table(run["rows"], predicted), "", rm.format_memory(run["memory"])]
         if predicted:
-            out.append("(round and draft: the compiled round's memory is `python -m dspark_jax engine-plan`'s)")
+            out.append("(round and draft: the compiled round's memory is `python -m dspark_jax plan engine`'s)")
     return "\n".join(out)
 
 
