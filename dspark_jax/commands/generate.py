@@ -89,30 +89,6 @@ def read_prompts(path: str | None, stream=None) -> list[list[dict]]:
     return convs
 
 
-def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
-                   policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
-                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64, mesh=None,
-                   kv_pages=None, prefill_chunk=None):
-    """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
-
-    `table`: a scheduler.CostTable; its buckets become the engine's verification buckets."""
-    from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.text.chat import render_prompt
-
-    tok = target.require_tokenizer()
-    ids = [render_prompt(tok, c, target.chat_template) for c in convs]
-    G = gamma or getattr(drafter, "gamma", 0)
-    S = max_len or (max(len(p) for p in ids) + max_new_tokens + G + 2)
-    config = EngineConfig(num_slots=min(batch, len(ids)), max_len=S, gamma=gamma, policy=policy, theta=theta,
-                          cost=cost, skip_drafting=skip_drafting, probe_every=probe_every, probe_max=probe_max,
-                          kv_pages=kv_pages, prefill_chunk=prefill_chunk)
-    eng = Engine(target, drafter, config, table=table, mesh=mesh)
-    res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
-                       stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
-    texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
-    return res, ids, texts
-
-
 def scheduling_inputs(args, sampling):
     """(cost table or None, STS temperatures or None) from --costs / --calibrated, checked before
     any model is loaded: a table from another backend and missing temperatures fail here."""
@@ -136,16 +112,6 @@ def scheduling_inputs(args, sampling):
     return table, sts
 
 
-def save_run_traces(path: Path, traces, mode: str, sampling) -> Path:
-    """`.npz`: a trace file that records the drafter kind and the sampling setting its rounds were
-    drafted under (calibration fits and stores STS per setting); `.jsonl`: one record per round."""
-    if path.suffix != ".npz":
-        return traces.save(path)
-    from dspark_jax.calibration.traces import from_engine, save_traces
-
-    return save_traces(path, from_engine(traces, drafter_kind=mode, sampling=sampling))
-
-
 @report_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -155,6 +121,7 @@ def main(argv=None) -> int:
     from dspark_jax.drafter.frozen import TargetMismatchError
     from dspark_jax.embedded.target import resolve_target_dir
     from dspark_jax.engine import EngineError
+    from dspark_jax.engine import texts as engine_texts
     from dspark_jax.io.loading import load_models
     from dspark_jax.parallel.sharding import parse_mesh
     from dspark_jax.scheduler.costs import CostTableError
@@ -165,7 +132,7 @@ def main(argv=None) -> int:
         table, sts = scheduling_inputs(args, sampling)
         mesh = parse_mesh(args.mesh)
         target, drafter, mode = load_models(resolve_target_dir(args.target), args.drafter, args.mode, args.dtype, mesh)
-        res, ids, texts = generate_texts(
+        res, ids, texts = engine_texts.generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
             gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
@@ -184,7 +151,7 @@ def main(argv=None) -> int:
         else:
             print(f"=== request {i} ===\n{text}\n--- {json.dumps(stats)}")
     if args.traces and res.traces is not None:
-        save_run_traces(Path(args.traces), res.traces, mode, sampling)
+        engine_texts.save_run_traces(Path(args.traces), res.traces, mode, sampling)
     print(json.dumps({"mode": mode, "requests": len(res.results), "tau": round(res.tau, 3),
                       "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
                       "round_calls": res.round_calls}), file=sys.stderr if args.json else sys.stdout)

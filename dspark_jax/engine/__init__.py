@@ -13,6 +13,7 @@
 - requests.py: one request checked against the engine's ranges (Engine.validate_request).
 - engine.py: the Engine class (slots, controls, compiled calls), measure_accepted_length.
 - batcher.py: continuous batching (Engine.generate, the server, the benchmarks); results.py.
+- texts.py: chat conversations through the engine, completions as text (the generate command).
 - plan.py: per-chip serving memory (`python -m dspark_jax plan engine`).
 """
 
