@@ -168,18 +168,15 @@ def _known(a, act):
     return jnp.all((a >= 0.0) | ~act[:, None])
 
 
-def _known_pays(spec: Spec, a, act, ctl: Control):
-    return prefix.known_speculation_pays(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
-
-
 def _settled(st: DecodeState, act):
     """A settled "no" holds: the last probe's survivals said no by more than their sampling error
     (`probe_gap` = -n, n the slots then decoding) and at least as many slots decode now."""
     return (st.probe_gap < 0) & (jnp.sum(act) >= -st.probe_gap)
 
 
-def _gain(spec: Spec, a, act, ctl: Control):
-    return prefix.drafting_gain(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+def _verdict(spec: Spec, a, act, ctl: Control) -> prefix.Verdict:
+    """Every skip verdict on survivals `a` from one pass (`prefix.verdict`)."""
+    return prefix.verdict(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
 
 
 def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: int):
@@ -199,10 +196,10 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
         return best, jnp.bool_(False)
     known = st.a_hist[0]
     settled = _settled(st, act)
-    _, low = _gain(spec, known, act, ctl)
-    funded = (low >= 0.0) | (st.probe_credit + low >= 0.0)
+    v = _verdict(spec, known, act, ctl)
+    funded = (v.low >= 0.0) | (st.probe_credit + v.low >= 0.0)
     probe = (st.since_draft + 1 >= st.probe_gap) & ~settled
-    pays = best & (~_known(known, act) | (funded & (probe | _known_pays(spec, known, act, ctl))))
+    pays = best & (~_known(known, act) | (funded & (probe | v.pays)))
     return pays, ~pays & (~best | settled | ~funded)
 
 
@@ -215,10 +212,10 @@ def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
     if spec.skip_drafting != "known":
         return st.since_draft, st.probe_gap, st.probe_credit
     n = jnp.sum(act).astype(jnp.int32)
-    settled = prefix.settled_no(jnp.maximum(a, 0.0), act, ctl.table, mode=spec.theta, cost="step")
+    v = _verdict(spec, a, act, ctl)
     backoff = jnp.minimum(2 * jnp.maximum(st.probe_gap, spec.probe_every // 2), spec.probe_max)
-    gap = jnp.where(_known_pays(spec, a, act, ctl), spec.probe_every, jnp.where(settled, -n, backoff))
-    credit = st.probe_credit + _gain(spec, a, act, ctl)[0]
+    gap = jnp.where(v.pays, spec.probe_every, jnp.where(v.settled_no, -n, backoff))
+    credit = st.probe_credit + v.gain
     return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32), credit.astype(jnp.float32)
 
 

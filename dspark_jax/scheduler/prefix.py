@@ -40,7 +40,7 @@ __all__ = [
     "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
     "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
-    "settled_no", "drafting_gain", "SETTLE_Z",
+    "settled_no", "drafting_gain", "verdict", "Verdict", "SETTLE_Z",
 ]
 
 
@@ -289,27 +289,6 @@ def speculation_pays(n_active, table: CostTable, max_tokens, mode="sps", cost="i
     return jnp.any(theta(n + k, n + k, table, mode, cost) > th0)
 
 
-def _best_drafting(a_rows, active, table: CostTable, mode, cost):
-    """On survivals `a_rows`: (the prepared survivals, active mask, the best throughput over
-    admission counts K >= 1, the active slots n as float) -- what both skip verdicts compare
-    with plain decoding."""
-    a, active, cand = _prep(a_rows, active)
-    sorted_a, n_cand, _ = _order(a, cand)
-    n_act = jnp.sum(active).astype(jnp.int32)
-    th = _theta_path(sorted_a, n_act, table, mode, cost)
-    k = jnp.arange(th.shape[0])
-    return a, active, jnp.max(jnp.where((k >= 1) & (k <= n_cand), th, -jnp.inf)), n_act.astype(jnp.float32)
-
-
-@partial(jax.jit, static_argnames=("mode", "cost"))
-def known_speculation_pays(a_known, active, table: CostTable, mode="latency", cost="step"):
-    """Whether, on survivals already known (an earlier round's), some admission count K >= 1
-    beats not drafting (``Theta_0 = n / plain_time(n)``, no draft time). Deciding from the past
-    only, it cannot bias the output; False => skip drafting this round."""
-    _, _, best, n = _best_drafting(a_known, active, table, mode, cost)
-    return best > n / plain_time(n, table, cost)
-
-
 SETTLE_Z = 2.0  # standard errors by which survivals must say "no" (or "yes") for the verdict to stand
 
 
@@ -323,6 +302,49 @@ def _token_se(a, active, n):
     return jnp.where(n >= 2.0, jnp.sqrt(var) / (mean * jnp.sqrt(jnp.maximum(n, 1.0))), 0.0)
 
 
+class Verdict(NamedTuple):
+    """What survivals say of drafting against plain decoding, from one pass over the admission
+    counts K >= 1 (`verdict`)."""
+    pays: jnp.ndarray  # some K beats plain decoding (rho > 1)
+    settled_no: jnp.ndarray  # rho falls short of 1 by more than z standard errors (>= 2 slots)
+    gain: jnp.ndarray  # seconds the best K saves against plain decoding of its tokens (negative: costs)
+    low: jnp.ndarray  # `gain` with rho lowered by z standard errors: what the round may lose
+
+
+def verdict(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", cost="step") -> Verdict:
+    """On survivals `a_rows`: the best admission count K >= 1 by throughput Theta_K (`mode`'s
+    objective), rho = Theta_K / Theta_0 (Theta_0 = n / plain_time(n), no draft time), and from
+    them every skip verdict (`Verdict`); the standard error is that of the tokens the survivals
+    promise (over the n active slots, t_r = 1 + sum_j a_rj: sd(t) / (mean(t) sqrt(n)); none below
+    two slots). gain = (rho - 1) t_K, t_K = tau_K / Theta_K the round's time; 0 without slots."""
+    a, active, cand = _prep(a_rows, active)
+    sorted_a, n_cand, _ = _order(a, cand)
+    n_act = jnp.sum(active).astype(jnp.int32)
+    n = n_act.astype(jnp.float32)
+    th = _theta_path(sorted_a, n_act, table, mode, cost)
+    i = jnp.arange(th.shape[0])
+    masked = jnp.where((i >= 1) & (i <= n_cand), th, -jnp.inf)
+    best = jnp.max(masked)
+    plain = plain_time(n, table, cost)
+    se = _token_se(a, active, n)
+    rho = best * plain / jnp.maximum(n, 1.0)
+    kb = jnp.where(n_cand > 0, jnp.argmax(masked), 0)
+    tau = n + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_a)])[kb]
+    t = tau / jnp.maximum(th[kb], 1e-30)
+    gain = tau * plain / jnp.maximum(n, 1.0) - t
+    ok = (n > 0.0) & jnp.isfinite(gain)
+    return Verdict(pays=best > n / plain, settled_no=(n >= 2.0) & (1.0 - rho > z * se),
+                   gain=jnp.where(ok, gain, 0.0), low=jnp.where(ok, gain - z * se * t, 0.0))
+
+
+@partial(jax.jit, static_argnames=("mode", "cost"))
+def known_speculation_pays(a_known, active, table: CostTable, mode="latency", cost="step"):
+    """Whether, on survivals already known (an earlier round's), some admission count K >= 1
+    beats not drafting (``Theta_0 = n / plain_time(n)``, no draft time). Deciding from the past
+    only, it cannot bias the output; False => skip drafting this round."""
+    return verdict(a_known, active, table, mode=mode, cost=cost).pays
+
+
 @partial(jax.jit, static_argnames=("mode", "cost"))
 def settled_no(a_fresh, active, table: CostTable, z=SETTLE_Z, mode="latency", cost="step"):
     """Whether fresh survivals (the round that just drafted) say no admission count K >= 1 beats
@@ -331,9 +353,7 @@ def settled_no(a_fresh, active, table: CostTable, z=SETTLE_Z, mode="latency", co
     / Theta_0, falls short of 1 by more than `z` standard errors of the tokens they promise
     (over the n active slots, t_r = 1 + sum_j a_rj: sd(t) / (mean(t) sqrt(n))). Never from fewer
     than two slots (one request's survivals say nothing of the next one's)."""
-    a, active, best, n = _best_drafting(a_fresh, active, table, mode, cost)
-    rho = best * plain_time(n, table, cost) / jnp.maximum(n, 1.0)
-    return (n >= 2.0) & (1.0 - rho > z * _token_se(a, active, n))
+    return verdict(a_fresh, active, table, z, mode, cost).settled_no
 
 
 @partial(jax.jit, static_argnames=("mode", "cost"))
@@ -345,16 +365,5 @@ def drafting_gain(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", 
     the survivals promise (`settled_no`'s; none below two slots), ``low = gain - z se t_K``: what
     the round may lose. The "known" skip rule adds each drafted round's gain to a credit and drafts
     a round whose `low` is negative only while the credit covers it. 0 without active slots."""
-    a, active, cand = _prep(a_rows, active)
-    sorted_a, n_cand, _ = _order(a, cand)
-    n_act = jnp.sum(active).astype(jnp.int32)
-    n = n_act.astype(jnp.float32)
-    th = _theta_path(sorted_a, n_act, table, mode, cost)
-    i = jnp.arange(th.shape[0])
-    kb = jnp.where(n_cand > 0, jnp.argmax(jnp.where((i >= 1) & (i <= n_cand), th, -jnp.inf)), 0)
-    tau = n + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_a)])[kb]
-    t = tau / jnp.maximum(th[kb], 1e-30)
-    gain = tau * plain_time(n, table, cost) / jnp.maximum(n, 1.0) - t
-    low = gain - z * _token_se(a, active, n) * t
-    ok = (n > 0.0) & jnp.isfinite(gain)
-    return jnp.where(ok, gain, 0.0), jnp.where(ok, low, 0.0)
+    v = verdict(a_rows, active, table, z, mode, cost)
+    return v.gain, v.low
