@@ -13,9 +13,10 @@ operations (docs/performance.md).
 
 The compiler prices a short product with a fixed part of a few microseconds besides its bytes (on
 v6e-8 at 8 rows, q/k/v as three products 12.1 us a layer, merged into one 4.7 us), and not every
-merge is cheaper (v5p-8: gate and up 10.8 us as two products, 24 us merged). So each group of
-products that read the same input (q/k/v, gate/up) is priced both ways, as the parts and merged
-(target/merged.py), and the floor takes the cheaper: it does not depend on which form the step runs.
+merge is cheaper (v5p-8 at 8 rows: gate and up 10.8 us a layer as two products, 41.4 us merged).
+So each group of products that read the same input (q/k/v, gate/up) is priced both ways, as the
+parts and merged (target/merged.py), and the floor takes the cheaper: it does not depend on which
+form the step runs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dspark_jax.parallel.tpu_cost import kernel_rates, program_cost
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.merged import MergeChoice, gate_up, merge_choice
 
-__all__ = ["product_shapes", "read_once_seconds"]
+__all__ = ["product_shapes", "read_once_seconds", "kv_bytes_per_chip"]
 
 
 def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = None) -> dict[str, tuple]:
@@ -63,6 +64,12 @@ def _bare_seconds(device, rows: int, weight: tuple[int, ...], dtype) -> float:
     product = (lambda a, b: a @ b) if len(weight) == 2 else gate_up
     with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
         return program_cost(jax.jit(product).lower(x, w).compile(), device).seconds
+
+
+def kv_bytes_per_chip(cfg: ModelConfig, *, slots: int, context: int, tensor: int, itemsize: int = 2) -> int:
+    """One chip's K and V of `slots` rows over `context` positions, its KV heads split over
+    `tensor` chips (a head on every chip where there are fewer heads than chips)."""
+    return cfg.num_layers * 2 * max(cfg.num_kv_heads // tensor, 1) * cfg.head_dim * itemsize * context * slots
 
 
 GROUPS = {"q/k/v": (("q_proj", "k_proj", "v_proj"), "qkv_proj"), "gate/up": (("gate_proj", "up_proj"), "gate_up_proj")}

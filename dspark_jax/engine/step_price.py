@@ -15,9 +15,9 @@ from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import abstract_engine, plan_mesh
 from dspark_jax.engine.predict import _round_compiled
-from dspark_jax.engine.read_once import read_once_seconds
+from dspark_jax.engine.read_once import kv_bytes_per_chip, read_once_seconds
 from dspark_jax.parallel.tpu_breakdown import instruction_breakdown
-from dspark_jax.parallel.tpu_cost import program_cost
+from dspark_jax.parallel.tpu_cost import kernel_pricer, program_cost
 
 __all__ = ["StepPrice", "price_target_step"]
 
@@ -47,8 +47,10 @@ def price_target_step(cfg, topology: str, mesh_shape: tuple[int, int, int], *, s
     m = cfg.target.model
     tensor = mesh_shape[2]
     itemsize = 2 if cfg.target.dtype == "bfloat16" else 4
-    kv = m.num_layers * 2 * max(m.num_kv_heads // tensor, 1) * m.head_dim * itemsize * context * slots // mesh_shape[0]
+    kv = kv_bytes_per_chip(m, slots=slots // mesh_shape[0], context=context, tensor=tensor, itemsize=itemsize)
     floor = read_once_seconds(m, device, rows=max(slots // mesh_shape[0], 8), tensor=tensor, kv_bytes_per_chip=kv,
                               dtype=jnp.bfloat16 if itemsize == 2 else jnp.float32)
+    hlo = compiled.as_text()
+    kernels = kernel_pricer(hlo, device, cost.clock_hz)
     return StepPrice(slots=slots, step_s=cost.seconds, read_once=floor,
-                     breakdown=instruction_breakdown(compiled.as_text(), cost.clock_hz, top))
+                     breakdown=instruction_breakdown(hlo, cost.clock_hz, top, kernels))

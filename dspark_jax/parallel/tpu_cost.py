@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ProgramCost", "program_cost", "hlo_cycles", "chip_clock_hz", "kernel_rates"]
+__all__ = ["ProgramCost", "program_cost", "hlo_cycles", "chip_clock_hz", "kernel_rates", "kernel_pricer"]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
@@ -228,16 +228,21 @@ def kernel_rates(device) -> tuple[float, float, float]:
     return _RATES[key]
 
 
+def kernel_pricer(hlo: str, device, clock: float):
+    """`kernel_cycles(flops, transcendentals, bytes) -> cycles` for the Pallas calls of `hlo`,
+    priced as the cost model prices them (module docstring); None when it holds none."""
+    if 'custom_call_target="tpu_custom_call"' not in hlo:
+        return None
+    rf, rb, rt = kernel_rates(device)
+    return lambda f, t, b: clock * max(f / rf, b / rb, t / rt)
+
+
 def program_cost(compiled, device) -> ProgramCost:
     """The estimate of one program compiled for `device`'s chip; see the module doc."""
     ca = _analysis(compiled)
     clock = chip_clock_hz(device)
     hlo = compiled.as_text()
-    kernel_cycles = None
-    if 'custom_call_target="tpu_custom_call"' in hlo:
-        rf, rb, rt = kernel_rates(device)
-        kernel_cycles = lambda f, t, b: clock * max(f / rf, b / rb, t / rt)
-    h = hlo_cycles(hlo, kernel_cycles)
+    h = hlo_cycles(hlo, kernel_pricer(hlo, device, clock))
     return ProgramCost(seconds=h["cycles"] / clock, cycles=h["cycles"], once_cycles=h["once_cycles"], clock_hz=clock,
                        optimal_seconds=float(ca.get("optimal_seconds", float("nan"))),
                        flops=float(ca.get("flops", 0.0)), bytes_accessed=float(ca.get("bytes accessed", 0.0)),

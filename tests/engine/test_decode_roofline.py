@@ -19,7 +19,7 @@ from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import abstract_engine, plan_mesh
 from dspark_jax.engine.predict import _abstract_args, _round_cost
-from dspark_jax.engine.read_once import product_shapes, read_once_seconds
+from dspark_jax.engine.read_once import kv_bytes_per_chip, product_shapes, read_once_seconds
 from dspark_jax.engine.round import round_step
 from dspark_jax.parallel.tpu_cost import program_cost
 from dspark_jax.target.merged import MergeChoice
@@ -49,7 +49,7 @@ def _engine(cfg, slots, cache_reads="auto"):
 
 def _floor(cfg, ab, slots):
     m = cfg.target.model
-    kv = m.num_layers * 2 * max(m.num_kv_heads // 8, 1) * m.head_dim * 2 * CONTEXT * slots
+    kv = kv_bytes_per_chip(m, slots=slots, context=CONTEXT, tensor=8)
     return read_once_seconds(m, ab.mesh.devices.flat[0], rows=max(slots, 8), tensor=8, kv_bytes_per_chip=kv)
 
 

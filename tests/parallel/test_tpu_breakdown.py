@@ -19,3 +19,12 @@ def test_groups_weighted_by_trip_count():
 def test_top_and_clock():
     rows = instruction_breakdown(HLO, clock_hz=100.0, top=1)
     assert rows == [(36.0, "f", "f32[8]{0}")]
+
+
+def test_pallas_calls_are_priced_from_their_declared_cost():
+    hlo = HLO.replace('  %pre = f32[8]{0} copy(%x), backend_config={"estimated_cycles":"10"}',
+                      '  %pre = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config='
+                      '{"cost_estimate":{"flops":"4","transcendentals":"0","bytes_accessed":"64"}}')
+    assert "pre" not in {g for _, g, _ in instruction_breakdown(hlo, 1.0)}  # no pricer: left out
+    rows = instruction_breakdown(hlo, 1.0, kernel_cycles=lambda f, t, b: f + b)
+    assert ("pre", 68.0) in {(g, s) for s, g, _ in rows}
