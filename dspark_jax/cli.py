@@ -93,3 +93,12 @@ def parse_mesh_shape(text: str | None, devices: int) -> tuple[int, int, int]:
     if len(shape) != 3:
         raise ValueError(f"--mesh {text!r}: give DATA,FSDP,TENSOR, e.g. 1,1,8")
     return shape
+
+
+def parse_stages(ap, text: str, known) -> tuple[str, ...]:
+    """--stages a,b,...: the named stages in order, or `ap.error` naming the unknown ones."""
+    stages = tuple(x for x in text.split(",") if x)
+    bad = [x for x in stages if x not in known]
+    if bad:
+        ap.error(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    return stages

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from dspark_jax.cli import parse_stages
 from dspark_jax.recipe.recipes import RECIPES
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval_datasets"
@@ -27,7 +28,7 @@ DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "eval
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["embedded-study"]:  # its own options: recipe/study.py
-        from dspark_jax.recipe.study import main as study_main
+        from dspark_jax.commands.study import main as study_main
 
         return study_main(argv[1:])
     from dspark_jax.recipe.run import STAGES, RecipeError, record_time, run_recipe
@@ -55,10 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run (default all)")
     args = ap.parse_intermixed_args(argv)  # overrides before or after the options
     recipe = RECIPES[args.name]
-    stages = tuple(s for s in args.stages.split(",") if s)
-    bad = [s for s in stages if s not in STAGES]
-    if bad:
-        ap.error(f"unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    stages = parse_stages(ap, args.stages, STAGES)
     try:
         batch_sizes = tuple(int(b) for b in args.speed_batch_sizes.split(","))
     except ValueError:

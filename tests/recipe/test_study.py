@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dspark_jax.commands import study as study_command
 from dspark_jax.recipe import study as study_mod
 from dspark_jax.recipe.run import RecipeError
 from dspark_jax.recipe.study import Study, render_docs, run_study
@@ -60,7 +61,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
         Study(variants=("dspark", "medusa"))
     with pytest.raises(RecipeError, match="seeds repeat"):
         Study(seeds=(0, 0))
-    assert study_mod.main(["--out", str(tmp_path / "o"), "--variants", "eagle"]) == 2
+    assert study_command.main(["--out", str(tmp_path / "o"), "--variants", "eagle"]) == 2
     held = tmp_path / "s" / "data" / "heldout"
     held.mkdir(parents=True)
     (held / "meta.json").write_text(json.dumps({"count": 5}))
