@@ -18,6 +18,8 @@ where the rules table keeps every chip's share of a merged product its own.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -85,8 +87,15 @@ def _merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ..
     _, axes = _axes(cfg)
     shapes = jax.eval_shape(lambda p: merge_projections(p, cfg, choice), layers[0])
     out_sh = {k: NamedSharding(mesh, logical_to_pspec(axes[k], a.shape, mesh)) for k, a in shapes.items()}
-    merge = jax.jit(lambda p: merge_projections(p, cfg, choice), out_shardings=out_sh)
+    merge = _merge_program(cfg, choice, tuple(sorted(out_sh.items())))
     return tuple(merge(p) for p in layers)
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_program(cfg: ModelConfig, choice: MergeChoice, out_sh: tuple):
+    """The jitted merge of one layer, one per model shape and layout (engines of the same shapes
+    share it, as they share their programs)."""
+    return jax.jit(lambda p: merge_projections(p, cfg, choice), out_shardings=dict(out_sh))
 
 
 def decode_arrays(model, dtype=None, per_layer: bool = True, release: bool = False) -> dict:
