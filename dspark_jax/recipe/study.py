@@ -10,9 +10,10 @@ what is done and a killed training resumes from its checkpoints):
            reference settings (OUT/data/<split>/meta.json); every drafter trains on the same data
   train    `python -m dspark_jax train` per variant and seed, the variant's overrides on the shared
            ones (OUT/runs/<variant>_s<seed>/summary.json); held-out expected tau every eval_every steps
-  eval     `python -m dspark_jax eval` per temperature, every variant's drafter of every seed side by
-           side on the held-out prompts: engine-sampled rounds at T > 0, exact greedy rounds (teacher
-           forced, equal to the engine's) at T = 0 (OUT/eval/T<t>_s<seeds>/results.json)
+  eval     `python -m dspark_jax eval` per sampling setting, every variant's drafter of every seed
+           side by side on the held-out prompts: engine-sampled rounds at T > 0 (at T = 1, and at the
+           regenerated data's T / top-p / top-k), exact greedy rounds (teacher forced, equal to the
+           engine's) at T = 0 (OUT/eval/T<t>[-p<top_p>-k<top_k>]_s<seeds>/results.json)
 Then OUT/summary.json, OUT/report.md and OUT/study.png are rewritten from whatever is done; with
 --docs PATH the report is also rendered into PATH (docs/study.md) between its markers.
 """
@@ -64,7 +65,9 @@ class Study:
     regen_max_prompt_len: int = 120  # prompt tokens kept in the regeneration (the math prompts are ~40)
     seq_len: int = 128  # training sequence length (data.seq_len): a math prompt and its answer fit
     eval_max_new_tokens: int = 64
-    temperatures: tuple[float, ...] = (1.0, 0.0)
+    # evaluation settings (temperature, top_p, top_k): T = 1 as the paper; exact greedy; and the
+    # regenerated data's own sampling, where a drafter trained on it is judged on its own ground
+    samplings: tuple[tuple[float, float, int], ...] = ((1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.8, 20))
     # the shared training settings (phase-1 feasibility, docs/study.md); --steps and overrides replace them
     train: tuple[str, ...] = ("drafter.gamma=7", "drafter.num_layers=2", "train.steps=480", "train.eval_every=120",
                               "train.checkpoint_every=240", "train.measure_prompts=0")
@@ -80,6 +83,10 @@ class Study:
             raise RecipeError(f"seeds repeat: {list(self.seeds)}")
         if self.num_heldout_prompts < 1 or self.num_train_prompts < 1:
             raise RecipeError("num_train_prompts and num_heldout_prompts must be >= 1")
+        for t, p, k in self.samplings:
+            if t < 0 or not 0 < p <= 1 or k < 0:
+                raise RecipeError(f"evaluation sampling T {t:g} / top-p {p:g} / top-k {k} is invalid: T >= 0, "
+                                  "0 < top-p <= 1, top-k >= 0 (0: no top-k)")
         if self.seq_len < 16 or self.regen_max_prompt_len < 8:
             raise RecipeError(f"seq_len ({self.seq_len}) must be >= 16 and regen_max_prompt_len "
                               f"({self.regen_max_prompt_len}) >= 8")
@@ -89,19 +96,27 @@ def _py(*args) -> list[str]:
     return [sys.executable, "-m", "dspark_jax", *map(str, args)]
 
 
-def _t(t: float) -> str:
-    return f"T{t:g}"
+def sampling_name(sampling) -> str:
+    """A setting's directory name: T1, T0, T0.7-p0.8-k20 (the filters only where they filter)."""
+    t, p, k = sampling
+    return f"T{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{k}" if k > 0 else "")
+
+
+def sampling_label(sampling) -> str:
+    """A setting's name in the report and the summary's keys: "1", "0", "0.7, top-p 0.8, top-k 20"."""
+    t, p, k = sampling
+    return f"{t:g}" + (f", top-p {p:g}" if p < 1 else "") + (f", top-k {k}" if k > 0 else "")
 
 
 def run_dir(out: Path, variant: str, seed: int) -> Path:
     return out / "runs" / f"{variant}_s{seed}"
 
 
-def eval_dir(out: Path, study: Study, t: float) -> Path:
-    """One evaluation per temperature of every variant's drafter of every seed (named
+def eval_dir(out: Path, study: Study, sampling) -> Path:
+    """One evaluation per sampling setting of every variant's drafter of every seed (named
     <variant>_s<seed>); the seed set is in the name, so a study with more seeds evaluates anew (and
     one with more variants too: the stage checks the drafters its results hold)."""
-    return out / "eval" / f"{_t(t)}_s{'-'.join(map(str, study.seeds))}"
+    return out / "eval" / f"{sampling_name(sampling)}_s{'-'.join(map(str, study.seeds))}"
 
 
 def write_prompts(study: Study, data: Path) -> None:
@@ -169,8 +184,9 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
                    if not (run_dir(out, v, seed) / "drafter").is_dir()]
         if missing:
             raise RecipeError(f"no trained drafter for {', '.join(missing)}; run the train stage")
-        for t in study.temperatures:
-            res = eval_dir(out, study, t)
+        for sampling in study.samplings:
+            t, top_p, top_k = sampling
+            res = eval_dir(out, study, sampling)
             names = [f"{v}_s{seed}" for seed in study.seeds for v in study.variants]
             done = (_read(res / "results.json") or {}).get("meta", {}).get("drafters", {})
             if all(n in done for n in names):  # an evaluation of fewer variants is redone with all of them
@@ -178,8 +194,9 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
             named = [f"{v}_s{seed}={run_dir(out, v, seed) / 'drafter'}" for seed in study.seeds for v in study.variants]
             cmd = _py("eval", "--target", target, *[a for n in named for a in ("--drafter", n)],
                       "--prompts", data / "heldout_prompts.jsonl", "--num-prompts", study.num_heldout_prompts,
-                      "--max-new-tokens", study.eval_max_new_tokens, "--temperature", t,
-                      "--mode", "engine" if t > 0 else "forced", "--no-sts-split", "--seed", 0, "--out", res)
+                      "--max-new-tokens", study.eval_max_new_tokens, "--temperature", t, "--top-p", top_p,
+                      "--top-k", top_k, "--mode", "engine" if t > 0 else "forced", "--no-sts-split", "--seed", 0,
+                      "--out", res)
             run_stage(f"eval {res.name}", cmd, logs / f"eval_{res.name}.log", echo)
     summary = collect(study, out, target)
     if plot_study(summary, out / "study.png"):
@@ -225,15 +242,16 @@ def _nanmean_rows(rows) -> list[float]:
 
 
 def collect(study: Study, out: Path, target) -> dict:
-    """Per temperature and variant: tau (mean of the seeds' taus) with the two-level interval, the
+    """Per sampling setting and variant: tau (mean of the seeds' taus) with the two-level interval, the
     prompt-only interval beside it, each seed's tau, the ratio to DFlash, acceptance per position."""
     evals: dict = {}
-    for t in study.temperatures:
+    settings: dict = {}
+    for sampling in study.samplings:
         per_variant: dict = {}
         arrays: dict = {}
         for v in study.variants:
             acc, rnd, pos, seeds = [], [], [], []
-            r = _read(eval_dir(out, study, t) / "results.json")
+            r = _read(eval_dir(out, study, sampling) / "results.json")
             per_drafter = next(iter(r["results"].values())) if r else {}
             for seed in study.seeds:
                 res = per_drafter.get(f"{v}_s{seed}")
@@ -257,7 +275,8 @@ def collect(study: Study, out: Path, target) -> dict:
                 if v != BASELINE:
                     r, lo, hi = hier_bootstrap_ratio(acc, rnd, *arrays[BASELINE])
                     per_variant[v]["vs_dflash"] = [r, lo, hi]
-        evals[f"{t:g}"] = per_variant
+        evals[sampling_label(sampling)] = per_variant
+        settings[sampling_label(sampling)] = dict(zip(("temperature", "top_p", "top_k"), sampling))
     train = {}
     for v in study.variants:
         runs = {s: _read(run_dir(out, v, s) / "summary.json") for s in study.seeds}
@@ -267,6 +286,7 @@ def collect(study: Study, out: Path, target) -> dict:
     return {"target": str(target), "study": {k: list(v) if isinstance(v, tuple) else v
                                              for k, v in study.__dict__.items()},
             "variants": {v: VARIANTS[v][0] for v in study.variants}, "train": train, "eval": evals,
+            "eval_settings": settings,
             "curves": {v: curves(out, v, study.seeds) for v in study.variants},
             "wall_s": stage_times(out / "logs")}
 
@@ -278,6 +298,10 @@ def _ci(x: float, ci) -> str:
     return f"{x:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
+def _temperature(s: dict, label: str) -> float:
+    return float(s.get("eval_settings", {}).get(label, {}).get("temperature", label.split(",")[0]))
+
+
 def answer(s: dict) -> list[str]:
     """What the numbers say about the question, in the report's words."""
     lines = []
@@ -287,7 +311,7 @@ def answer(s: dict) -> list[str]:
             continue
         r, lo, hi = d["vs_dflash"]
         where = "excludes" if lo > 1.0 or hi < 1.0 else "includes"
-        how = "sampled" if float(t) > 0 else "exact greedy"
+        how = "sampled" if _temperature(s, t) > 0 else "exact greedy"
         lines.append(f"- T = {t} ({how}): DFlash tau {_ci(b['tau'], b['ci95'])} "
                      f"({'at least' if b['tau'] >= 3 else 'below'} 3); DSpark / DFlash {_ci(r, (lo, hi))}, an "
                      f"interval over {len(d['seeds'])} x {len(b['seeds'])} seeds and {d['prompts']} prompts that "
@@ -318,7 +342,8 @@ def report_markdown(s: dict) -> str:
     if ans:
         lines += ["", "## Answer", ""] + ans
     for t, per in s["eval"].items():
-        how = "engine-sampled rounds" if float(t) > 0 else "exact greedy rounds, teacher forced, equal to the engine's"
+        how = ("engine-sampled rounds" if _temperature(s, t) > 0
+               else "exact greedy rounds, teacher forced, equal to the engine's")
         lines += ["", f"## tau at T = {t}: {how}", "",
                   "tau = mean over seeds of each seed's (accepted + rounds) / rounds; 95 % intervals: two-level "
                   "bootstrap (seeds, then prompts within each seed); the prompt-only interval holds the seeds "
@@ -350,8 +375,8 @@ def report_markdown(s: dict) -> str:
 
 def plot_study(s: dict, path: Path) -> Path | None:
     """Left: held-out expected tau against steps (mean over seeds, band min-max). Right: acceptance
-    per position (mean over seeds), solid at the highest temperature evaluated, dashed at the others."""
-    temps = sorted((t for t in s["eval"] if s["eval"][t]), key=float, reverse=True)
+    per position (mean over seeds), solid at T = 1, dashed at the other settings."""
+    temps = sorted((t for t in s["eval"] if s["eval"][t]), key=lambda t: _temperature(s, t) == 1.0, reverse=True)
     if not (any(s["curves"].values()) or temps):
         return None
     import matplotlib
@@ -371,7 +396,7 @@ def plot_study(s: dict, path: Path) -> Path | None:
             r = s["eval"][t].get(v)
             if r:
                 ax2.plot(range(1, len(r["acceptance_per_position"]) + 1), r["acceptance_per_position"],
-                         "o-" if k == 0 else "s--", color=f"C{i}", label=f"{v}, T = {t} (tau {r['tau']:.2f})")
+                         ("o-", "s--", "^:")[min(k, 2)], color=f"C{i}", label=f"{v}, T = {t} (tau {r['tau']:.2f})")
     ax1.set(xlabel="training step", ylabel="held-out expected tau (T = 1)", title="tau against steps")
     ax2.set(xlabel="draft position", ylabel="conditional acceptance", title="acceptance per position")
     for ax in (ax1, ax2):

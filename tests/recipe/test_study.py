@@ -19,10 +19,11 @@ TOY = ("data.num_anchors=8", "train.anchor_chunk=8", "train.batch_size=4", "trai
 def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_path, monkeypatch):
     st = Study(variants=("dspark", "dflash"), seeds=(0, 1), num_train_prompts=8, num_heldout_prompts=2,
                regen_max_new_tokens=16, regen_max_prompt_len=72, seq_len=96, eval_max_new_tokens=8,
-               temperatures=(1.0, 0.0), train=TOY)
+               samplings=((1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.8, 20)), train=TOY)
     out = tmp_path / "study"
     s = run_study(st, out, embedded_tiny_dir, echo=False)
-    for t in ("1", "0"):
+    assert list(s["eval"]) == ["1", "0", "0.7, top-p 0.8, top-k 20"]
+    for t in s["eval"]:
         per = s["eval"][t]
         assert set(per) == {"dspark", "dflash"}
         for r in per.values():
@@ -33,10 +34,14 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
     assert results["meta"]["mode"] == "engine" and results["meta"]["temperature"] == 1.0
     assert set(results["meta"]["drafters"]) == {"dspark_s0", "dflash_s0", "dspark_s1", "dflash_s1"}
     assert json.loads((out / "eval" / "T0_s0-1" / "results.json").read_text())["meta"]["mode"] == "forced"
+    meta = json.loads((out / "eval" / "T0.7-p0.8-k20_s0-1" / "results.json").read_text())["meta"]
+    assert (meta["mode"], meta["temperature"], meta["top_p"], meta["top_k"]) == ("engine", 0.7, 0.8, 20)
     assert [p["step"] for p in s["curves"]["dspark"]] == [1, 2]
     assert all(set(p["seeds"]) == {0, 1} for p in s["curves"]["dflash"])
     report = (out / "report.md").read_text()
     assert "## tau at T = 1: engine-sampled rounds" in report and "## tau at T = 0: exact greedy" in report
+    assert "## tau at T = 0.7, top-p 0.8, top-k 20: engine-sampled rounds" in report
+    assert "- T = 0.7, top-p 0.8, top-k 20 (sampled): DFlash tau" in report
     assert "| dspark |" in report and "## Answer" in report and (out / "study.png").is_file()
 
     docs = tmp_path / "study.md"
@@ -61,6 +66,12 @@ def test_bad_input_is_one_clear_error(tmp_path):
         Study(variants=("dspark", "medusa"))
     with pytest.raises(RecipeError, match="seeds repeat"):
         Study(seeds=(0, 0))
+    with pytest.raises(RecipeError, match="top-p 1.5.*0 < top-p <= 1"):
+        Study(samplings=((0.7, 1.5, 20),))
+    assert study_command._sampling("0.7/0.8/20") == (0.7, 0.8, 20) and study_command._sampling("1") == (1.0, 1.0, 0)
+    with pytest.raises(SystemExit) as exit_:
+        study_command.main(["--out", str(tmp_path / "o"), "--eval-sampling", "1/0.8"])
+    assert exit_.value.code == 2
     assert study_command.main(["--out", str(tmp_path / "o"), "--variants", "eagle"]) == 2
     held = tmp_path / "s" / "data" / "heldout"
     held.mkdir(parents=True)
