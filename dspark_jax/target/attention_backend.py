@@ -2,14 +2,14 @@
 
 One `AttentionBackend` per program: `attention_backend(requested, mesh)` decides, from the
 caller's request and the platform of the mesh the program is traced under (target/kernels.py),
-whether the caches are read by the Pallas kernel (target/paged_kernel.py: each row's pages, or
-the dense cache's filled positions, read in place and once) or by the reference path (the row's
-keys gathered into a `[max_len]` view, then `layers.attention`). Both caches (target/kv_cache.py,
-target/paged_kv.py) expose the same two primitives, `layer_view` and `kernel_lse`, and the
-backend is the only code that picks between them (a cache may say the kernel does not pay at its
-size: `kernel_pays`).
-
-On GPU the reference path runs (XLA fuses it); a GPU kernel is not built.
+whether the caches are read by a Pallas kernel (each row's pages, or the dense cache's filled
+positions, read in place and once: target/paged_kernel.py through Mosaic on TPU,
+target/gpu_kernel.py through Triton on GPU) or by the reference path (the row's keys gathered
+into a `[max_len]` view, then `layers.attention`; XLA:CPU and tests). Both caches
+(target/kv_cache.py, target/paged_kv.py) expose the same two primitives, `layer_view` and
+`kernel_lse`, and the backend is the only code that picks between them (a cache may say the
+kernel does not pay at its size, `kernel_pays`; the GPU kernel takes power-of-two tiles only,
+`gpu_kernel_fits`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from dspark_jax.parallel.platform import platform
+from dspark_jax.target.gpu_kernel import gpu_kernel_fits
 from dspark_jax.target.kernels import PAGED_KERNELS, choose_paged_kernel
 from dspark_jax.target.layers import attention, attention_parts
 from dspark_jax.target.paged_kernel import attention_lse, merge_parts
 
 __all__ = ["AttentionBackend", "attention_backend", "attend_before", "CACHE_READS"]
 
-CACHE_READS = PAGED_KERNELS  # "auto" (kernel where compiled for TPU), "reference", "pallas"
+CACHE_READS = PAGED_KERNELS  # "auto" (kernel where compiled for TPU or GPU), "reference", "pallas"
 
 
 def attend_before(q, k, v, start, extra):
@@ -38,11 +39,14 @@ def attend_before(q, k, v, start, extra):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    kernel: bool  # caches read by the Pallas kernel, in place
-    interpret: bool  # the kernel in Pallas interpret mode (the program is not compiled for TPU)
+    kernel: bool  # caches read by a Pallas kernel, in place
+    interpret: bool  # the kernel in Pallas interpret mode (the program is compiled for neither TPU nor GPU)
     forced: bool = False  # the kernel asked for by name: used whatever the cache's size
+    gpu: bool = False  # the GPU kernel (target/gpu_kernel.py) in place of the TPU one
 
     def _kernel_for(self, cache, k_all) -> bool:
+        if self.gpu and not gpu_kernel_fits(k_all.shape[-1], k_all.shape[-2], dense=cache.DENSE):
+            return False
         return self.kernel and (self.forced or cache.kernel_pays(k_all))
 
     def committed(self, cache, q, k_all, v_all, layer, start, extra, dtype, rows=None):
@@ -52,7 +56,8 @@ class AttentionBackend:
         slots (a prefill chunk's rows)."""
         if not self._kernel_for(cache, k_all):
             return attend_before(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
-        parts = [cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, interpret=self.interpret)]
+        parts = [cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, interpret=self.interpret,
+                                  gpu=self.gpu)]
         parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
         return merge_parts(parts).astype(dtype)
 
@@ -65,14 +70,15 @@ class AttentionBackend:
             return attention(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), mask)
         start = positions[:, 0].astype(jnp.int32)
         out, _ = cache.kernel_lse(q, k_all, v_all, layer, start + q.shape[1], start, rows=rows,
-                                  interpret=self.interpret)
+                                  interpret=self.interpret, gpu=self.gpu)
         return out.astype(dtype)
 
 
 def attention_backend(requested: str = "auto", mesh=None) -> AttentionBackend:
-    """The backend for `requested` ("auto": the kernel where the program is compiled for TPU and the
-    cache says it pays; "pallas": always, interpreted off TPU; "reference": never) on `mesh` (else
-    the mesh set by `jax.set_mesh`, else the default device)."""
+    """The backend for `requested` ("auto": the kernel where the program is compiled for TPU or GPU
+    and the cache says it pays; "pallas": always, the TPU kernel interpreted elsewhere;
+    "reference": never) on `mesh` (else the mesh set by `jax.set_mesh`, else the default device)."""
     kernel = choose_paged_kernel(requested, mesh) == "pallas"
-    on_tpu = platform(mesh) == "tpu"
-    return AttentionBackend(kernel=kernel, interpret=not on_tpu, forced=requested == "pallas")
+    where = platform(mesh)
+    return AttentionBackend(kernel=kernel, interpret=where not in ("tpu", "gpu"), forced=requested == "pallas",
+                            gpu=where == "gpu")

@@ -44,14 +44,14 @@ def choose_causal_kernel(requested: str, seq_len: int, head_dim: int) -> str:
 
 
 def choose_paged_kernel(requested: str, mesh=None) -> str:
-    """"pallas" (target/paged_kernel.py, a row's keys read in place) or "reference" (gathered into
-    each row's view), for a dense or a paged cache (target/attention_backend.py). "auto": the
-    kernel when the program is compiled for TPU (`mesh`, else the mesh set by `jax.set_mesh`, else
-    the default device)."""
+    """"pallas" (a row's keys read in place: target/paged_kernel.py on TPU, target/gpu_kernel.py on
+    GPU) or "reference" (gathered into each row's view), for a dense or a paged cache
+    (target/attention_backend.py). "auto": the kernel when the program is compiled for TPU or GPU
+    (`mesh`, else the mesh set by `jax.set_mesh`, else the default device)."""
     if requested not in PAGED_KERNELS:
         raise ValueError(f"cache attention {requested!r} is not one of {PAGED_KERNELS}")
     if requested == "auto":
-        return "pallas" if platform(mesh) == "tpu" else "reference"
+        return "pallas" if platform(mesh) in ("tpu", "gpu") else "reference"
     return requested
 
 

@@ -13,6 +13,7 @@ reads it is the backend's choice (target/attention_backend.py, from `impl`).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ def write_tokens(pool, layer, outer, position, values):
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
 class KVCache:
+    DENSE: ClassVar[bool] = True  # the kernels read a row's own positions (target/attention_backend.py)
     k: jax.Array  # [num_layers, R, num_kv_heads, S, head_dim]
     v: jax.Array  # same
     lengths: jax.Array  # [R] int32, committed tokens per slot
@@ -107,7 +109,7 @@ class KVCache:
                     shards *= mesh.shape[a]
         return 2 * k_all[0].size * k_all.dtype.itemsize // shards >= KERNEL_MIN_BYTES
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None):
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None, gpu=False):
         """The Pallas kernel over layer `layer`, read in place up to each row's last visible key ->
         (out, lse) as `paged_kernel.paged_attention_lse`. Queries of chosen slots (`rows`) on a mesh
         that splits the slots read their rows through the reference instead (a shard holds only
@@ -119,7 +121,8 @@ class KVCache:
             qpos = q_start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]
             mask = (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
             return attention_lse(q, k, v, mask)
-        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, interpret=interpret)
+        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, interpret=interpret,
+                                   gpu=gpu)
 
     def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the key

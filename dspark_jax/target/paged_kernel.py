@@ -58,6 +58,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.target.gpu_kernel import gpu_cache_attention_lse
 from dspark_jax.target.kernels import PAGED_KERNELS as PAGED_ATTENTION_IMPLS
 from dspark_jax.target.kernels import choose_paged_kernel as resolve_impl
 from dspark_jax.target.kernels import pallas_interpret
@@ -214,27 +215,28 @@ def _layer_index(layer):
 
 
 def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None,
-                        interpret: bool | None = None):
+                        interpret: bool | None = None, gpu: bool = False):
     """q [R, T, Nq, D] against one layer's pages [P, Nkv, page_size, D] (or layer `layer` of the
     whole pool [L, P, Nkv, page_size, D], read in place) through page_table [R, M] (entries < 0:
     no page). Key s of row r is visible to query t iff s < kv_len[r] and
     s <= q_start[r] + t. -> (out [R, T, Nq, D] float32, normalised over the visible keys;
     lse [R, T, Nq] float32, NO_KEYS where a query sees none, its out then 0).
     `interpret` defaults to "not compiled for TPU"; on a mesh (`jax.set_mesh`) the kernel runs
-    per shard."""
+    per shard. `gpu`: the GPU kernel (target/gpu_kernel.py) in place of the TPU one."""
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
         interpret = pallas_interpret()
-    local = functools.partial(_local, interpret=interpret, dense=False)
+    local = functools.partial(gpu_cache_attention_lse if gpu else _local, interpret=interpret, dense=False)
     return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
 
 
-def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, interpret: bool | None = None):
+def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, interpret: bool | None = None,
+                        gpu: bool = False):
     """q [R, T, Nq, D] against layer `layer` of a dense heads-major cache [L, R', Nkv, S, D], read
     in place and only up to each row's last visible key (the grid's later steps repeat that
     block, which the pipeline does not fetch again). Row r reads cache row `rows[r]` (default r).
-    Visibility and returns as `paged_attention_lse`."""
+    Visibility, returns and `gpu` as `paged_attention_lse`."""
     if interpret is None:
         interpret = pallas_interpret()
     layer = _layer_index(layer)
@@ -245,7 +247,8 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, i
 
     def local(layer, q, k, v, table, kv_len, q_start):  # one shard: its own rows, or the chosen ones
         table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(table, k.shape[1] - 1)
-        return _local(layer, q, k, v, table, kv_len, q_start, interpret=interpret, dense=True)
+        return (gpu_cache_attention_lse if gpu else _local)(layer, q, k, v, table, kv_len, q_start,
+                                                           interpret=interpret, dense=True)
 
     table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
     return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)

@@ -21,6 +21,7 @@ choice to target/attention_backend.py, from the platform the program is traced f
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ def paged_attention(q, k_pages, v_pages, page_table, mask, dtype=None):
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous: compare leaves
 class PagedKVCache:
+    DENSE: ClassVar[bool] = False  # the kernels read a row's pages (target/attention_backend.py)
     k: jax.Array  # [num_layers, num_pages, Nkv, page_size, D]
     v: jax.Array  # same
     page_table: jax.Array  # [R, max_pages_per_slot] int32, NO_PAGE where a slot has no page
@@ -148,10 +150,10 @@ class PagedKVCache:
         """Always: the reference gathers every row's pages into a copy before reading them."""
         return True
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None):
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None, gpu=False):
         """The Pallas kernel over layer `layer`'s pages, read in place (target/paged_kernel.py)."""
         return paged_attention_lse(q, k_all, v_all, self._table(rows), kv_len, q_start, layer=layer,
-                                   interpret=interpret)
+                                   interpret=interpret, gpu=gpu)
 
     def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the

@@ -1,0 +1,156 @@
+"""Cache attention as a Pallas kernel for GPUs (the Triton backend): each row's keys read where
+they lie, once, up to the last one its queries may see.
+
+The GPU counterpart of target/paged_kernel.py, with the same contract (`cache_attention_lse`:
+normalised output and log-sum-exp per query, so the verification's new keys join through
+`merge_parts`). The reference path gathers a row's keys into its `[max_len]` view and attends over
+all of them, masked: on an H200 at 64 slots x 2048 positions that read the whole cache several
+times a step (docs/performance.md). Here one program per (row, KV head, block of query rows)
+loops over the row's key blocks only up to the last key its queries may see (a loop with a
+bound known at run time), the softmax online in registers:
+
+- dense cache `[L, R', Nkv, S, D]` (heads-major, target/kv_cache.py): block j of row `table[r]`
+  is positions `[j * block, (j + 1) * block)`, one strided load of `(block, D)`;
+- paged pool `[L, P, Nkv, page_size, D]`: block j is page `table[r, j]`, one page a block.
+
+The layer index, the page table (or the rows' cache rows), the key counts and the first query
+positions are whole small arrays every program reads; the cache is passed whole and indexed in
+place, so no layer or row of it is copied around the call.
+
+Queries are heads-first `[R, Nkv, T * G, D]`, the rows of one KV head's G query heads
+contiguous (query t's at rows t * G ..), blocked in `QUERY_BLOCK` rows and padded to a power of
+two of at least 16 (Triton's block shapes and its matrix products need both). Row rho's query
+sits at `q_start + rho // G` and sees key s iff `s < kv_len` and `(s - q_start) * G <= rho`.
+
+Shapes the kernel takes (`gpu_kernel_fits`): head dim a power of two >= 16; a dense cache whose
+length is a multiple of 16 (its block is the largest power of two up to `KEY_BLOCK` dividing
+it); pages of a power of two >= 16 positions. Others read the reference path (the backend asks).
+
+The kernel lowers for CUDA on any host (tests/target/test_gpu_kernel.py lowers it with
+`lowering_platforms=("cuda",)` on a CPU machine) and runs in Pallas interpret mode there, which
+is how the tests compare it with the reference; its speed is measured only where a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dspark_jax.target.layers import MASK_VALUE
+
+__all__ = ["gpu_cache_attention_lse", "gpu_kernel_fits", "KEY_BLOCK", "QUERY_BLOCK"]
+
+NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key (as target/paged_kernel.py)
+KEY_BLOCK = 64  # dense-cache positions a loop step reads
+QUERY_BLOCK = 64  # query rows (T * G) a program holds
+MIN_TILE = 16  # Triton's smallest matrix-product tile
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _dense_block(seq: int) -> int:
+    """The largest power of two up to KEY_BLOCK that divides the cache length (0: none >= 16)."""
+    b = KEY_BLOCK
+    while b >= MIN_TILE and seq % b:
+        b //= 2
+    return b if b >= MIN_TILE else 0
+
+
+def gpu_kernel_fits(head_dim: int, seq_or_page: int, dense: bool) -> bool:
+    """Whether the GPU kernel takes a cache of these shapes (else the reference path reads it)."""
+    if not (_pow2(head_dim) and head_dim >= MIN_TILE):
+        return False
+    return _dense_block(seq_or_page) > 0 if dense else _pow2(seq_or_page) and seq_or_page >= MIN_TILE
+
+
+def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, dense: bool,
+            block: int, blocks_per_row: int, group: int, block_rows: int, scale: float):
+    r, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, kv_len, q_start = layer_ref[0], kv_len_ref[r], q_start_ref[r]
+    first_row = qb * block_rows
+    # the last key the block's last query may see; no key: no step
+    last_key = jnp.minimum(kv_len - 1, q_start + (first_row + block_rows - 1) // group)
+    steps = jnp.where(last_key >= 0, last_key // block + 1, 0)
+    q = q_ref[...]  # [block_rows, D]
+    rho = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block), 0)
+    offset = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block), 1)
+    inside_v = jax.lax.broadcasted_iota(jnp.int32, (block, q.shape[1]), 0)
+
+    def body(j, carry):
+        acc, m, l = carry
+        if dense:
+            row = table_ref[r]
+            k = k_ref[layer, row, h, pl.ds(j * block, block), :]
+            v = v_ref[layer, row, h, pl.ds(j * block, block), :]
+        else:
+            page = table_ref[r * blocks_per_row + j]
+            k = k_ref[layer, page, h, :, :]
+            v = v_ref[layer, page, h, :, :]
+        v = jnp.where(j * block + inside_v < kv_len, v, jnp.zeros_like(v))  # positions never written
+        dt = jnp.promote_types(q.dtype, k.dtype)
+        s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+        key_pos = j * block + offset
+        visible = (key_pos < kv_len) & ((key_pos - q_start) * group <= rho)
+        s = jnp.where(visible, s, NO_KEYS)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, l
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_rows,), NO_KEYS, jnp.float32),
+            jnp.zeros((block_rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+    seen = l > 0.0
+    o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NO_KEYS)
+
+
+def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, *, dense: bool,
+                            interpret: bool = False):
+    """q [R, T, Nq, D] against layer `layer` ([1] int32) of a dense cache [L, R', Nkv, S, D] (table
+    [R]: each query row's cache row) or a paged pool [L, P, Nkv, page_size, D] (table [R, M]: page
+    ids, < 0 none). Key s of row r is visible to query t iff s < kv_len[r] and s <= q_start[r] + t.
+    -> (out [R, T, Nq, D] float32, lse [R, T, Nq] float32; NO_KEYS and out 0 where a query sees
+    none). One shard's arrays (target/paged_kernel.py runs it per shard on a mesh)."""
+    r, t, nq, d = q.shape
+    nkv, inner = k_cache.shape[2], k_cache.shape[3]
+    if not gpu_kernel_fits(d, inner, dense):
+        raise ValueError(f"the GPU cache kernel needs a power-of-two head dim >= {MIN_TILE} and "
+                         f"{'a cache length that is a multiple of 16' if dense else 'pages of a power of two >= 16'}; "
+                         f"got head dim {d}, {'length' if dense else 'page size'} {inner}: read it with the reference")
+    g = nq // nkv
+    rows = t * g
+    block_rows = max(MIN_TILE, min(QUERY_BLOCK, 1 << (rows - 1).bit_length()))
+    padded = -(-rows // block_rows) * block_rows
+    block = _dense_block(inner) if dense else inner
+    blocks_per_row = 1 if dense else table.shape[1]
+    qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, rows, d)
+    if padded != rows:
+        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    table = jnp.maximum(table, 0).astype(jnp.int32).reshape(-1)
+    kernel = functools.partial(_kernel, dense=dense, block=block, blocks_per_row=blocks_per_row, group=g,
+                               block_rows=block_rows, scale=1.0 / math.sqrt(d))
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    qmap = lambda i, h, qb: (i, h, qb, 0)  # noqa: E731
+    out, lse = pl.pallas_call(
+        kernel, grid=(r, nkv, padded // block_rows), interpret=interpret,
+        in_specs=[whole] * 4 + [pl.BlockSpec((None, None, block_rows, d), qmap)] + [whole] * 2,
+        out_specs=[pl.BlockSpec((None, None, block_rows, d), qmap),
+                   pl.BlockSpec((None, None, block_rows), lambda i, h, qb: (i, h, qb))],
+        out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), jnp.float32),
+                   jax.ShapeDtypeStruct((r, nkv, padded), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+    )(layer, table, kv_len.astype(jnp.int32), q_start.astype(jnp.int32), qh, k_cache, v_cache)
+    out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
+    lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
+    return out, lse

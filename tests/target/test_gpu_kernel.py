@@ -1,0 +1,170 @@
+"""The GPU cache-attention kernel (target/gpu_kernel.py): in Pallas interpret mode against the
+reference attention (dense cache and paged pool; rows that see all, some or none of their keys;
+several query blocks; chosen cache rows; unwritten positions holding NaN / inf), lowered for CUDA
+on this CPU machine (Triton, one call reading the cache in place), chosen by the attention
+backend where a program is compiled for GPU, and a whole target forward through it equal to the
+reference path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.target import attention_backend as backend_mod
+from dspark_jax.target import kernels, kv_cache
+from dspark_jax.target.attention import cache_update
+from dspark_jax.target.attention_backend import AttentionBackend, attention_backend
+from dspark_jax.target.forward import forward
+from dspark_jax.target.gpu_kernel import QUERY_BLOCK, gpu_kernel_fits
+from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, paged_attention_lse
+from dspark_jax.testing.tiny import tiny_config, tiny_target
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _mask(kv_len, q_start, s, t):
+    pos = np.arange(s)
+    qpos = q_start[:, None] + np.arange(t)[None]
+    return (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
+
+
+def _check(out, lse, want, want_lse, mask):
+    seen = mask.any(-1)
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(want)[seen], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-5, atol=2e-5)
+    assert (np.asarray(out)[~seen] == 0).all()
+
+
+@pytest.mark.parametrize("s,t,g", [(48, 3, 2), (128, 3, 2), (320, 40, 2)],
+                         ids=["blocks-of-16", "blocks-of-64", "two-query-blocks"])
+def test_dense_kernel_equals_reference(s, t, g):
+    rng = np.random.default_rng(s)
+    r, nkv, d, layers = 4, 2, 16, 2
+    k = rng.normal(size=(layers, r, nkv, s, d)).astype(np.float32)
+    v = rng.normal(size=(layers, r, nkv, s, d)).astype(np.float32)
+    kv_len = np.array([s - 5, 6, 0, min(s - 6, 40)])  # row 2 sees no key at all
+    q_start = np.array([s - 5 - t, 4, 0, 1])
+    unwritten = np.arange(s)[None, None, None, :] >= kv_len.max()  # beyond every row's keys, in its last block
+    k, v = np.where(unwritten[..., None], np.nan, k), np.where(unwritten[..., None], np.inf, v)
+    q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
+    assert t * g <= QUERY_BLOCK or s == 320  # the last case spans two query blocks
+    rows = np.array([3, 1, 0, 2])  # each query row reads another cache row
+    kv_len, q_start = kv_len[rows], q_start[rows]  # each query row's own cache row's counts
+    mask = _mask(kv_len, q_start, s, t)
+    for layer in (0, 1):
+        out, lse = dense_attention_lse(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len),
+                                       jnp.asarray(q_start), layer=layer, rows=jnp.asarray(rows), gpu=True,
+                                       interpret=True)
+        kr = np.nan_to_num(k[layer][rows].swapaxes(1, 2), nan=0.0)
+        vr = np.nan_to_num(v[layer][rows].swapaxes(1, 2), posinf=0.0)
+        want, want_lse = attention_lse(q, jnp.asarray(kr), jnp.asarray(vr), jnp.asarray(mask))
+        _check(out, lse, want, want_lse, mask)
+
+
+def test_paged_kernel_equals_reference():
+    rng = np.random.default_rng(7)
+    r, t, nkv, g, d, ps, m, layers = 3, 4, 2, 3, 32, 16, 4, 2
+    pages = r * m + 2
+    k = rng.normal(size=(layers, pages, nkv, ps, d)).astype(np.float32)
+    v = rng.normal(size=(layers, pages, nkv, ps, d)).astype(np.float32)
+    table = rng.permutation(pages)[: r * m].reshape(r, m)
+    kv_len, q_start = np.array([50, 17, 0]), np.array([46, 13, 0])
+    table[1, 2:] = -1  # no page past the row's keys
+    table[2, :] = -1
+    q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
+    mask = _mask(kv_len, q_start, m * ps, t)
+    for layer in (0, 1):
+        out, lse = paged_attention_lse(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), jnp.asarray(kv_len),
+                                       jnp.asarray(q_start), layer=layer, gpu=True, interpret=True)
+        gathered = lambda x: x[layer][np.maximum(table, 0)].transpose(0, 1, 3, 2, 4).reshape(r, m * ps, nkv, d)
+        want, want_lse = attention_lse(q, jnp.asarray(gathered(k)), jnp.asarray(gathered(v)), jnp.asarray(mask))
+        _check(out, lse, want, want_lse, mask)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "paged"])
+def test_kernel_lowers_for_cuda_reading_the_cache_in_place(dense):
+    """Qwen3-8B's attention shapes in bf16 (8 rows x a verification block of 8 queries, 32 query /
+    8 KV heads of 128, 2048 positions): one Triton call takes the whole cache as its operand (no
+    slice or gather of a layer or a row ahead of it)."""
+    r, t, nq, nkv, d, s, ps, layers = 8, 8, 32, 8, 128, 2048, 16, 2
+    bf = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((r, t, nq, d), bf)
+    cache = (layers, r, nkv, s, d) if dense else (layers, r * s // ps, nkv, ps, d)
+    kc = jax.ShapeDtypeStruct(cache, bf)
+    lens = jax.ShapeDtypeStruct((r,), jnp.int32)
+    if dense:
+        f = lambda layer, q, k, v, kv_len, q_start: dense_attention_lse(q, k, v, kv_len, q_start, layer=layer,
+                                                                        gpu=True, interpret=False)
+        args = (jax.ShapeDtypeStruct((), jnp.int32), q, kc, kc, lens, lens)
+    else:
+        f = lambda layer, q, k, v, table, kv_len, q_start: paged_attention_lse(
+            q, k, v, table, kv_len, q_start, layer=layer, gpu=True, interpret=False)
+        args = (jax.ShapeDtypeStruct((), jnp.int32), q, kc, kc, jax.ShapeDtypeStruct((r, s // ps), jnp.int32), lens,
+                lens)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 1
+    assert "dynamic_slice" not in text and "gather" not in text
+
+
+def _gpu(monkeypatch):
+    """Programs traced from here on are 'compiled for GPU' as far as the kernel choice goes."""
+    for mod in (backend_mod, kernels):
+        monkeypatch.setattr(mod, "platform", lambda mesh=None: "gpu")
+
+
+def test_backend_picks_the_gpu_kernel_where_compiled_for_gpu(monkeypatch):
+    assert attention_backend("auto").kernel is False  # this CPU: the reference
+    _gpu(monkeypatch)
+    b = attention_backend("auto")
+    assert (b.kernel, b.gpu, b.interpret) == (True, True, False)
+    assert attention_backend("reference").kernel is False
+    assert gpu_kernel_fits(128, 2048, dense=True) and gpu_kernel_fits(64, 16, dense=False)
+    assert not gpu_kernel_fits(80, 2048, dense=True)  # head dim not a power of two
+    assert not gpu_kernel_fits(128, 2050, dense=True) and not gpu_kernel_fits(128, 8, dense=False)
+    cfg = tiny_config(vocab_size=48, hidden_size=48, num_layers=1).replace(num_heads=2, num_kv_heads=1, head_dim=24)
+    cache = KVCache.create(cfg, 2, 64, impl="pallas")
+    forced = attention_backend("pallas")
+    assert forced._kernel_for(cache, cache.k) is False  # a shape the GPU kernel does not take: the reference
+
+
+def _forward_cfg():
+    return tiny_config(vocab_size=48, hidden_size=64, num_layers=2).replace(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_forward_through_the_gpu_kernel_equals_the_reference(monkeypatch):
+    """A prefill chunk into a dense cache, then a second chunk reading it: logits through the GPU
+    kernel (interpreted) equal the reference path's; then the same program lowers for CUDA with
+    the Triton call in each forward's layer loop."""
+    cfg = _forward_cfg()
+    params = tiny_target(cfg, seed=3).arrays()
+    rng = np.random.default_rng(0)
+    r, t, s = 2, 8, 64
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, r, t)), jnp.int32)
+    valid = jnp.ones((r, t), bool)
+
+    def program():  # a new function each time: jit's trace cache does not see the backend patched in
+        def two_chunks(p, toks, cache):
+            pos0 = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+            out = forward(p, cfg, toks[0], pos0, cache_update(cache, pos0, valid))
+            cache = out.cache.with_lengths(jnp.full((r,), t, jnp.int32))
+            out = forward(p, cfg, toks[1], pos0 + t, cache_update(cache, pos0 + t, valid))
+            return out.logits
+        return jax.jit(two_chunks)
+
+    ref = program()(params, tokens, KVCache.create(cfg, r, s, impl="reference"))
+    interpreted_gpu = AttentionBackend(kernel=True, interpret=True, forced=True, gpu=True)
+    with monkeypatch.context() as mp:
+        mp.setattr(kv_cache, "attention_backend", lambda impl: interpreted_gpu)
+        got = program()(params, tokens, KVCache.create(cfg, r, s, impl="pallas"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+    _gpu(monkeypatch)
+    text = program().trace(params, tokens, KVCache.create(cfg, r, s, impl="auto")).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 0  # "auto": a 16 KiB layer of cache does not pay for a call (kernel_pays)
+    text = program().trace(params, tokens, KVCache.create(cfg, r, s, impl="pallas")).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 2  # one in each forward's layer loop
