@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.tpu_cost import kernel_rates, program_cost
 from dspark_jax.target.config import ModelConfig
-from dspark_jax.target.merged import MergeChoice, gate_up, merge_choice
+from dspark_jax.target.merged import MergeChoice, gate_up, merge_choice, qkv
 
 __all__ = ["product_shapes", "read_once_seconds", "kv_bytes_per_chip"]
 
@@ -44,7 +44,7 @@ def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = N
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d // tensor, max(cfg.num_kv_heads // tensor, 1) * d
     n = cfg.num_layers
-    out = {"qkv_proj": ((h, q + 2 * kv), n)} if merged.qkv else \
+    out = {"qkv_proj": ((q + 2 * kv, h), n)} if merged.qkv else \
         {"q_proj": ((h, q), n), "k_proj": ((h, kv), n), "v_proj": ((h, kv), n)}
     out["o_proj"] = ((q, h), n)
     out.update({"gate_up_proj": ((2, h, i // tensor), n)} if merged.gate_up else
@@ -54,14 +54,15 @@ def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = N
     return out
 
 
-def _bare_seconds(device, rows: int, weight: tuple[int, ...], dtype) -> float:
-    """One product of `rows` token rows with a weight of shape `weight` ([K, N], or [2, K, N] for a
-    merged pair, as target/merged.py multiplies it), compiled alone for `device`."""
+def _bare_seconds(device, rows: int, name: str, weight: tuple[int, ...], dtype) -> float:
+    """One product of `rows` token rows with weight `name` of shape `weight` ([K, N]; the merged
+    forms as target/merged.py holds and multiplies them: q/k/v [N, K], gate/up [2, K, N]),
+    compiled alone for `device`."""
     mesh = Mesh(np.array([device]), ("x",))
     rep = NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((rows, weight[-2]), dtype, sharding=rep)
+    x = jax.ShapeDtypeStruct((rows, weight[-1] if name == "qkv_proj" else weight[-2]), dtype, sharding=rep)
     w = jax.ShapeDtypeStruct(weight, dtype, sharding=rep)
-    product = (lambda a, b: a @ b) if len(weight) == 2 else gate_up
+    product = {"qkv_proj": qkv, "gate_up_proj": gate_up}.get(name, lambda a, b: a @ b)
     with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
         return program_cost(jax.jit(product).lower(x, w).compile(), device).seconds
 
@@ -80,7 +81,7 @@ def read_once_seconds(cfg: ModelConfig, device, *, rows: int, tensor: int, kv_by
     """The compiler's price of one chip's share of a decode step of `rows` token rows: its weight
     products compiled bare ({name: seconds, all layers}; a group the cheaper of its parts and its
     merged product) and its KV read -> {"weights": s, "kv": s, "total": s, "products": {...}}."""
-    price = lambda choice: {name: m * _bare_seconds(device, rows, shape, dtype)
+    price = lambda choice: {name: m * _bare_seconds(device, rows, name, shape, dtype)
                             for name, (shape, m) in product_shapes(cfg, tensor, choice).items()}
     parts, merged = price(MergeChoice(False, False)), price(MergeChoice(True, True))
     products = {k: v for k, v in parts.items() if not any(k in names for names, _ in GROUPS.values())}

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.target.config import ModelConfig, RopeConfig
-from dspark_jax.target.merged import gate_up, split_qkv
+from dspark_jax.target.merged import gate_up, qkv, split_qkv
 
 # A large finite negative, so a fully masked row gives a uniform (finite) softmax, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -76,7 +76,7 @@ def _qkv(p: dict, h, cfg: ModelConfig):
     if "qkv_proj" not in p:
         return ((h @ p["q_proj"]).reshape(b, t, cfg.num_heads, d), (h @ p["k_proj"]).reshape(b, t, nkv, d),
                 (h @ p["v_proj"]).reshape(b, t, nkv, d))
-    return split_qkv(h @ p["qkv_proj"], cfg)
+    return split_qkv(qkv(h, p["qkv_proj"]), cfg)
 
 
 def project_qkv(p: dict, x, cos, sin, cfg: ModelConfig):

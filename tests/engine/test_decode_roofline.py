@@ -6,9 +6,10 @@ price for reading its weights and KV once (each weight product compiled bare, en
 The same step with the layers under `lax.scan` over stacked weights (each layer's weights sliced
 out of the stack and copied before its products read them) exceeds the bound: the test catches a
 change that brings the weight copies back. And a one-slot step is no dearer than an eight-slot one
-(rows padded to the chip's tile)."""
+(rows padded to the chip's tile). On v5p no weight is copied into another layout by the step."""
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -18,7 +19,7 @@ from dspark_jax.config import from_cli
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import abstract_engine, plan_mesh
-from dspark_jax.engine.predict import _abstract_args, _round_cost
+from dspark_jax.engine.predict import _abstract_args, _round_compiled, _round_cost
 from dspark_jax.engine.read_once import kv_bytes_per_chip, product_shapes, read_once_seconds
 from dspark_jax.engine.round import round_step
 from dspark_jax.parallel.tpu_cost import program_cost
@@ -87,7 +88,7 @@ def test_product_shapes_split_over_tensor(qwen3_8b_short):
     """The products the step runs: merged on v6e-8 (one KV head a chip), unmerged when asked."""
     m = qwen3_8b_short.target.model
     shapes = product_shapes(m, 8)
-    assert shapes["qkv_proj"] == ((4096, 512 + 2 * 128), LAYERS) and "q_proj" not in shapes
+    assert shapes["qkv_proj"] == ((512 + 2 * 128, 4096), LAYERS) and "q_proj" not in shapes
     assert shapes["gate_up_proj"] == ((2, 4096, 1536), LAYERS) and shapes["down_proj"] == ((1536, 4096), LAYERS)
     assert shapes["lm_head"] == ((4096, 151936 // 8), 1)
     parts = product_shapes(m, 8, MergeChoice(False, False))
@@ -110,3 +111,18 @@ def test_one_slot_no_dearer_than_eight(qwen3_8b_short):
     ab8, ctl8 = _engine(qwen3_8b_short, 8)
     assert ab1.eng.buckets == (8,)  # one token's row padded to the TPU's 8-row tile
     assert _round_cost(ab1, 1, ctl1).seconds <= 1.02 * _round_cost(ab8, 8, ctl8).seconds
+
+
+def test_no_weight_is_copied_on_v5p(qwen3_8b_short):
+    """v5p-8, tensor 4, 8 slots: the compiler copied the merged q/k/v weight into [N, H] every step
+    while it was held input-major ([H, N]: `copy bf16[1536,4096]`); held output-major
+    (target/merged.py) no copy in the step has the shape of a chip's share of a weight, either way
+    round. A change that brings back a per-step weight relayout fails here."""
+    ab = abstract_engine(qwen3_8b_short, plan_mesh((1, 1, 4), "v5p-8"),
+                         EngineConfig(num_slots=SLOTS, max_len=CONTEXT, buckets=(SLOTS,)), drafter=False)
+    hlo = _round_compiled(ab, SLOTS, ab.eng.control(SamplingParams(0.0, 0, 1.0))).as_text()
+    weights = {shape for shape, _ in product_shapes(qwen3_8b_short.target.model, 4).values()}
+    weights |= {s[:-2] + s[-2:][::-1] for s in weights}  # and their transposes
+    copies = {tuple(int(x) for x in m.split(",")) for m in re.findall(r"= bf16\[([\d,]+)\]\{[^}]*\} copy\(", hlo)}
+    assert copies, "no copy found at all: the HLO text format changed and this test sees nothing"
+    assert not copies & weights, f"weights copied every step: {sorted(copies & weights)}"
