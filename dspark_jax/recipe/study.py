@@ -374,17 +374,22 @@ def report_markdown(s: dict) -> str:
 
 
 def plot_study(s: dict, path: Path) -> Path | None:
-    """Left: held-out expected tau against steps (mean over seeds, band min-max). Right: acceptance
-    per position (mean over seeds), solid at T = 1, dashed at the other settings."""
-    temps = sorted((t for t in s["eval"] if s["eval"][t]), key=lambda t: _temperature(s, t) == 1.0, reverse=True)
-    if not (any(s["curves"].values()) or temps):
+    """First panel: held-out expected tau against steps (mean over seeds, band min-max). Then one
+    panel per evaluation setting: acceptance per position (mean over seeds), each variant's tau in
+    its legend."""
+    settings = [t for t in s["eval"] if s["eval"][t]]
+    if not (any(s["curves"].values()) or settings):
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    cols = min(2, 1 + len(settings))
+    rows = -(-(1 + len(settings)) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    axes = axes.ravel()
+    ax1 = axes[0]
     for i, v in enumerate(s["variants"]):
         pts = s["curves"].get(v) or []
         if pts:
@@ -392,20 +397,24 @@ def plot_study(s: dict, path: Path) -> Path | None:
             ax1.plot(x, [p["mean"] for p in pts], "o-", color=f"C{i}", label=v)
             ax1.fill_between(x, [min(p["seeds"].values()) for p in pts], [max(p["seeds"].values()) for p in pts],
                              color=f"C{i}", alpha=0.15)
-        for k, t in enumerate(temps):
+    ax1.set(xlabel="training step", ylabel="held-out expected tau (T = 1)", title="tau against steps")
+    for ax, t in zip(axes[1:], settings):
+        for i, v in enumerate(s["variants"]):
             r = s["eval"][t].get(v)
             if r:
-                ax2.plot(range(1, len(r["acceptance_per_position"]) + 1), r["acceptance_per_position"],
-                         ("o-", "s--", "^:")[min(k, 2)], color=f"C{i}", label=f"{v}, T = {t} (tau {r['tau']:.2f})")
-    ax1.set(xlabel="training step", ylabel="held-out expected tau (T = 1)", title="tau against steps")
-    ax2.set(xlabel="draft position", ylabel="conditional acceptance", title="acceptance per position")
-    for ax in (ax1, ax2):
+                ax.plot(range(1, len(r["acceptance_per_position"]) + 1), r["acceptance_per_position"], "o-",
+                        color=f"C{i}", label=f"{v} (tau {r['tau']:.2f})")
+        how = "sampled" if _temperature(s, t) > 0 else "exact greedy"
+        ax.set(xlabel="draft position", ylabel="conditional acceptance", title=f"T = {t} ({how})")
+    for ax in axes[1 + len(settings):]:
+        ax.axis("off")
+    for ax in axes[: 1 + len(settings)]:
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
