@@ -5,13 +5,19 @@ The GPU counterpart of target/paged_kernel.py, with the same contract (`cache_at
 normalised output and log-sum-exp per query, so the verification's new keys join through
 `merge_parts`). The reference path gathers a row's keys into its `[max_len]` view and attends over
 all of them, masked: on an H200 at 64 slots x 2048 positions that read the whole cache several
-times a step (docs/performance.md). Here one program per (row, KV head, block of query rows)
-loops over the row's key blocks only up to the last key its queries may see (a loop with a
+times a step (docs/performance.md). Here one program per (row, KV head, block of query rows, key
+split) loops over the row's key blocks only up to the last key its queries may see (a loop with a
 bound known at run time), the softmax online in registers:
 
 - dense cache `[L, R', Nkv, S, D]` (heads-major, target/kv_cache.py): block j of row `table[r]`
   is positions `[j * block, (j + 1) * block)`, one strided load of `(block, D)`;
 - paged pool `[L, P, Nkv, page_size, D]`: block j is page `table[r, j]`, one page a block.
+
+Few rows leave most of a GPU's multiprocessors idle (one row of Qwen3-8B: 8 KV heads, 8
+programs), so the key blocks are split among `splits` programs per (row, head, query block), as
+many as bring the grid to about `MIN_PROGRAMS` with at least `MIN_BLOCKS_PER_SPLIT` blocks each
+(flash decoding); each split returns its part's output and log-sum-exp and the parts are merged
+after the call (`_merge_splits`). At 64 slots the grid is large enough and nothing is split.
 
 The layer index, the page table (or the rows' cache rows), the key counts and the first query
 positions are whole small arrays every program reads; the cache is passed whole and indexed in
@@ -49,6 +55,8 @@ NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key (as target/p
 KEY_BLOCK = 64  # dense-cache positions a loop step reads
 QUERY_BLOCK = 64  # query rows (T * G) a program holds
 MIN_TILE = 16  # Triton's smallest matrix-product tile
+MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100 / H200 (132)
+MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least this many key blocks
 
 
 def _pow2(n: int) -> bool:
@@ -70,9 +78,16 @@ def gpu_kernel_fits(head_dim: int, seq_or_page: int, dense: bool) -> bool:
     return _dense_block(seq_or_page) > 0 if dense else _pow2(seq_or_page) and seq_or_page >= MIN_TILE
 
 
+def _splits(programs: int, blocks: int) -> int:
+    """Key splits per (row, head, query block): enough to bring `programs` to about MIN_PROGRAMS,
+    each split at least MIN_BLOCKS_PER_SPLIT of the row's `blocks`."""
+    want = -(-MIN_PROGRAMS // programs)
+    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, dense: bool,
-            block: int, blocks_per_row: int, group: int, block_rows: int, scale: float):
-    r, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            block: int, blocks_per_row: int, blocks_per_split: int, group: int, block_rows: int, scale: float):
+    r, h, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer, kv_len, q_start = layer_ref[0], kv_len_ref[r], q_start_ref[r]
     first_row = qb * block_rows
     # the last key the block's last query may see; no key: no step
@@ -109,7 +124,8 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, 
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_rows,), NO_KEYS, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+    first = split * blocks_per_split
+    acc, m, l = jax.lax.fori_loop(first, jnp.minimum(steps, first + blocks_per_split), body, init)
     seen = l > 0.0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NO_KEYS)
@@ -134,23 +150,40 @@ def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, 
     padded = -(-rows // block_rows) * block_rows
     block = _dense_block(inner) if dense else inner
     blocks_per_row = 1 if dense else table.shape[1]
+    blocks = inner // block if dense else blocks_per_row  # key blocks a row holds
+    splits = _splits(r * nkv * (padded // block_rows), blocks)
+    per_split = -(-blocks // splits)
     qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, rows, d)
     if padded != rows:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     table = jnp.maximum(table, 0).astype(jnp.int32).reshape(-1)
-    kernel = functools.partial(_kernel, dense=dense, block=block, blocks_per_row=blocks_per_row, group=g,
-                               block_rows=block_rows, scale=1.0 / math.sqrt(d))
+    kernel = functools.partial(_kernel, dense=dense, block=block, blocks_per_row=blocks_per_row,
+                               blocks_per_split=per_split, group=g, block_rows=block_rows, scale=1.0 / math.sqrt(d))
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    qmap = lambda i, h, qb: (i, h, qb, 0)  # noqa: E731
+    qmap = lambda i, h, qb, sp: (i, h, qb, 0)  # noqa: E731
     out, lse = pl.pallas_call(
-        kernel, grid=(r, nkv, padded // block_rows), interpret=interpret,
+        kernel, grid=(r, nkv, padded // block_rows, splits), interpret=interpret,
         in_specs=[whole] * 4 + [pl.BlockSpec((None, None, block_rows, d), qmap)] + [whole] * 2,
-        out_specs=[pl.BlockSpec((None, None, block_rows, d), qmap),
-                   pl.BlockSpec((None, None, block_rows), lambda i, h, qb: (i, h, qb))],
-        out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), jnp.float32),
-                   jax.ShapeDtypeStruct((r, nkv, padded), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, None, None, block_rows, d), lambda i, h, qb, sp: (i, h, sp, qb, 0)),
+                   pl.BlockSpec((None, None, None, block_rows), lambda i, h, qb, sp: (i, h, sp, qb))],
+        out_shape=[jax.ShapeDtypeStruct((r, nkv, splits, padded, d), jnp.float32),
+                   jax.ShapeDtypeStruct((r, nkv, splits, padded), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
     )(layer, table, kv_len.astype(jnp.int32), q_start.astype(jnp.int32), qh, k_cache, v_cache)
+    out, lse = _merge_splits(out, lse)
     out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
+
+
+def _merge_splits(out, lse):
+    """The splits' parts (out [R, Nkv, splits, rows, D], lse [R, Nkv, splits, rows]) as one softmax
+    over all of them; a query no split saw keeps out 0 and lse NO_KEYS."""
+    if out.shape[2] == 1:
+        return out[:, :, 0], lse[:, :, 0]
+    top = jnp.max(lse, axis=2)
+    seen = top > NO_KEYS
+    w = jnp.where(seen[:, :, None], jnp.exp(lse - top[:, :, None]), 0.0)
+    den = jnp.sum(w, axis=2)
+    merged = jnp.sum(w[..., None] * out, axis=2) / jnp.where(seen, den, 1.0)[..., None]
+    return merged, jnp.where(seen, top + jnp.log(jnp.where(seen, den, 1.0)), NO_KEYS)

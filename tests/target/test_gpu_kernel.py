@@ -17,7 +17,7 @@ from dspark_jax.target import kernels, kv_cache
 from dspark_jax.target.attention import cache_update
 from dspark_jax.target.attention_backend import AttentionBackend, attention_backend
 from dspark_jax.target.forward import forward
-from dspark_jax.target.gpu_kernel import QUERY_BLOCK, gpu_kernel_fits
+from dspark_jax.target.gpu_kernel import QUERY_BLOCK, _splits, gpu_kernel_fits
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, paged_attention_lse
 from dspark_jax.testing.tiny import tiny_config, tiny_target
@@ -38,8 +38,8 @@ def _check(out, lse, want, want_lse, mask):
     assert (np.asarray(out)[~seen] == 0).all()
 
 
-@pytest.mark.parametrize("s,t,g", [(48, 3, 2), (128, 3, 2), (320, 40, 2)],
-                         ids=["blocks-of-16", "blocks-of-64", "two-query-blocks"])
+@pytest.mark.parametrize("s,t,g", [(48, 3, 2), (128, 3, 2), (320, 40, 2), (1024, 3, 2)],
+                         ids=["blocks-of-16", "blocks-of-64", "two-query-blocks", "four-key-splits"])
 def test_dense_kernel_equals_reference(s, t, g):
     rng = np.random.default_rng(s)
     r, nkv, d, layers = 4, 2, 16, 2
@@ -50,7 +50,9 @@ def test_dense_kernel_equals_reference(s, t, g):
     unwritten = np.arange(s)[None, None, None, :] >= kv_len.max()  # beyond every row's keys, in its last block
     k, v = np.where(unwritten[..., None], np.nan, k), np.where(unwritten[..., None], np.inf, v)
     q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
-    assert t * g <= QUERY_BLOCK or s == 320  # the last case spans two query blocks
+    assert t * g <= QUERY_BLOCK or s == 320  # that case spans two query blocks
+    # 8 programs (4 rows x 2 heads): 1024 positions (16 blocks) split in 4, the others not at all
+    assert _splits(r * nkv, s // 64 if s % 64 == 0 else s // 16) == (4 if s == 1024 else 1)
     rows = np.array([3, 1, 0, 2])  # each query row reads another cache row
     kv_len, q_start = kv_len[rows], q_start[rows]  # each query row's own cache row's counts
     mask = _mask(kv_len, q_start, s, t)
@@ -66,12 +68,13 @@ def test_dense_kernel_equals_reference(s, t, g):
 
 def test_paged_kernel_equals_reference():
     rng = np.random.default_rng(7)
-    r, t, nkv, g, d, ps, m, layers = 3, 4, 2, 3, 32, 16, 4, 2
+    r, t, nkv, g, d, ps, m, layers = 3, 4, 2, 3, 32, 16, 8, 2  # 6 programs, 8 pages a row: 2 key splits
     pages = r * m + 2
     k = rng.normal(size=(layers, pages, nkv, ps, d)).astype(np.float32)
     v = rng.normal(size=(layers, pages, nkv, ps, d)).astype(np.float32)
     table = rng.permutation(pages)[: r * m].reshape(r, m)
-    kv_len, q_start = np.array([50, 17, 0]), np.array([46, 13, 0])
+    assert _splits(r * nkv, m) == 2
+    kv_len, q_start = np.array([100, 17, 0]), np.array([96, 13, 0])
     table[1, 2:] = -1  # no page past the row's keys
     table[2, :] = -1
     q = jnp.asarray(rng.normal(size=(r, t, nkv * g, d)), jnp.float32)
