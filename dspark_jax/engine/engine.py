@@ -178,7 +178,7 @@ class Engine:
         keep = np.ones((self.R,), bool)
         keep[list(slots)] = False  # a fixed-shape mask: one compiled op for any number of slots
         st = self.release(st, slots)
-        return st._replace(active=st.active & jnp.asarray(keep))
+        return st._replace(active=st.active & jax.device_put(keep))
 
     # ------------------------------------------------------------ state / controls
 
@@ -205,11 +205,12 @@ class Engine:
         if g > self.G or g < 0:
             raise EngineError(f"gamma {g} is outside this engine's compiled range 0..{self.G} (the block size it was "
                               f"built with); build the Engine with a larger gamma / drafter block")
-        s = SamplingParams(*(jnp.broadcast_to(jnp.asarray(v, dt), (self.R,)) for v, dt in
-                             zip(sampling or SamplingParams(), (jnp.float32, jnp.int32, jnp.float32))))
-        stops = jnp.broadcast_to(jnp.asarray(stop_row(stop_ids), jnp.int32), (self.R, MAX_STOP_IDS))
+        # host arrays put on the device: no eager jnp op, each of which compiles a program per shape
+        s = SamplingParams(*jax.device_put([np.full((self.R,), v, dt) for v, dt in
+                                            zip(sampling or SamplingParams(), (np.float32, np.int32, np.float32))]))
+        stops = jax.device_put(np.broadcast_to(np.asarray(stop_row(stop_ids), np.int32), (self.R, MAX_STOP_IDS)))
         Gs = self.spec.Gs
-        sts = jnp.ones((Gs,), jnp.float32) if sts is None else jnp.asarray(sts, jnp.float32)[:Gs]
+        sts = jax.device_put(np.ones((Gs,), np.float32) if sts is None else np.asarray(sts, np.float32)[:Gs])
         if sts.shape != (Gs,):
             raise EngineError(f"sts temperatures need {Gs} values, got {sts.shape[0]}")
         table = self._checked_table(table) if table is not None else self.table
@@ -220,8 +221,10 @@ class Engine:
                                   "with a measured cost table and none was given: pass table= (to the Engine or "
                                   "this call; measure one with `python -m dspark_jax costs measure`)")
             table = self._unread_table
-        return Control(sampling=s, gamma=jnp.int32(g), threshold=jnp.float32(threshold), sts=sts, table=table,
-                       default_k=jnp.int32(self.R * g if default_k is None else int(default_k)), stop_ids=stops)
+        gamma, threshold, default_k = jax.device_put((np.int32(g), np.float32(threshold), np.int32(
+            self.R * g if default_k is None else int(default_k))))
+        return Control(sampling=s, gamma=gamma, threshold=threshold, sts=sts, table=table, default_k=default_k,
+                       stop_ids=stops)
 
     def _checked_table(self, table):
         """The table must price every bucket the scheduler may choose and nothing beyond the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from dspark_jax.engine.spec import Spec
@@ -31,19 +31,22 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
             _, last = kind.init_decode(spec, drafter, R, 1, dtype)
             dcache = PagedKVCache.like(dense, pages.num_pages, pages.page_size, paged_attention)
     else:
-        dcache, last = KVCache.create(tcfg, R, 1, dtype, num_layers=1), jnp.zeros((R, 1), dtype)
+        dcache, last = KVCache.create(tcfg, R, 1, dtype, num_layers=1), jax.device_put(np.zeros((R, 1), dtype))
     if pages is None:
         cache = KVCache.create(tcfg, R, S, dtype, impl=paged_attention)
     else:
         cache = PagedKVCache.create(tcfg, R, S, pages.num_pages, pages.page_size, dtype, impl=paged_attention)
-    zi = lambda: jnp.zeros((R,), jnp.int32)  # distinct buffers: the state is donated
+    # the small leaves made on the host and put on the device (distinct buffers: the state is
+    # donated); eager jnp constructors would compile a program per shape
+    put = jax.device_put
+    zi = lambda: put(np.zeros((R,), np.int32))  # noqa: E731
     return DecodeState(
-        cache=cache, dcache=dcache, last=last, anchor=zi(), pos=zi(), active=jnp.zeros((R,), bool),
+        cache=cache, dcache=dcache, last=last, anchor=zi(), pos=zi(), active=put(np.zeros((R,), bool)),
         keys=jax.random.split(jax.random.key(0), R), rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
-        out=jnp.zeros((R, S), jnp.int32), a_hist=jnp.full((2, R, spec.Gs), -1.0, jnp.float32), step=jnp.int32(0),
-        since_draft=jnp.int32(0), probe_gap=jnp.int32(spec.probe_every),
-        probe_credit=jnp.float32(0.0), finish=zi(), plen=zi(), joined=zi(),
-        prompt=jnp.zeros((R, S if chunked else 1), jnp.int32))
+        out=put(np.zeros((R, S), np.int32)), a_hist=put(np.full((2, R, spec.Gs), -1.0, np.float32)),
+        step=put(np.int32(0)), since_draft=put(np.int32(0)), probe_gap=put(np.int32(spec.probe_every)),
+        probe_credit=put(np.float32(0.0)), finish=zi(), plen=zi(), joined=zi(),
+        prompt=put(np.zeros((R, S if chunked else 1), np.int32)))
 
 
 def decode_shardings(state: DecodeState, mesh):

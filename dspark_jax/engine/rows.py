@@ -1,11 +1,11 @@
 """Host-side shaping of a join's device arguments: per-slot rows of the prompts, keys and
 budgets, the sampling settings and stop ids of the traced controls. Fixed shapes throughout,
-so which slots join never recompiles anything."""
+so which slots join never recompiles anything; host arrays go to the device by `jax.device_put`
+(a transfer), not `jnp.asarray` (outside a trace, a small compiled program per shape)."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding.sampling import SamplingParams
@@ -31,8 +31,8 @@ def join_rows(R: int, st: DecodeState, width: int, slots, prompts, key_data, max
         tok[s, : len(p)] = p
         plen[s] = len(p)
     join[slots], mx[slots], kd[slots] = True, np.asarray(max_new), np.asarray(key_data)
-    keys = jax.random.wrap_key_data(jnp.asarray(kd), impl=jax.random.key_impl(st.keys))
-    return jnp.asarray(tok), jnp.asarray(plen), jnp.asarray(join), keys, jnp.asarray(mx)
+    keys = jax.random.wrap_key_data(jax.device_put(kd), impl=jax.random.key_impl(st.keys))
+    return (*jax.device_put((tok, plen, join)), keys, jax.device_put(mx))
 
 
 def by_bucket(buckets, prompts) -> list[list[int]]:
@@ -52,4 +52,4 @@ def control_rows(ctl: Control, slots, samplings, stop_ids) -> Control:
         for col, v in zip(samp, samplings[j]):
             col[s] = v
         stops[s] = stop_row(stop_ids[j])
-    return ctl._replace(sampling=SamplingParams(*(jnp.asarray(c) for c in samp)), stop_ids=jnp.asarray(stops))
+    return ctl._replace(sampling=SamplingParams(*jax.device_put(samp)), stop_ids=jax.device_put(stops))

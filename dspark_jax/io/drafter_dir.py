@@ -141,12 +141,14 @@ def from_params(target, dcfg: DrafterSection, params: dict, param_dtype=jnp.floa
     pure = import_tensors({k: np.asarray(v) for k, v in flatten(params).items()}, rules, expected, 0, source=source)
     np_dtype = ml_dtypes.bfloat16 if jnp.dtype(param_dtype) == jnp.bfloat16 else np.dtype(param_dtype)
     nnx.replace_by_pure_dict(pstate, jax.tree.map(lambda a: np.asarray(a).astype(np_dtype), pure))
-    fstate = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), fstate)
+    # host arrays put on the device (a transfer; jnp.asarray / jnp.zeros outside a trace compile a
+    # small program per shape)
+    fstate = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), fstate)
     if mesh is not None:
         pstate = jax.device_put(pstate, state_shardings(pstate, mesh))
         fstate = jax.device_put(fstate, state_shardings(fstate, mesh))
     else:
-        pstate = jax.tree.map(jnp.asarray, pstate)
+        pstate, fstate = jax.device_put((pstate, fstate))
     drafter = nnx.merge(graphdef, pstate, fstate)
     attach_target(drafter, tmodel)
     return drafter

@@ -151,7 +151,7 @@ def build_from_pure(cfg: ModelConfig, pure: dict, dtype, mesh=None, model_dtype=
         return nnx.merge(graphdef, state)
     cast = jax.tree.map(lambda a: np.asarray(a).astype(dtype), pure)
     nnx.replace_by_pure_dict(state, cast)
-    state = jax.tree.map(jnp.asarray, state)
+    state = jax.device_put(state)  # a transfer: jnp.asarray would compile a small program per shape
     return nnx.merge(graphdef, state)
 
 

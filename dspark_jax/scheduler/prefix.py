@@ -68,8 +68,8 @@ def make_table(buckets, t_verify=None, sps=None, t_draft=0.0, as_numpy=False, sk
     assert float(skip_extra) >= 0.0, "skip_extra must be >= 0"
     if as_numpy:
         return CostTable(b, tv, np.float64(t_draft), np.float64(skip_extra))
-    return CostTable(jnp.asarray(b, jnp.int32), jnp.asarray(tv, jnp.float32), jnp.asarray(t_draft, jnp.float32),
-                     jnp.asarray(skip_extra, jnp.float32))
+    return CostTable(*jax.device_put((b.astype(np.int32), tv.astype(np.float32), np.float32(t_draft),
+                                      np.float32(skip_extra))))
 
 
 def save_table(path, table: CostTable) -> None:
