@@ -105,8 +105,12 @@ def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", draf
     tg, tstate = nnx.split(target)
     dg, dparams, dfrozen = nnx.split(dmodel, nnx.Param, Frozen)
     if drafter_in_target_dtype and cfg.target.dtype == "bfloat16":
-        dparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
-                               if jnp.issubdtype(x.dtype, jnp.floating) else x, dparams)
+        # the trained weights cast once, and the frozen embedding and LM head as the target holds
+        # them (a live drafter shares the target's): priced in float32 they were cast inside every
+        # draft program
+        dparams, dfrozen = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
+                                         if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+                            for tree in (dparams, dfrozen))
     if not drafter:
         dparams, dfrozen = {}, {}
     box = {}
