@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from dspark_jax.parallel.platform import platform
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.gpu_kernel import gpu_cache_attention_lse
 from dspark_jax.target.kernels import PAGED_KERNELS as PAGED_ATTENTION_IMPLS
@@ -210,6 +211,11 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool,
     return out, lse
 
 
+def _interpret(gpu: bool) -> bool:
+    """Whether the chosen kernel runs interpreted: the GPU one off GPU, the TPU one off TPU."""
+    return platform() != "gpu" if gpu else pallas_interpret()
+
+
 def _layer_index(layer):
     return jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
@@ -226,7 +232,7 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
-        interpret = pallas_interpret()
+        interpret = _interpret(gpu)
     local = functools.partial(gpu_cache_attention_lse if gpu else _local, interpret=interpret, dense=False)
     return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
 
@@ -238,7 +244,7 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, i
     block, which the pipeline does not fetch again). Row r reads cache row `rows[r]` (default r).
     Visibility, returns and `gpu` as `paged_attention_lse`."""
     if interpret is None:
-        interpret = pallas_interpret()
+        interpret = _interpret(gpu)
     layer = _layer_index(layer)
     mesh = jax.sharding.get_abstract_mesh()
     if rows is not None and not mesh.empty and logical_to_pspec(DENSE_CACHE_AXES, k_all.shape, mesh)[1] is not None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.target import attention_backend as backend_mod
-from dspark_jax.target import kernels, kv_cache
+from dspark_jax.target import kernels, kv_cache, paged_kernel
 from dspark_jax.target.attention import cache_update
 from dspark_jax.target.attention_backend import AttentionBackend, attention_backend
 from dspark_jax.target.forward import forward
@@ -114,7 +114,7 @@ def test_kernel_lowers_for_cuda_reading_the_cache_in_place(dense):
 
 def _gpu(monkeypatch):
     """Programs traced from here on are 'compiled for GPU' as far as the kernel choice goes."""
-    for mod in (backend_mod, kernels):
+    for mod in (backend_mod, kernels, paged_kernel):
         monkeypatch.setattr(mod, "platform", lambda mesh=None: "gpu")
 
 
@@ -124,6 +124,7 @@ def test_backend_picks_the_gpu_kernel_where_compiled_for_gpu(monkeypatch):
     b = attention_backend("auto")
     assert (b.kernel, b.gpu, b.interpret) == (True, True, False)
     assert attention_backend("reference").kernel is False
+    assert paged_kernel._interpret(gpu=True) is False  # called without the backend: compiled on GPU too
     assert gpu_kernel_fits(128, 2048, dense=True) and gpu_kernel_fits(64, 16, dense=False)
     assert not gpu_kernel_fits(80, 2048, dense=True)  # head dim not a power of two
     assert not gpu_kernel_fits(128, 2050, dense=True) and not gpu_kernel_fits(128, 8, dense=False)
