@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.tpu_cost import kernel_rates, program_cost
 from dspark_jax.target.config import ModelConfig
-from dspark_jax.target.merged import MergeChoice, gate_up, merge_choice, qkv
+from dspark_jax.target.merged import MERGED_PRODUCTS, MergeChoice, merge_choice
 
 __all__ = ["product_shapes", "read_once_seconds", "kv_bytes_per_chip"]
 
@@ -60,9 +60,9 @@ def _bare_seconds(device, rows: int, name: str, weight: tuple[int, ...], dtype) 
     compiled alone for `device`."""
     mesh = Mesh(np.array([device]), ("x",))
     rep = NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((rows, weight[-1] if name == "qkv_proj" else weight[-2]), dtype, sharding=rep)
+    product, width = MERGED_PRODUCTS.get(name, (lambda a, b: a @ b, -2))
+    x = jax.ShapeDtypeStruct((rows, weight[width]), dtype, sharding=rep)
     w = jax.ShapeDtypeStruct(weight, dtype, sharding=rep)
-    product = {"qkv_proj": qkv, "gate_up_proj": gate_up}.get(name, lambda a, b: a @ b)
     with jax.set_mesh(mesh):  # its own chip, whatever mesh the caller has set
         return program_cost(jax.jit(product).lower(x, w).compile(), device).seconds
 

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.config import ModelConfig
 
-__all__ = ["MERGED_AXES", "MergeChoice", "merge_choice", "merge_qkv", "qkv", "split_qkv", "merge_gate_up", "gate_up"]
+__all__ = ["MERGED_AXES", "MERGED_PRODUCTS", "MergeChoice", "merge_choice", "merge_qkv", "qkv", "split_qkv",
+           "merge_gate_up", "gate_up"]
 
 MERGED_AXES = {"qkv_proj": ("kv_heads", "embed"), "gate_up_proj": (None, "embed", "mlp")}
 
@@ -91,3 +92,7 @@ def gate_up(h, gate_up_proj):
     """h [..., H] through the merged product -> (gate, up) [..., I], one product."""
     y = jnp.einsum("...h,khi->k...i", h, gate_up_proj)
     return y[0], y[1]
+
+
+# how each merged weight multiplies its input, and which of the weight's axes is the input's width
+MERGED_PRODUCTS = {"qkv_proj": (qkv, -1), "gate_up_proj": (gate_up, -2)}
