@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 
+import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -21,6 +22,10 @@ from dspark_jax.parallel.sharding import host_arrays
 # Rows of the embedding hashed into the fingerprint (evenly spaced): cheap at 152k x 5k,
 # and any other target differs in them.
 _FINGERPRINT_ROWS = 1024
+
+
+# one program for the sampled rows (indexing eagerly would compile one per primitive, each process)
+_take_rows = jax.jit(lambda embed, rows: embed[rows])
 
 
 class Frozen(nnx.Variable):
@@ -49,7 +54,7 @@ def target_fingerprint(target) -> str:
     embed = target.embed[...]
     rows = np.unique(np.linspace(0, embed.shape[0] - 1, min(embed.shape[0], _FINGERPRINT_ROWS)).astype(np.int64))
 
-    sample = host_arrays(embed[rows]).astype(np.float32).astype(ml_dtypes.bfloat16)
+    sample = host_arrays(_take_rows(embed, rows)).astype(np.float32).astype(ml_dtypes.bfloat16)
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     h.update(np.ascontiguousarray(sample).tobytes())
     return h.hexdigest()[:16]

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration.traces import Traces
@@ -29,10 +28,21 @@ from dspark_jax.engine.page_alloc import OutOfPagesError
 from dspark_jax.engine.requests import per_request, reach
 from dspark_jax.engine.results import GenerateResult, RequestResult
 from dspark_jax.engine.state import FINISH_REASONS, RoundOut
+from dspark_jax.io.program_store import stored_jit
 
 __all__ = ["Job", "Update", "Round", "Batcher", "generate", "warmup_lengths"]
 
 _ids = itertools.count()
+
+
+def _request_key_data(seeds, index):
+    """Request i's key data: its seed's key folded with its index in the call (distinct streams
+    for equal seeds)."""
+    return jax.random.key_data(jax.vmap(lambda sd, i: jax.random.fold_in(jax.random.key(sd), i))(seeds, index))
+
+
+# one stored program per request count, not the eager key operations' several each process
+_request_keys = stored_jit(_request_key_data, "request_keys")
 
 
 @dataclass
@@ -274,8 +284,7 @@ def generate(engine, prompts, *, max_new_tokens: int = 64, sampling: SamplingPar
                for i, (p, m, sp, sd, s) in enumerate(zip(prompts, max_news, samplings, stops, seeds))]
     ctl = engine.control(checked[0].sampling if n else sampling, gamma, threshold, (), sts, table)
     idx = list(range(n)) if sample_index is None else [int(i) for i in sample_index]
-    keys = np.asarray(jax.random.key_data(jax.vmap(lambda sd, i: jax.random.fold_in(jax.random.key(sd), i))(
-        jnp.asarray(seeds, jnp.uint32), jnp.asarray(idx, jnp.uint32)))) if n else None
+    keys = np.asarray(_request_keys(np.asarray(seeds, np.uint32), np.asarray(idx, np.uint32))) if n else None
     jobs = [Job(prompt=c.prompt, max_new=c.max_new, sampling=c.sampling, stop_ids=c.stop_ids, key_data=keys[i], id=i)
             for i, c in enumerate(checked)]
     tr = Traces(engine.G) if traces else None

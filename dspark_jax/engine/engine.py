@@ -315,10 +315,13 @@ def _kind_of(drafter):
 def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 64, gamma: int | None = None,
                             sampling: SamplingParams | None = None, num_slots: int = 8, max_len: int | None = None,
                             seed: int = 0, stop_ids=(), layer_ids=None) -> float:
-    """tau = mean over all rounds of (accepted + 1), fixed-gamma verification (default T = 1)."""
-    G = gamma or getattr(drafter, "gamma", 7)
+    """tau = mean over all rounds of (accepted + 1), fixed-gamma verification (default T = 1).
+    One verification bucket, the full R x (gamma + 1): fixed-gamma rounds of a full engine all
+    use it, and the buckets a scheduler picks from would be compiled for the few tail rounds."""
+    G = draft_shape(_kind_of(drafter), drafter, target, gamma, layer_ids).G
     S = max_len or (max(len(p) for p in prompts) + max_new_tokens + G + 2)
-    config = EngineConfig(num_slots=min(num_slots, len(prompts)), max_len=S, gamma=gamma, layer_ids=layer_ids)
+    R = min(num_slots, len(prompts))
+    config = EngineConfig(num_slots=R, max_len=S, gamma=gamma, layer_ids=layer_ids, buckets=(R * (G + 1),))
     res = Engine(target, drafter, config).generate(prompts, max_new_tokens=max_new_tokens, seed=seed,
                                                    sampling=sampling or SamplingParams(1.0, 0, 1.0), stop_ids=stop_ids)
     return res.tau

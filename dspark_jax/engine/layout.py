@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -15,6 +17,12 @@ from dspark_jax.target.paged_kernel import PAGE_AXES
 from dspark_jax.target.paged_kv import PagedKVCache
 
 __all__ = ["fresh_state", "decode_shardings"]
+
+
+@functools.cache
+def _key_data_shape() -> tuple[int, ...]:
+    """The default PRNG's key data per key (2 words for threefry)."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
 def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=None, paged_attention="reference",
@@ -37,12 +45,14 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
     else:
         cache = PagedKVCache.create(tcfg, R, S, pages.num_pages, pages.page_size, dtype, impl=paged_attention)
     # the small leaves made on the host and put on the device (distinct buffers: the state is
-    # donated); eager jnp constructors would compile a program per shape
+    # donated); eager jnp constructors would compile a program per shape. A free slot's key is
+    # never used: a request's own key replaces it when the slot is joined (round.py `_join`)
     put = jax.device_put
     zi = lambda: put(np.zeros((R,), np.int32))  # noqa: E731
     return DecodeState(
         cache=cache, dcache=dcache, last=last, anchor=zi(), pos=zi(), active=put(np.zeros((R,), bool)),
-        keys=jax.random.split(jax.random.key(0), R), rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
+        keys=jax.random.wrap_key_data(put(np.zeros((R, *_key_data_shape()), np.uint32))),
+        rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
         out=put(np.zeros((R, S), np.int32)), a_hist=put(np.full((2, R, spec.Gs), -1.0, np.float32)),
         step=put(np.int32(0)), since_draft=put(np.int32(0)), probe_gap=put(np.int32(spec.probe_every)),
         probe_credit=put(np.float32(0.0)), finish=zi(), plen=zi(), joined=zi(),

@@ -15,6 +15,7 @@ import jax
 
 from dspark_jax.engine.round import admit, draft_part, prefill, round_step, run_rounds
 from dspark_jax.engine.spec import Spec
+from dspark_jax.io.program_store import stored_jit
 from dspark_jax.target.attention import cache_update
 from dspark_jax.target.forward import forward
 
@@ -69,9 +70,11 @@ def _programs(spec: Spec, state_sh) -> Programs:
 
     state_kw = {} if state_sh is None else {"out_shardings": state_sh}
     round_kw = {} if state_sh is None else {"out_shardings": (state_sh, None)}
+    static = (spec, state_sh)  # what the programs close over: the key of their stored executables
     return Programs(
-        prefill=jax.jit(_prefill, donate_argnums=(2,), **state_kw),
-        round=jax.jit(functools.partial(round_step, spec), donate_argnums=(2,), **round_kw),
-        loop=jax.jit(functools.partial(run_rounds, spec), donate_argnums=(2,)),
-        draft=jax.jit(functools.partial(draft_part, spec)) if spec.G else None,
-        admit=jax.jit(admit, donate_argnums=(0,), **state_kw))
+        prefill=stored_jit(_prefill, "engine_prefill", static, donate_argnums=(2,), **state_kw),
+        round=stored_jit(functools.partial(round_step, spec), "engine_round", static, donate_argnums=(2,),
+                         **round_kw),
+        loop=stored_jit(functools.partial(run_rounds, spec), "engine_loop", static, donate_argnums=(2,)),
+        draft=stored_jit(functools.partial(draft_part, spec), "engine_draft", static) if spec.G else None,
+        admit=stored_jit(admit, "engine_admit", static, donate_argnums=(0,), **state_kw))

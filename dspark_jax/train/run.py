@@ -246,7 +246,8 @@ def run(cfg: Config, progress: bool = True) -> dict:
             print(f"[process {jax.process_index()}] held-out measured accepted length: {summary['measured_tau']:.3f}")
     summary["wall_s"] = time.perf_counter() - t0
     summary["phases_s"] = dict(phases.times)
-    summary["phases_compile_s"] = dict(phases.compile)
+    summary["phases_compile_s"] = dict(phases.compile)  # compiling and reading stored programs back
+    summary["phases_stored_read_s"] = dict(phases.reading)
     if jax.process_index() == 0:
         remote, local = output_paths(cfg.train.output_dir)
         text = json.dumps(summary, indent=2)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.commands.generate import main, read_prompts
-from dspark_jax.engine import measure_accepted_length
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine import Engine, EngineConfig, measure_accepted_length
 from dspark_jax.io.drafter_dir import save as save_drafter
 from dspark_jax.io.hf import save_target
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
@@ -110,6 +111,12 @@ def test_measure_accepted_length(dirs):
     prompts = [rng.integers(0, 200, n).tolist() for n in (5, 9, 3)]
     tau = measure_accepted_length(t, d, prompts, max_new_tokens=6, num_slots=3)
     assert 1.0 <= tau <= 4.0
+    # its one full bucket gives what an engine with the scheduler's buckets gives
+    S = max(map(len, prompts)) + 6 + d.gamma + 2
+    engine = Engine(t, d, EngineConfig(num_slots=2, max_len=S))
+    assert len(engine.buckets) > 1
+    res = engine.generate(prompts, max_new_tokens=6, seed=0, sampling=SamplingParams(1.0, 0, 1.0))
+    assert measure_accepted_length(t, d, prompts, max_new_tokens=6, num_slots=2) == res.tau
 
 
 def test_generate_cli_scheduler_costs_and_sts(dirs, capsys):

@@ -53,6 +53,10 @@ class DrafterKind(ABC):
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
 
+    def __stable_key__(self):
+        """What a kind is equal by, for the program store's keys (io/program_store.py)."""
+        return (type(self), self.name)
+
     # ---------------------------------------------------------------- build
     @abstractmethod
     def resolve(self, target_cfg, dcfg):
