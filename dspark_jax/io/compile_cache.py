@@ -3,7 +3,9 @@
 An engine compiles a prefill per prompt bucket, its round and its loop; on a TPU one Qwen3-8B round
 compiles in 40-45 s, so without a cache every start of a server or an evaluation pays minutes for
 programs it compiled yesterday. With the cache on, a program compiled once is read back from disk
-on the next start (keyed by JAX on the program, the compiler version and the devices).
+on the next start (keyed by JAX on the program, the compiler version and the devices). The
+engine's programs go to io/program_store.py's store beside it (`compiled_programs_dir`), keyed
+without tracing them.
 
 `$DSPARK_JAX_COMPILE_CACHE`: a directory to use instead of ``<user cache>/xla``, or ``off`` (also
 ``0``, ``false``, ``no``) to keep every compile in memory; `python -m dspark_jax --no-compile-cache
