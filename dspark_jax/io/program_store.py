@@ -40,7 +40,7 @@ try:
 except ImportError:
     _jax_trace_context = None
 
-__all__ = ["StoredProgram", "stored_jit", "stable_key", "Unkeyable", "store_stats"]
+__all__ = ["StoredProgram", "stored_jit", "stable_key", "Unkeyable", "store_stats", "evict", "MAX_STORE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ _SETTINGS_IGNORED = ("cache", "log", "explain", "persistent")
 # environment variables that change what a compiler makes of the same program
 _ENV_KEPT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_ACCELERATOR_TYPE", "CUDA_VISIBLE_DEVICES")
 _stats = {"hits": 0, "misses": 0, "unkeyable": 0, "errors": 0}
+# the store's size: beyond it the least recently used programs are removed after a write
+MAX_STORE_BYTES = 8 << 30
 
 
 class Unkeyable(TypeError):
@@ -218,6 +220,7 @@ class StoredProgram:
             else:
                 jax.monitoring.record_event_duration_secs(STORE_LOAD_EVENT, time.perf_counter() - t0)
                 _stats["hits"] += 1
+                _touch(path)
                 return exe
         if path is None:  # JAX's cache serves it as it serves any jitted function
             return self.jitted.lower(*args).compile()
@@ -237,9 +240,44 @@ class StoredProgram:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_bytes(blob)
             os.replace(tmp, path)  # a reader sees the whole file or none
+            evict(path.parent, keep=path)
         except Exception as e:  # a backend that cannot serialize, a full disk: the program still runs
             log.warning("could not store the compiled program %s (%s: %s)", self.name, type(e).__name__, e)
             _stats["errors"] += 1
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)  # the eviction order: least recently read or written first
+    except OSError:
+        pass
+
+
+def evict(directory: Path, keep: Path | None = None, max_bytes: int | None = None) -> list[Path]:
+    """Remove the least recently used programs until the store holds at most `max_bytes`
+    (`MAX_STORE_BYTES`): each source edit keys programs anew, so old ones are never read again.
+    -> the removed files."""
+    limit = MAX_STORE_BYTES if max_bytes is None else max_bytes
+    files = []
+    for f in directory.glob("*.jaxexe"):
+        try:
+            st = f.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        files.append((st.st_mtime, st.st_size, f))
+    total, removed = sum(size for _, size, _ in files), []
+    for _, size, f in sorted(files, key=lambda x: x[0]):
+        if total <= limit:
+            break
+        if f == keep:
+            continue
+        try:
+            f.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(f)
+    return removed
 
 
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"

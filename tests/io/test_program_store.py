@@ -17,7 +17,7 @@ import pytest
 
 from dspark_jax.engine.spec import Spec
 from dspark_jax.io import compile_cache
-from dspark_jax.io.program_store import Unkeyable, stable_key, stored_jit
+from dspark_jax.io.program_store import Unkeyable, evict, stable_key, stored_jit
 from dspark_jax.testing.tiny import tiny_config
 
 ENGINE_RUN = """
@@ -157,3 +157,14 @@ def test_store_off_is_plain_jit():
     f = stored_jit(lambda x: x + 1, "plus_one")
     assert int(f(np.int32(1))) == 2
     assert f._directory is None and f._executables == {}
+
+
+def test_eviction_removes_the_least_recently_used_first(tmp_path):
+    for i, name in enumerate(["old", "mid", "new"]):
+        (tmp_path / f"{name}.jaxexe").write_bytes(b"x" * 100)
+        os.utime(tmp_path / f"{name}.jaxexe", (1000 + i, 1000 + i))
+    (tmp_path / "other.txt").write_bytes(b"y" * 1000)  # not a program: never counted or removed
+    assert evict(tmp_path, max_bytes=300) == []
+    assert evict(tmp_path, keep=tmp_path / "old.jaxexe", max_bytes=250) == [tmp_path / "mid.jaxexe"]
+    assert evict(tmp_path, max_bytes=100) == [tmp_path / "old.jaxexe"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["new.jaxexe", "other.txt"]
