@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import jax
 from jax.experimental import topologies
 
 from dspark_jax.parallel.sharding import make_mesh
@@ -37,6 +38,10 @@ def slice_devices(slc: TpuSlice | str):
     # processes (a test's subprocesses, two plan commands) may load it at once
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+    # what is compiled for devices that run nothing cannot be read back from JAX's persistent cache
+    # (no client to load it on: a warning and a compile again), so nothing this process compiles
+    # from here on is written to it
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     return list(topologies.get_topology_desc(slc.topology, "tpu", chips_per_host_bounds=slc.chips_per_host).devices)
 
 

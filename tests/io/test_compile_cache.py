@@ -69,3 +69,25 @@ def test_compile_seconds_counts_compiles_not_cached_calls():
     assert after_compile > before
     f(jnp.ones(7)).block_until_ready()
     assert compile_cache.compile_seconds() == after_compile
+
+
+def test_programs_compiled_for_a_tpu_slice_are_not_written(tmp_path):
+    """Compiled for devices that run nothing, a program could not be read back from JAX's cache (a
+    warning, then a compile again): a process that compiles for a slice writes none."""
+    pytest.importorskip("libtpu")
+    code = ("import jax, jax.numpy as jnp\n"
+            "from dspark_jax.io.compile_cache import enable_compile_cache\n"
+            "from dspark_jax.parallel.topology import slice_devices\n"
+            "path = enable_compile_cache()\n"
+            "jax.jit(lambda x: x @ x.T)(jnp.ones((64, 64))).block_until_ready()  # a CPU program: written\n"
+            "written = len(list(path.iterdir()))\n"
+            "dev = slice_devices('v6e-1')[0]\n"
+            "s = jax.sharding.SingleDeviceSharding(dev)\n"
+            "x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=s)\n"
+            "jax.jit(lambda x: jnp.sin(x) @ x.T).lower(x).compile()\n"
+            "print(written, len(list(path.iterdir())))\n")
+    env = {**os.environ, compile_cache.COMPILE_CACHE_ENV: str(tmp_path / "xla"), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    assert before >= 1 and after == before
