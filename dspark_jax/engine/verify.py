@@ -36,7 +36,7 @@ from dspark_jax.target.forward import forward
 from dspark_jax.target.kernels import row_tile
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import lm_head_logits
-from dspark_jax.target.packing import Packing, pack, unpack
+from dspark_jax.target.packing import Packing, pack, pack_in_place, unpack
 from dspark_jax.target.paged_kv import PagedKVCache
 
 __all__ = ["Chunk", "verify_forward", "write_block", "verify_packed", "target_arrays"]
@@ -90,8 +90,9 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     """
     r, t = tokens.shape
     s = cache.max_len
-    pk = pack(tokens, start, valid, bucket, s)
-    block = VerifyView(pk, start, valid)
+    in_place = chunk is None and bucket >= r * t  # the bucket holds the whole view: nothing to compact
+    pk = pack_in_place(tokens, start, valid, bucket, s) if in_place else pack(tokens, start, valid, bucket, s)
+    block = VerifyView(pk, start, valid, in_place=in_place)
     chunk_view = None
     if chunk is not None:
         pc = pack(chunk.tokens, chunk.start, chunk.valid, bucket, s, offset=pk.n)

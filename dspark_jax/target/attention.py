@@ -79,6 +79,8 @@ class VerifyView:
     start: jax.Array  # [K] position of column 0 (the slot's committed length)
     valid: jax.Array  # [K, W]
     rows: jax.Array | None = None  # [K] cache slot of each row (R = unused row)
+    # static: packed by `packing.pack_in_place` (token (k, w) at packed index k * W + w)
+    in_place: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +91,7 @@ class PackedVerify:
     activation_axes: ClassVar = None  # packed tokens [1, bucket, H] carry no batch layout
 
 
-for _cls, _meta in ((CausalSelf, ("kernel", "block")), (MaskedSelf, ()), (CacheUpdate, ()), (VerifyView, ()),
+for _cls, _meta in ((CausalSelf, ("kernel", "block")), (MaskedSelf, ()), (CacheUpdate, ()), (VerifyView, ("in_place",)),
                     (PackedVerify, ())):
     _pytree(_cls, _meta)
 
@@ -135,14 +137,21 @@ def _view_attention(cache, view: VerifyView, q, k, v, kv, layer, dtype):
     lp = view.packing
     n_rows, width = view.valid.shape
     kv_dtype = cache.k.dtype
-    blank = jnp.zeros((n_rows, width, *k.shape[2:]), kv_dtype)
-    kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
-    vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
-    qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
+    if view.in_place:  # the view is the packed batch's first rows: no scatter (padding keys masked, never written)
+        qv, kb, vb = (a[0, :n_rows * width].reshape(n_rows, width, *a.shape[2:]) for a in (q, k, v))
+        kb, vb = kb.astype(kv_dtype), vb.astype(kv_dtype)
+    else:
+        blank = jnp.zeros((n_rows, width, *k.shape[2:]), kv_dtype)
+        kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
+        vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
+        qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
     col = jnp.arange(width, dtype=jnp.int32)
     causal = (col[None, :] <= col[:, None])[None] & view.valid[:, None, :]
     o = cache.attend_committed(qv, kv[0], kv[1], layer, view.start, [(kb.astype(dtype), vb.astype(dtype), causal)],
                                dtype, rows=view.rows)
+    if view.in_place:
+        o = o.reshape(n_rows * width, *o.shape[2:])
+        return jnp.pad(o, ((0, q.shape[1] - n_rows * width),) + ((0, 0),) * (o.ndim - 1)), kb, vb
     return o[jnp.minimum(lp.slot, n_rows - 1), lp.col], kb, vb
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Packing", "pack", "unpack"]
+__all__ = ["Packing", "pack", "pack_in_place", "unpack"]
 
 
 class Packing(NamedTuple):
@@ -39,6 +39,22 @@ def pack(tokens, start, valid, bucket: int, max_len: int, offset=0) -> Packing:
     live = slot < r
     pos = jnp.where(live, start[jnp.minimum(slot, r - 1)] + col, max_len)
     return Packing(dest, slot, col, pos.astype(jnp.int32), tok, jnp.sum(fv.astype(jnp.int32)))
+
+
+def pack_in_place(tokens, start, valid, bucket: int, max_len: int) -> Packing:
+    """The packing of a bucket that holds the whole view (`bucket` >= R * T): token (r, t) at packed
+    index r * T + t, valid or not (an invalid one, and every entry past R * T, is padding: slot R,
+    position S). The view is then the packed batch's first R * T rows, so attention reshapes
+    instead of scattering into the view."""
+    r, t = tokens.shape
+    flat = jnp.arange(bucket, dtype=jnp.int32)
+    fv = jnp.pad(valid.reshape(-1), (0, bucket - r * t))
+    slot = jnp.where(fv, flat // t, r)
+    col = jnp.where(fv, flat % t, 0)
+    pos = jnp.where(fv, start[jnp.minimum(slot, r - 1)] + col, max_len)
+    tok = jnp.where(fv, jnp.pad(tokens.reshape(-1).astype(jnp.int32), (0, bucket - r * t)), 0)
+    dest = jnp.where(valid.reshape(-1), flat[:r * t], bucket)
+    return Packing(dest, slot, col, pos.astype(jnp.int32), tok, jnp.sum(valid.astype(jnp.int32)))
 
 
 def unpack(packed, pk: Packing, r: int, t: int):

@@ -25,7 +25,7 @@ from dspark_jax.target.attention import (
 )
 from dspark_jax.target.forward import forward
 from dspark_jax.target.layers import rope_inv_freq
-from dspark_jax.target.packing import pack
+from dspark_jax.target.packing import pack, pack_in_place
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
 R, T, S = 2, 11, 16  # rows, sequence length, cache positions
@@ -149,16 +149,18 @@ def test_cache_update_forward_equals_numpy(setup, kind):
     _prefill(cfg, params, tokens, _cache(cfg, kind), ref)
 
 
-def _packed_forward(cfg, params, cache, tokens, start, valid, bucket):
-    pk = pack(tokens, start, valid, bucket, S)
-    attn = PackedVerify(cache, VerifyView(pk, start, valid))
+def _packed_forward(cfg, params, cache, tokens, start, valid, bucket, in_place=False):
+    pk = (pack_in_place(tokens, start, valid, bucket, S) if in_place else pack(tokens, start, valid, bucket, S))
+    attn = PackedVerify(cache, VerifyView(pk, start, valid, in_place=in_place))
     out = forward(params, cfg, pk.tok[None], jnp.minimum(pk.pos, S - 1)[None], attn, feature_layers=FEATURE_LAYERS)
     return out, pk
 
 
-@pytest.mark.parametrize("kind", ["dense", "reference"])
-def test_packed_verification_equals_numpy(setup, kind):
-    """The cache holds each row's prefix; the packed forward of the rest reads it (never writes)."""
+@pytest.mark.parametrize("kind,in_place", [("dense", False), ("reference", False), ("dense", True),
+                                           ("reference", True)])
+def test_packed_verification_equals_numpy(setup, kind, in_place):
+    """The cache holds each row's prefix; the packed forward of the rest reads it (never writes).
+    `in_place`: a bucket that holds the whole view (and padding past it) packs without compacting."""
     cfg, params, tokens, ref = setup
     prefix = np.asarray(PREFIX)
     cache = _prefill(cfg, params, tokens, _cache(cfg, kind)).with_lengths(jnp.asarray(prefix, jnp.int32))
@@ -167,9 +169,13 @@ def test_packed_verification_equals_numpy(setup, kind):
     for r in range(R):
         rest[r, : LENGTHS[r] - PREFIX[r]] = tokens[r, PREFIX[r]: LENGTHS[r]]
     valid = _valid(np.asarray(LENGTHS) - prefix, width)
-    bucket = int(np.sum(np.asarray(LENGTHS) - prefix)) + 3  # padded packed tokens too
+    bucket = (R * width if in_place else int(np.sum(np.asarray(LENGTHS) - prefix))) + 3  # padded packed tokens too
     out, pk = jax.jit(lambda c, p: _packed_forward(cfg, p, c, jnp.asarray(rest), jnp.asarray(prefix, jnp.int32),
-                                                   valid, bucket))(cache, params)
+                                                   valid, bucket, in_place))(cache, params)
+    if in_place:
+        live = np.asarray(valid)
+        np.testing.assert_array_equal(np.asarray(pk.dest).reshape(R, width)[live],
+                                      np.arange(R * width).reshape(R, width)[live])
     assert out.cache is None
     k_views, v_views = out.layer_out  # [L, R, width, Nkv, D]: the block's keys, for the caller to write
     assert k_views.shape == (cfg.num_layers, R, width, cfg.num_kv_heads, cfg.head_dim)
