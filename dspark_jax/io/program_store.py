@@ -175,6 +175,10 @@ class StoredProgram:
     def __getattr__(self, attr):
         return getattr(self.jitted, attr)
 
+    def _cache_size(self) -> int:
+        """Executables this program holds: its own where the store is on, else jit's."""
+        return len(self._executables) if self._directory else self.jitted._cache_size()
+
     def __call__(self, *args):
         if self._directory is False:
             self._directory = compiled_programs_dir() if jax.process_count() == 1 else None

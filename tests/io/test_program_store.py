@@ -36,7 +36,8 @@ drafter = tiny_drafter("dspark", target, gamma=3)
 engine = Engine(target, drafter, EngineConfig(num_slots=2, max_len=32, buckets=(8,), prefill_buckets=(16,)))
 res = engine.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_new_tokens=6, sampling=SamplingParams(1.0, 0, 1.0),
                       seed=3)
-print(json.dumps({"tokens": [r.tokens for r in res.results], "stats": store_stats(), "traced": traced}))
+print(json.dumps({"tokens": [r.tokens for r in res.results], "stats": store_stats(), "traced": traced,
+                  "rounds": engine.compiled_rounds()}))
 """
 
 PROGRAMS_RUN = """
@@ -89,6 +90,7 @@ def test_an_engine_run_again_reads_its_programs_back(tmp_path):
     assert len(files) == first["stats"]["misses"]
 
     second = _run(ENGINE_RUN, cache)
+    assert first["rounds"] == second["rounds"] == 1  # read back or compiled, the engine holds one round
     assert second["tokens"] == first["tokens"]
     assert second["stats"] == {**first["stats"], "hits": first["stats"]["misses"], "misses": 0}
     assert not ENGINE_PROGRAMS & set(second["traced"]), "a stored program was traced again"
