@@ -90,7 +90,11 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     """
     r, t = tokens.shape
     s = cache.max_len
-    in_place = chunk is None and bucket >= r * t  # the bucket holds the whole view: nothing to compact
+    # a one-column view (the target-only step, a round verifying no drafts) that the bucket holds
+    # whole is packed in place: nothing to compact, no scatter. Wider views stay compacted: in place,
+    # XLA:TPU's layouts priced the full bucket 7 % cheaper at 8 slots x 8 and 2 % dearer at 64 x 8
+    # (v6e-8, docs/performance.md item 11)
+    in_place = chunk is None and t == 1 and bucket >= r
     pk = pack_in_place(tokens, start, valid, bucket, s) if in_place else pack(tokens, start, valid, bucket, s)
     block = VerifyView(pk, start, valid, in_place=in_place)
     chunk_view = None
