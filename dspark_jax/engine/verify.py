@@ -58,6 +58,10 @@ class Chunk(NamedTuple):
     rows: jax.Array  # [K] int32 slot of each row (R = unused row)
 
 
+# the largest multi-column view packed in place (tokens); one-column views always are
+IN_PLACE_MAX_TOKENS = 64
+
+
 class VerifyOut(NamedTuple):
     logits: jax.Array  # [R, T, V] float32 ([bucket, V], packed, with `packed_logits`)
     hidden: jax.Array  # [R, T, H] final normed hidden
@@ -90,11 +94,11 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     """
     r, t = tokens.shape
     s = cache.max_len
-    # a one-column view (the target-only step, a round verifying no drafts) that the bucket holds
-    # whole is packed in place: nothing to compact, no scatter. Wider views stay compacted: in place,
-    # XLA:TPU's layouts priced the full bucket 7 % cheaper at 8 slots x 8 and 2 % dearer at 64 x 8
+    # a view the bucket holds whole is packed in place (nothing to compact, no scatter) where it is
+    # one column (the target-only step, a round verifying no drafts) or small: XLA:TPU priced a
+    # drafting round's full bucket in place cheaper at 1 x 8 and 8 x 8 tokens, dearer at 64 x 8
     # (v6e-8, docs/performance.md item 11)
-    in_place = chunk is None and t == 1 and bucket >= r
+    in_place = chunk is None and bucket >= r * t and (t == 1 or r * t <= IN_PLACE_MAX_TOKENS)
     pk = pack_in_place(tokens, start, valid, bucket, s) if in_place else pack(tokens, start, valid, bucket, s)
     block = VerifyView(pk, start, valid, in_place=in_place)
     chunk_view = None

@@ -42,6 +42,14 @@ def test_no_compile_cache_flag(monkeypatch, capsys):
     assert "--no-compile-cache" in capsys.readouterr().out
 
 
+def _run_with_cache(code: str, cache) -> str:
+    """stdout of `code` in a fresh interpreter whose compilation cache is `cache`."""
+    env = {**os.environ, compile_cache.COMPILE_CACHE_ENV: str(cache), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_compiles_are_written_to_the_cache(tmp_path):
     code = ("import jax, jax.numpy as jnp\n"
             "from dspark_jax.io.compile_cache import enable_compile_cache\n"
@@ -49,10 +57,7 @@ def test_compiles_are_written_to_the_cache(tmp_path):
             "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
             "jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((64, 64))).block_until_ready()\n"
             "print(path)\n")
-    env = {**os.environ, compile_cache.COMPILE_CACHE_ENV: str(tmp_path / "xla"), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(tmp_path / "xla")
+    assert _run_with_cache(code, tmp_path / "xla").strip() == str(tmp_path / "xla")
     assert any((tmp_path / "xla").iterdir()), "no compiled program was written to the cache"
 
 
@@ -86,8 +91,5 @@ def test_programs_compiled_for_a_tpu_slice_are_not_written(tmp_path):
             "x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=s)\n"
             "jax.jit(lambda x: jnp.sin(x) @ x.T).lower(x).compile()\n"
             "print(written, len(list(path.iterdir())))\n")
-    env = {**os.environ, compile_cache.COMPILE_CACHE_ENV: str(tmp_path / "xla"), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    before, after = map(int, out.stdout.split()[-2:])
+    before, after = map(int, _run_with_cache(code, tmp_path / "xla").split()[-2:])
     assert before >= 1 and after == before
