@@ -73,8 +73,9 @@ def stable_key(obj) -> str:
         return repr(obj)
     if isinstance(obj, enum.Enum):
         return f"{_qualname(type(obj))}.{obj.name}"
-    if isinstance(obj, (np.dtype, type(np.dtype("float32").type))) or _is_dtype_like(obj):
-        return f"dtype:{np.dtype(obj).name}"
+    if isinstance(obj, np.dtype) or (isinstance(obj, type) and (
+            issubclass(obj, np.generic) or isinstance(getattr(obj, "dtype", None), np.dtype))):
+        return f"dtype:{np.dtype(obj).name}"  # a dtype, or a scalar type standing for one (np.float32, jnp.bfloat16)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return f"{_qualname(type(obj))}({','.join(stable_key(v) for v in obj)})"
     if isinstance(obj, (tuple, list)):
@@ -100,13 +101,6 @@ def stable_key(obj) -> str:
     if hasattr(type(obj), "__stable_key__"):  # an object that says what it is equal by (a drafter kind)
         return stable_key(obj.__stable_key__())
     raise Unkeyable(f"{type(obj).__qualname__} has no stable description")
-
-
-def _is_dtype_like(obj) -> bool:
-    try:
-        return isinstance(obj, type) and issubclass(obj, np.generic) or type(obj).__name__ == "DType"
-    except TypeError:
-        return False
 
 
 def _qualname(obj) -> str:

@@ -12,12 +12,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dspark_jax.engine.spec import Spec
 from dspark_jax.io import compile_cache
 from dspark_jax.io.program_store import Unkeyable, evict, stable_key, stored_jit
+from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.testing.tiny import tiny_config
 
 ENGINE_RUN = """
@@ -133,7 +135,9 @@ def test_stable_key_tells_settings_apart():
     assert stable_key(_spec()) != stable_key(dataclasses.replace(_spec(), tcfg=tiny_config(vocab_size=17)))
     assert stable_key(functools.partial(stable_key, 1)) != stable_key(functools.partial(stable_key, 2))
     assert stable_key((1, 2)) != stable_key([1, 2]) and stable_key(1) != stable_key(1.0)
-    assert stable_key(np.float32) == stable_key(np.dtype("float32")) != stable_key(np.dtype("bfloat16"))
+    assert stable_key(np.float32) == stable_key(np.dtype("float32")) != stable_key(np.dtype(jnp.bfloat16))
+    assert stable_key(jnp.bfloat16) == stable_key(np.dtype(jnp.bfloat16))
+    assert stable_key(Spec) == "dspark_jax.engine.spec.Spec" != stable_key(KVCache)  # classes by name
     mesh = jax.make_mesh((1,), ("data",))
     named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     assert "NamedSharding" in stable_key(named) and stable_key(named) != stable_key(
@@ -145,6 +149,7 @@ def test_a_kind_is_keyed_by_its_name():
 
     kinds = [registry.get_kind(n) for n in ("dspark", "dflash")]
     assert stable_key(kinds[0]) != stable_key(kinds[1])
+    assert stable_key(kinds[0]).startswith("tuple(dspark_jax.drafter.kinds.block.BlockKind,")
     assert stable_key(kinds[0]) == stable_key(registry.get_kind("dspark"))
 
 
