@@ -59,7 +59,7 @@ class Chunk(NamedTuple):
 
 
 # the largest multi-column view packed in place (tokens); one-column views always are
-IN_PLACE_MAX_TOKENS = 64
+IN_PLACE_MAX_TOKENS = 256
 
 
 class VerifyOut(NamedTuple):
@@ -96,8 +96,8 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     s = cache.max_len
     # a view the bucket holds whole is packed in place (nothing to compact, no scatter) where it is
     # one column (the target-only step, a round verifying no drafts) or small: XLA:TPU priced a
-    # drafting round's full bucket in place cheaper at 1 x 8 and 8 x 8 tokens, dearer at 64 x 8
-    # (v6e-8, docs/performance.md item 11)
+    # drafting round's full bucket in place cheaper at 1, 8, 16 and 32 slots x 8 tokens, dearer at
+    # 64 x 8 (v6e-8, docs/performance.md item 11)
     in_place = chunk is None and bucket >= r * t and (t == 1 or r * t <= IN_PLACE_MAX_TOKENS)
     pk = pack_in_place(tokens, start, valid, bucket, s) if in_place else pack(tokens, start, valid, bucket, s)
     block = VerifyView(pk, start, valid, in_place=in_place)
