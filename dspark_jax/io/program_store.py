@@ -179,15 +179,13 @@ class StoredProgram:
         if self._directory is None:
             return self.jitted(*args)
         fixed = tuple(args[i] for i in self.static_argnums)
-        if fixed:
-            args_in = args
-            args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        leaves, treedef = jax.tree.flatten(args)
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums) if fixed else args
+        leaves, treedef = jax.tree.flatten(dynamic)
         sig = (fixed, treedef, tuple(_leaf_signature(x) for x in leaves))
         exe = self._executables.get(sig)
-        if exe is None:
-            exe = self._executables[sig] = self._executable(sig, args_in if fixed else args)
-        return exe(*args)
+        if exe is None:  # compiled (lowered with every argument) or read back
+            exe = self._executables[sig] = self._executable(sig, args)
+        return exe(*dynamic)  # an executable takes the non-static arguments only
 
     def _path(self, sig) -> Path | None:
         fixed, treedef, leaves = sig
