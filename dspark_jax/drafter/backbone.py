@@ -35,6 +35,7 @@ from dspark_jax.target.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from dspark_jax.target.own_keys import OwnKeys
 
 __all__ = [
     "fuse_context", "context_kv", "block_embed", "context_mask", "training_mask", "block_attention",
@@ -218,13 +219,14 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
     # block's own keys merged through their log-sum-exp (no sliding window there: the kernel has no
     # lower bound)
     kernel = window is None and attention_backend(cache.impl).kernel
-    whole_block = jnp.ones((r, gamma, gamma), bool)
+    whole_block = jnp.full((r,), gamma, jnp.int32)  # own keys each query sees: all of its block
 
     def body(x, layer):
         p, li = layer
         q, k, v = project_qkv(p, x, cos, sin, cfg)
         if kernel:
-            out = cache.attend_committed(q, cache.k, cache.v, li, anchor_pos, [(k, v, whole_block)], dtype)
+            out = cache.attend_committed(q, cache.k, cache.v, li, anchor_pos, OwnKeys(k, v, whole_block, causal=False),
+                                         dtype)
             return finish_layer(p, x, out, cfg), None
         ck, cv = cache.layer_view(cache.k, cache.v, li, dtype)  # a paged cache gathers the row's pages
         out = block_attention(q[:, None], ck, cv, k[:, None], v[:, None], cmask, keep)

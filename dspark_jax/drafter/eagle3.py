@@ -42,6 +42,7 @@ from dspark_jax.target.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.transformer import INIT_STD, layer_param_shapes
 
 __all__ = [
@@ -303,15 +304,13 @@ def cached_attention(cache, q, k, v, positions, valid, rows=None):
     # keys before this call's first position (what was written there is masked out), beside the new
     # keys themselves: read before the write, the cache was copied whole around the scatter (XLA
     # kept the original buffer alive for the read)
-    col = jnp.arange(t, dtype=jnp.int32)
-    block = (col[None, :] <= col[:, None])[None] & valid[:, None, :]
     dt = cache.k.dtype
-    own = (k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), block)
+    own = OwnKeys.of_prefix(k.astype(dt).astype(q.dtype), v.astype(dt).astype(q.dtype), valid)
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
     slots = jnp.arange(r)[:, None] if rows is None else jnp.asarray(rows, jnp.int32)[:, None]
     k_all, v_all = cache.write_layer_at(cache.k, cache.v, 0, slots, write, k, v)
     # dense, paged or kernel
-    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], [own], q.dtype, rows=rows)
+    out = cache.attend_committed(q, k_all, v_all, 0, positions[:, 0], own, q.dtype, rows=rows)
     return out, cache._replace(k=k_all, v=v_all)
 
 

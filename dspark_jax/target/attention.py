@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from dspark_jax.target.kernels import choose_causal_kernel
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import attention, causal_attention
+from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.packing import Packing
 from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.target.splash import splash_causal_attention
@@ -77,7 +78,7 @@ class VerifyView:
 
     packing: Packing
     start: jax.Array  # [K] position of column 0 (the slot's committed length)
-    valid: jax.Array  # [K, W]
+    valid: jax.Array  # [K, W], a prefix of each row
     rows: jax.Array | None = None  # [K] cache slot of each row (R = unused row)
     # static: packed by `packing.pack_in_place` (token (k, w) at packed index k * W + w)
     in_place: bool = False
@@ -145,10 +146,8 @@ def _view_attention(cache, view: VerifyView, q, k, v, kv, layer, dtype):
         kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
         vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
         qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
-    col = jnp.arange(width, dtype=jnp.int32)
-    causal = (col[None, :] <= col[:, None])[None] & view.valid[:, None, :]
-    o = cache.attend_committed(qv, kv[0], kv[1], layer, view.start, [(kb.astype(dtype), vb.astype(dtype), causal)],
-                               dtype, rows=view.rows)
+    o = cache.attend_committed(qv, kv[0], kv[1], layer, view.start, OwnKeys.of_prefix(kb, vb, view.valid), dtype,
+                               rows=view.rows)
     if view.in_place:
         o = o.reshape(n_rows * width, *o.shape[2:])
         return jnp.pad(o, ((0, q.shape[1] - n_rows * width),) + ((0, 0),) * (o.ndim - 1)), kb, vb

@@ -22,7 +22,7 @@ from dspark_jax.parallel.platform import platform
 from dspark_jax.target.gpu_kernel import gpu_kernel_fits
 from dspark_jax.target.kernels import PAGED_KERNELS, choose_paged_kernel
 from dspark_jax.target.layers import attention, attention_parts
-from dspark_jax.target.paged_kernel import attention_lse, merge_parts
+from dspark_jax.target.own_keys import OwnKeys
 
 __all__ = ["AttentionBackend", "attention_backend", "attend_before", "CACHE_READS"]
 
@@ -49,17 +49,18 @@ class AttentionBackend:
             return False
         return self.kernel and (self.forced or cache.kernel_pays(k_all))
 
-    def committed(self, cache, q, k_all, v_all, layer, start, extra, dtype, rows=None):
+    def committed(self, cache, q, k_all, v_all, layer, start, own: OwnKeys, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
-        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax; the extra keys join the
-        kernel's part through their log-sum-exp. `rows` [K]: q [K, T, ..] are queries of those
-        slots (a prefill chunk's rows)."""
+        block's own keys `own`, one softmax: the kernel takes the own keys into its online softmax
+        after the cache's (the GPU kernel joins them through their log-sum-exp). `rows` [K]:
+        q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
+        own = own.astype(dtype)
         if not self._kernel_for(cache, k_all):
-            return attend_before(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), start, extra)
-        parts = [cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, interpret=self.interpret,
-                                  gpu=self.gpu)]
-        parts += [attention_lse(q, k.astype(dtype), v.astype(dtype), mask) for k, v, mask in extra]
-        return merge_parts(parts).astype(dtype)
+            return attend_before(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), start,
+                                 [own.as_part(q.shape[1])])
+        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, own=own, interpret=self.interpret,
+                                  gpu=self.gpu, out_dtype=dtype)
+        return out
 
     def new_tokens(self, cache, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
         """Attention of q [R, T, Nq, D] against layer `layer` of the cache, mask [R, T, max_len];

@@ -13,6 +13,7 @@ reads it is the backend's choice (target/attention_backend.py, from `impl`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain, logical_to_pspec
 from dspark_jax.target.attention_backend import attention_backend
-from dspark_jax.target.paged_kernel import DENSE_CACHE_AXES, attention_lse, dense_attention_lse
+from dspark_jax.target.paged_kernel import DENSE_CACHE_AXES, attention_lse, dense_attention_lse, merge_parts
 
 # slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
 CACHE_AXES = DENSE_CACHE_AXES
@@ -109,25 +110,29 @@ class KVCache:
                     shards *= mesh.shape[a]
         return 2 * k_all[0].size * k_all.dtype.itemsize // shards >= KERNEL_MIN_BYTES
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None, gpu=False):
-        """The Pallas kernel over layer `layer`, read in place up to each row's last visible key ->
-        (out, lse) as `paged_kernel.paged_attention_lse`. Queries of chosen slots (`rows`) on a mesh
-        that splits the slots read their rows through the reference instead (a shard holds only
-        its own slots)."""
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, interpret=None, gpu=False,
+                   out_dtype=jnp.float32):
+        """The Pallas kernel over layer `layer`, read in place up to each row's last visible key,
+        with the `own` keys (`OwnKeys`) beside it -> (out, lse) as `paged_kernel.paged_attention_lse`.
+        Queries of chosen slots (`rows`) on a mesh that splits the slots read their rows through the
+        reference instead (a shard holds only its own slots)."""
         mesh = jax.sharding.get_abstract_mesh()
         if rows is not None and not mesh.empty and logical_to_pspec(CACHE_AXES, k_all.shape, mesh)[1] is not None:
             k, v = self.layer_view(k_all, v_all, layer, q.dtype, rows)
             pos = jnp.arange(k.shape[1], dtype=jnp.int32)
             qpos = q_start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]
             mask = (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
-            return attention_lse(q, k, v, mask)
-        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, interpret=interpret,
-                                   gpu=gpu)
+            parts = [attention_lse(q, k, v, mask)]
+            if own is not None:
+                parts.append(attention_lse(q, own.k.astype(q.dtype), own.v.astype(q.dtype), own.mask(q.shape[1])))
+            return merge_parts(parts).astype(out_dtype), functools.reduce(jnp.logaddexp, [p[1] for p in parts])
+        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, own=own,
+                                   interpret=interpret, gpu=gpu, out_dtype=out_dtype)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
-        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the key
-        sets in `extra` [(k, v, mask [R, T, S_i])], with one softmax (`AttentionBackend.committed`)."""
-        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, extra, dtype, rows)
+    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None):
+        """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
+        block's own keys `own` (`OwnKeys`), with one softmax (`AttentionBackend.committed`)."""
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
         """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, max_len]; `rows` [K]: q

@@ -48,6 +48,7 @@ says, the pool whole over the batch axes, so no shard gathers the pool.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -64,6 +65,7 @@ from dspark_jax.target.kernels import PAGED_KERNELS as PAGED_ATTENTION_IMPLS
 from dspark_jax.target.kernels import choose_paged_kernel as resolve_impl
 from dspark_jax.target.kernels import pallas_interpret
 from dspark_jax.target.layers import MASK_VALUE
+from dspark_jax.target.own_keys import OwnKeys
 
 __all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "DENSE_CACHE_AXES", "attention_lse", "merge_parts",
            "paged_attention_lse", "dense_attention_lse", "resolve_impl"]
@@ -80,6 +82,9 @@ MAX_PAGES_PER_STEP = 8
 MAX_ROWS_PER_STEP = 2048  # heads per step * query rows per block: bounds the step's VMEM
 DENSE_BLOCK = 128  # positions of a dense cache read as one "page"
 DENSE_BLOCKS_PER_STEP = 4  # a grid step over a dense cache reads 512 positions
+# own keys of all rows (R x W) up to which they are one block, fetched once per head block, each
+# row's queries scored against all of them and masked to their own
+OWN_WHOLE_MAX_KEYS = 512
 
 
 def _precision(dtype):
@@ -88,10 +93,38 @@ def _precision(dtype):
     return jax.lax.Precision.DEFAULT if jnp.dtype(dtype).itemsize < 4 else None
 
 
-def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_size: int, pages: int, group: int,
-            block_rows: int, heads: int, scale: float, mask_values: bool):
-    k_refs, v_refs = refs[:pages], refs[pages: 2 * pages]
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages:]
+def _online_update(q, k, v, visible, m, l, acc, scale):
+    """One block of keys k, v [n, D] (visible [rows, n]) into the running max m, normaliser l and
+    output acc of queries q [rows, D]."""
+    one_key = k.shape[0] == 1  # a one-column product does not lower (Mosaic): a multiply and a lane sum
+    dt = jnp.promote_types(q.dtype, k.dtype)
+    if one_key:
+        s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=1, keepdims=True) * scale
+    else:
+        s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())), precision=_precision(dt),
+                                preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible, s, NO_KEYS)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    if one_key:
+        pv = p * v.astype(jnp.float32)
+    else:
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+                                 preferred_element_type=jnp.float32)
+    return m_new, l, alpha * acc + pv
+
+
+def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, *refs, page_size: int, pages: int, group: int,
+            block_rows: int, heads: int, scale: float, mask_values: bool, own_width: int, own_causal: bool,
+            own_whole: bool):
+    own = own_width > 0
+    own_len_ref, refs = (refs[0], refs[1:]) if own else (None, refs)
+    q_ref, k_refs, v_refs = refs[0], refs[1: 1 + pages], refs[1 + pages: 1 + 2 * pages]
+    # own keys: [heads, R * W, D] (every row's, `own_whole`) or [heads, W, D] (this row's)
+    own_refs = refs[1 + 2 * pages: 3 + 2 * pages] if own else None
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[1 + 2 * pages + (2 if own else 0):]
     r, qb, b = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_len, q_start = kv_len_ref[r], q_start_ref[r]
     first_row = qb * block_rows
@@ -118,20 +151,9 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_si
                 if mask_values:  # a dense cache's last block runs past its end: unspecified values there
                     inside = step_start + c * page_size + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
                     v = jnp.where(inside, v, jnp.zeros_like(v))
-                dt = jnp.promote_types(q.dtype, k.dtype)
-                s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())), precision=_precision(dt),
-                                        preferred_element_type=jnp.float32) * scale
                 key_pos = step_start + c * page_size + offset
                 visible = (key_pos < kv_len) & ((key_pos - q_start) * group <= rho)
-                s = jnp.where(visible, s, NO_KEYS)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-                p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-                alpha = jnp.exp(m - m_new)
-                l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-                pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
-                                         preferred_element_type=jnp.float32)
-                acc = alpha * acc + pv
-                m = m_new
+                m, l, acc = _online_update(q, k, v, visible, m, l, acc, scale)
             m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
             return carry
 
@@ -139,6 +161,22 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, *refs, page_si
 
     @pl.when(b == pl.num_programs(3) - 1)
     def _finish():
+        if own:  # the own keys after the cache's: one more block of the same online softmax
+            ko_ref, vo_ref = own_refs
+            shape = (block_rows, ko_ref.shape[1])
+            # column of the row's own block: every row's keys are in the block when `own_whole` (a
+            # dynamic sublane offset would have to be a multiple of 8), the others' masked
+            col = jax.lax.broadcasted_iota(jnp.int32, shape, 1) - (r * own_width if own_whole else 0)
+            visible = (col >= 0) & (col < own_len_ref[r])
+            if own_causal:  # row rho is query rho // G, which sees own key w iff w <= rho // G
+                visible = visible & (col * group <= first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+
+            def own_head(h, carry):
+                m_sc[h], l_sc[h], acc_sc[h] = _online_update(q_ref[h], ko_ref[h], vo_ref[h], visible, m_sc[h],
+                                                             l_sc[h], acc_sc[h], scale)
+                return carry
+
+            jax.lax.fori_loop(0, heads, own_head, 0)
         l = l_sc[...]
         seen = l > 0.0
         o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
@@ -154,10 +192,13 @@ def _tiling(rows: int, nkv: int, m: int, page_size: int, max_pages: int) -> tupl
     return block_rows, padded, heads, pages
 
 
-def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool, dense: bool):
+def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, *, interpret: bool, dense: bool,
+           out_dtype=jnp.float32):
     """The kernel on one shard: q [R, T, Nq, D], layer [1]. Paged: pool [L, P, Nkv, ps, D], table
     [R, M] page ids. Dense: cache [L, R', Nkv, S, D] read in blocks of `DENSE_BLOCK` positions as
-    if they were pages, table [R] the cache row of each query row."""
+    if they were pages, table [R] the cache row of each query row. `own`: an `OwnKeys` block
+    [R, W] taken into the softmax after the cache's keys. `out_dtype`: the output's (the
+    log-sum-exp is float32)."""
     r, t, nq, d = q.shape
     nkv = k_pool.shape[2]
     if dense:
@@ -179,7 +220,7 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool,
     kv_len, q_start = kv_len.astype(jnp.int32), q_start.astype(jnp.int32)
 
     def page_map(c):
-        def index(i, h, qb, b, li, tab, lens, starts):
+        def index(i, h, qb, b, li, tab, lens, starts, *_):
             # the last page the query block sees (page 0 when it sees none): later indices repeat it
             last_key = jnp.minimum(lens[i] - 1, starts[i] + (qb * block_rows + block_rows - 1) // g)
             j = jnp.minimum(b * pages + c, jnp.maximum(last_key // ps, 0))
@@ -187,15 +228,28 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool,
         return pl.BlockSpec((None, None, heads, ps, d), index)
 
     qmap = lambda i, h, qb, b, *_: (i, h, qb, 0)
+    own_specs, own_args, own_prefetch, width, whole = [], [], [], 0, False
+    if own is not None:  # the own lengths in SMEM; own K / V heads-first
+        width = own.k.shape[1]
+        own_prefetch = [own.lengths.astype(jnp.int32)]
+        whole = r * width <= OWN_WHOLE_MAX_KEYS
+        if whole:  # [Nkv, R * W, D], every row's at once: a bitcast of the projection's output where W is 1
+            own_args = [x.transpose(2, 0, 1, 3).reshape(nkv, r * width, d) for x in (own.k, own.v)]
+            own_specs = [pl.BlockSpec((heads, r * width, d), lambda i, h, *_: (h, 0, 0))] * 2
+        else:  # [R, Nkv, W, D], one row's a step
+            own_args = [x.transpose(0, 2, 1, 3) for x in (own.k, own.v)]
+            own_specs = [pl.BlockSpec((None, heads, width, d), lambda i, h, *_: (i, h, 0, 0))] * 2
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(r, nkv // heads, padded // block_rows, steps),
-        in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + [page_map(c) for c in range(pages)] * 2,
+        num_scalar_prefetch=4 + len(own_prefetch), grid=(r, nkv // heads, padded // block_rows, steps),
+        in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + [page_map(c) for c in range(pages)] * 2
+        + own_specs,
         out_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap), pl.BlockSpec((None, heads, block_rows, 1), qmap)],
         scratch_shapes=[pltpu.VMEM((heads, block_rows, 1), jnp.float32),
                         pltpu.VMEM((heads, block_rows, 1), jnp.float32),
                         pltpu.VMEM((heads, block_rows, d), jnp.float32)])
     kernel = functools.partial(_kernel, page_size=ps, pages=pages, group=g, block_rows=block_rows, heads=heads,
-                               scale=1.0 / math.sqrt(d), mask_values=mask_values)
+                               scale=1.0 / math.sqrt(d), mask_values=mask_values, own_width=width,
+                               own_causal=own is not None and own.causal, own_whole=whole)
     keys = r * nkv * padded * steps * pages * ps  # an upper bound: kv_len is known at run time only
     read = 2 * r * steps * pages * nkv * ps * d * k_pool.dtype.itemsize
     cost = pl.CostEstimate(flops=4 * keys * d, transcendentals=keys,
@@ -203,9 +257,9 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, *, interpret: bool,
     out, lse = pl.pallas_call(
         kernel, grid_spec=grid_spec, interpret=interpret, cost_estimate=cost,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), out_dtype),
                    jax.ShapeDtypeStruct((r, nkv, padded, 1), jnp.float32)],
-    )(layer, table, kv_len, q_start, qh, *([k_pool] * pages), *([v_pool] * pages))
+    )(layer, table, kv_len, q_start, *own_prefetch, qh, *([k_pool] * pages), *([v_pool] * pages), *own_args)
     out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
@@ -220,29 +274,34 @@ def _layer_index(layer):
     return jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
-def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None,
-                        interpret: bool | None = None, gpu: bool = False):
+def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None, own: OwnKeys | None = None,
+                        interpret: bool | None = None, gpu: bool = False, out_dtype=jnp.float32):
     """q [R, T, Nq, D] against one layer's pages [P, Nkv, page_size, D] (or layer `layer` of the
     whole pool [L, P, Nkv, page_size, D], read in place) through page_table [R, M] (entries < 0:
     no page). Key s of row r is visible to query t iff s < kv_len[r] and
-    s <= q_start[r] + t. -> (out [R, T, Nq, D] float32, normalised over the visible keys;
+    s <= q_start[r] + t. -> (out [R, T, Nq, D] in `out_dtype`, normalised over the visible keys;
     lse [R, T, Nq] float32, NO_KEYS where a query sees none, its out then 0).
+    `own` (`OwnKeys` [R, W]): keys beside the cache in the same softmax (out and lse over both).
     `interpret` defaults to "not compiled for TPU"; on a mesh (`jax.set_mesh`) the kernel runs
     per shard. `gpu`: the GPU kernel (target/gpu_kernel.py) in place of the TPU one."""
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     if interpret is None:
         interpret = _interpret(gpu)
-    local = functools.partial(gpu_cache_attention_lse if gpu else _local, interpret=interpret, dense=False)
-    return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
+    if gpu:
+        local = functools.partial(gpu_cache_attention_lse, interpret=interpret, dense=False)
+        out_lse = _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
+        return _merge_own(out_lse, q, own, out_dtype)
+    local = functools.partial(_local, interpret=interpret, dense=False, out_dtype=out_dtype)
+    return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start, own)
 
 
-def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, interpret: bool | None = None,
-                        gpu: bool = False):
+def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, own: OwnKeys | None = None,
+                        interpret: bool | None = None, gpu: bool = False, out_dtype=jnp.float32):
     """q [R, T, Nq, D] against layer `layer` of a dense heads-major cache [L, R', Nkv, S, D], read
     in place and only up to each row's last visible key (the grid's later steps repeat that
     block, which the pipeline does not fetch again). Row r reads cache row `rows[r]` (default r).
-    Visibility, returns and `gpu` as `paged_attention_lse`."""
+    Visibility, `own`, returns, `gpu` and `out_dtype` as `paged_attention_lse`."""
     if interpret is None:
         interpret = _interpret(gpu)
     layer = _layer_index(layer)
@@ -251,30 +310,50 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, i
         raise ValueError("dense_attention_lse: queries of chosen cache rows (`rows`) need the cache's slots whole on "
                          "the mesh; read them with the reference path")
 
-    def local(layer, q, k, v, table, kv_len, q_start):  # one shard: its own rows, or the chosen ones
+    def local(layer, q, k, v, table, kv_len, q_start, own=None):  # one shard: its own rows, or the chosen ones
         table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(table, k.shape[1] - 1)
-        return (gpu_cache_attention_lse if gpu else _local)(layer, q, k, v, table, kv_len, q_start,
-                                                           interpret=interpret, dense=True)
+        if gpu:
+            return gpu_cache_attention_lse(layer, q, k, v, table, kv_len, q_start, interpret=interpret, dense=True)
+        return _local(layer, q, k, v, table, kv_len, q_start, own, interpret=interpret, dense=True,
+                      out_dtype=out_dtype)
 
     table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
-    return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)
+    if gpu:
+        out_lse = _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)
+        return _merge_own(out_lse, q, own, out_dtype)
+    return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start, own)
 
 
-def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start):
+def _merge_own(out_lse, q, own: OwnKeys | None, out_dtype):
+    """A kernel's (out, lse) over the cache joined with the own keys through their log-sum-exp
+    (the GPU kernel takes no own block), out in `out_dtype`."""
+    if own is None:
+        return out_lse[0].astype(out_dtype), out_lse[1]
+    own_part = attention_lse(q, own.k.astype(q.dtype), own.v.astype(q.dtype), own.mask(q.shape[1]))
+    return merge_parts([out_lse, own_part]).astype(out_dtype), jnp.logaddexp(out_lse[1], own_part[1])
+
+
+def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start, own: OwnKeys | None = None):
     """`local` over the whole arrays, or on the mesh set by `jax.set_mesh` per shard
     (`jax.shard_map`): rows over the batch axes, KV heads (and their query heads) as `pool_axes`
-    place them, so no shard gathers the cache."""
+    place them, so no shard gathers the cache; the own keys split as the queries."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(layer, q, k, v, table, kv_len, q_start)
+        return local(layer, q, k, v, table, kv_len, q_start, *(() if own is None else (own,)))
     pool = logical_to_pspec(pool_axes, k.shape, mesh)
     rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
     heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
     q_spec, row_spec = P(rows, None, heads, None), P(rows)
     table_spec = P(rows, *([None] * (table.ndim - 1)))
-    return jax.shard_map(local, in_specs=(P(), q_spec, pool, pool, table_spec, row_spec, row_spec),
-                         out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
-        layer, q, k, v, table, kv_len, q_start)
+    specs, args = (P(), q_spec, pool, pool, table_spec, row_spec, row_spec), (layer, q, k, v, table, kv_len, q_start)
+    if own is not None:  # own K / V [R, W, Nkv, D] split as the queries' rows and KV heads, lengths [R] by rows
+        def with_own(*a):
+            *cache_args, ok, ov, lengths = a
+            return local(*cache_args, dataclasses.replace(own, k=ok, v=ov, lengths=lengths))
+        return jax.shard_map(with_own, in_specs=specs + (q_spec, q_spec, row_spec),
+                             out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
+            *args, own.k, own.v, own.lengths)
+    return jax.shard_map(local, in_specs=specs, out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(*args)
 
 
 def attention_lse(q, k, v, mask):

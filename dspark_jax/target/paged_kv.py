@@ -150,15 +150,17 @@ class PagedKVCache:
         """Always: the reference gathers every row's pages into a copy before reading them."""
         return True
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, interpret=None, gpu=False):
-        """The Pallas kernel over layer `layer`'s pages, read in place (target/paged_kernel.py)."""
-        return paged_attention_lse(q, k_all, v_all, self._table(rows), kv_len, q_start, layer=layer,
-                                   interpret=interpret, gpu=gpu)
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, interpret=None, gpu=False,
+                   out_dtype=jnp.float32):
+        """The Pallas kernel over layer `layer`'s pages, read in place (target/paged_kernel.py), with
+        the `own` keys (`OwnKeys`) beside them."""
+        return paged_attention_lse(q, k_all, v_all, self._table(rows), kv_len, q_start, layer=layer, own=own,
+                                   interpret=interpret, gpu=gpu, out_dtype=out_dtype)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, extra, dtype, rows=None):
+    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
-        key sets in `extra` [(k, v, mask [R, T, S_i])], one softmax (`AttentionBackend.committed`)."""
-        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, extra, dtype, rows)
+        block's own keys `own` (`OwnKeys`), one softmax (`AttentionBackend.committed`)."""
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
         """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, max_len]; `rows` [K]: q

@@ -14,6 +14,7 @@ import pytest
 from dspark_jax.target.attention_backend import AttentionBackend, attention_backend
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import attention, attention_parts
+from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, merge_parts
 
 
@@ -75,18 +76,46 @@ def test_backends_agree_through_the_cache():
     q, k, v, kv_len, _ = _case(rng, 40)
     r, t, _, d = q.shape
     kb, vb = (jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32) for _ in range(2))
+    full = jnp.full((r,), t, jnp.int32)
     causal = jnp.asarray(np.broadcast_to(np.tril(np.ones((t, t), bool)), (r, t, t)))
     start = jnp.asarray(kv_len)
     kernel = KVCache(k, v, start, "pallas")
     reference = KVCache(k, v, start, "reference")
-    got = kernel.attend_committed(q, k, v, 1, start, [(kb, vb, causal)], jnp.float32)
-    want = reference.attend_committed(q, k, v, 1, start, [(kb, vb, causal)], jnp.float32)
+    got = kernel.attend_committed(q, k, v, 1, start, OwnKeys(kb, vb, full), jnp.float32)
+    want = reference.attend_committed(q, k, v, 1, start, OwnKeys(kb, vb, full), jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     before = jnp.asarray(np.arange(40)[None, None] < kv_len[:, None, None]).repeat(t, 1)
     direct = attention_parts(q, [(_keys(k, 1), _keys(v, 1), before), (kb, vb, causal)])
     np.testing.assert_allclose(np.asarray(want), np.asarray(direct), rtol=2e-5, atol=2e-5)
     short = merge_parts([dense_attention_lse(q, k, v, start - 1, start, layer=1), attention_lse(q, kb, vb, causal)])
     assert not np.allclose(np.asarray(short), np.asarray(want), atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("query_block", [256, 4])  # one query block; blocks of 4 rows (2 queries of 2 heads)
+def test_own_keys_in_the_kernel_equal_one_softmax(causal, query_block, monkeypatch):
+    """The own keys taken into the kernel's online softmax (out and log-sum-exp) equal one softmax
+    over the cache's keys and the own ones, masked causally or not, with rows holding fewer own
+    tokens than columns (rows 0 and 3) and a row that sees no cache key."""
+    import dspark_jax.target.paged_kernel as pk
+
+    monkeypatch.setattr(pk, "QUERY_BLOCK", query_block)
+    rng = np.random.default_rng(21)
+    q, k, v, kv_len, _ = _case(rng, 40)
+    r, t, _, d = q.shape
+    kb, vb = (jnp.asarray(rng.normal(size=(r, t, 2, d)), jnp.float32) for _ in range(2))
+    own = OwnKeys(kb, vb, jnp.asarray([1, t, t, 2], jnp.int32), causal=causal)
+    start = jnp.asarray(kv_len)
+    out, lse = dense_attention_lse(q, k, v, start, start, layer=1, own=own)
+    before = jnp.asarray(np.arange(40)[None, None] < kv_len[:, None, None]).repeat(t, 1)
+    parts = [attention_lse(q, _keys(k, 1), _keys(v, 1), before), attention_lse(q, kb, vb, own.mask(t))]
+    want = attention_parts(q, [(_keys(k, 1), _keys(v, 1), before), (kb, vb, own.mask(t))])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    want_lse = jnp.logaddexp(parts[0][1], parts[1][1])
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
+    other = attention_parts(q, [(_keys(k, 1), _keys(v, 1), before), (kb, vb, OwnKeys(kb, vb, own.lengths,
+                                                                                      not causal).mask(t))])
+    assert not np.allclose(np.asarray(other), np.asarray(want), atol=1e-3)  # the causal flag matters here
 
 
 def test_backend_is_chosen_by_the_compile_platform():
