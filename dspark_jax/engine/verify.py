@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.target.attention import PackedVerify, VerifyView
+from dspark_jax.target.attention import PackedVerify, VerifyView, view_rows
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.forward import forward
 from dspark_jax.target.kernels import row_tile
@@ -100,7 +100,8 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
     # 64 x 8 (v6e-8, docs/performance.md item 11)
     in_place = chunk is None and bucket >= r * t and (t == 1 or r * t <= IN_PLACE_MAX_TOKENS)
     pk = pack_in_place(tokens, start, valid, bucket, s) if in_place else pack(tokens, start, valid, bucket, s)
-    block = VerifyView(pk, start, valid, in_place=in_place)
+    pad = (view_rows(cache, r, t, bucket) if in_place else r) - r  # view rows past the slots: no token
+    block = VerifyView(pk, jnp.pad(start, (0, pad)), jnp.pad(valid, ((0, pad), (0, 0))), in_place=in_place)
     chunk_view = None
     if chunk is not None:
         pc = pack(chunk.tokens, chunk.start, chunk.valid, bucket, s, offset=pk.n)
@@ -122,7 +123,7 @@ def verify_forward(target_params: dict, cfg: ModelConfig, cache: KVCache | Paged
         features = fo.features[0]  # [bucket, m, H]
     ys = fo.layer_out
     out = VerifyOut(logits if packed_logits else unpack(logits, pk, r, t), unpack(h, pk, r, t),
-                    unpack(features, pk, r, t), None, ys[0], ys[1], pk if packed_logits else None)
+                    unpack(features, pk, r, t), None, ys[0][:, :r], ys[1][:, :r], pk if packed_logits else None)
     if chunk is not None:
         kc, cw = chunk.tokens.shape
         out = out._replace(chunk_hidden=unpack(h, pc, kc, cw), chunk_features=unpack(features, pc, kc, cw),

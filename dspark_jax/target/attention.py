@@ -26,16 +26,20 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.parallel.sharding import logical_to_pspec
+from dspark_jax.target.attention_backend import attention_backend
 from dspark_jax.target.kernels import choose_causal_kernel
-from dspark_jax.target.kv_cache import KVCache
+from dspark_jax.target.kv_cache import CACHE_AXES, KVCache
 from dspark_jax.target.layers import attention, causal_attention
 from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.packing import Packing
 from dspark_jax.target.paged_kv import PagedKVCache
+from dspark_jax.target.query_prep import QueryPrep
 from dspark_jax.target.splash import splash_causal_attention
 
 __all__ = ["CausalSelf", "MaskedSelf", "CacheUpdate", "VerifyView", "PackedVerify", "AttentionMetadata",
-           "causal_self", "masked_self", "cache_update", "layer_attention", "cache_read", "cache_written"]
+           "causal_self", "masked_self", "cache_update", "layer_attention", "takes_raw_queries", "view_rows",
+           "cache_read", "cache_written"]
 
 CAUSAL_BLOCK = 128  # query block of `layers.causal_attention`
 ACTIVATION_AXES = ("batch", "seq", "act_embed")  # logical axes of a [B, T, H] activation
@@ -74,7 +78,8 @@ class CacheUpdate:
 @dataclasses.dataclass(frozen=True)
 class VerifyView:
     """One padded view of packed tokens: row k holds the tokens packed with slot k (`rows` None)
-    or slot rows[k] (a prefill chunk's rows), at positions start[k] + column."""
+    or slot rows[k] (a prefill chunk's rows), at positions start[k] + column. An in-place view
+    may have more rows than the cache has slots (`view_rows`): those hold no token."""
 
     packing: Packing
     start: jax.Array  # [K] position of column 0 (the slot's committed length)
@@ -130,32 +135,36 @@ def cache_written(attn: AttentionMetadata, kv) -> KVCache | PagedKVCache | None:
     return attn.cache._replace(k=kv[0], v=kv[1]) if isinstance(attn, CacheUpdate) else None
 
 
-def _view_attention(cache, view: VerifyView, q, k, v, kv, layer, dtype):
+def _view_attention(cache, view: VerifyView, q, k, v, kv, layer, dtype, q_prep=None):
     """One view's attention: the packed q / k / v [1, bucket, ..] of its tokens scattered into
     [K, W], each row against its slot's committed keys (read from the cache in place) and its own
     earlier tokens -> (out [bucket, Nq, D] at the packed tokens, the view's K / V [K, W, Nkv, D]
-    as the cache would hold them)."""
+    as the cache would hold them). `q_prep` (a view in place only): q is raw, cos / sin packed
+    as q."""
     lp = view.packing
     n_rows, width = view.valid.shape
     kv_dtype = cache.k.dtype
     if view.in_place:  # the view is the packed batch's first rows: no scatter (padding keys masked, never written)
         qv, kb, vb = (a[0, :n_rows * width].reshape(n_rows, width, *a.shape[2:]) for a in (q, k, v))
         kb, vb = kb.astype(kv_dtype), vb.astype(kv_dtype)
+        if q_prep is not None:
+            q_prep = q_prep.replace(**{n: getattr(q_prep, n)[0, :n_rows * width].reshape(n_rows, width, -1)
+                                       for n in ("cos", "sin")})
     else:
         blank = jnp.zeros((n_rows, width, *k.shape[2:]), kv_dtype)
         kb = blank.at[lp.slot, lp.col].set(k[0].astype(kv_dtype), mode="drop")
         vb = blank.at[lp.slot, lp.col].set(v[0].astype(kv_dtype), mode="drop")
         qv = jnp.zeros((n_rows, width, *q.shape[2:]), q.dtype).at[lp.slot, lp.col].set(q[0], mode="drop")
     o = cache.attend_committed(qv, kv[0], kv[1], layer, view.start, OwnKeys.of_prefix(kb, vb, view.valid), dtype,
-                               rows=view.rows)
+                               rows=view.rows, q_prep=q_prep)
     if view.in_place:
         o = o.reshape(n_rows * width, *o.shape[2:])
         return jnp.pad(o, ((0, q.shape[1] - n_rows * width),) + ((0, 0),) * (o.ndim - 1)), kb, vb
     return o[jnp.minimum(lp.slot, n_rows - 1), lp.col], kb, vb
 
 
-def _packed_attention(attn: PackedVerify, q, k, v, kv, layer, dtype):
-    o, kb, vb = _view_attention(attn.cache, attn.block, q, k, v, kv, layer, dtype)
+def _packed_attention(attn: PackedVerify, q, k, v, kv, layer, dtype, q_prep=None):
+    o, kb, vb = _view_attention(attn.cache, attn.block, q, k, v, kv, layer, dtype, q_prep)
     if attn.chunk is None:
         return o[None], (kb, vb)
 
@@ -171,11 +180,39 @@ def _packed_attention(attn: PackedVerify, q, k, v, kv, layer, dtype):
     return jnp.where(in_block[:, None, None], o, oc)[None], (kb, vb, kcb, vcb)
 
 
-def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype):
+def takes_raw_queries(attn: AttentionMetadata) -> bool:
+    """Whether `layer_attention` takes the projection's raw queries with their `QueryPrep`: a
+    verification whose one view is packed in place, read by the TPU kernel, which prepares
+    them itself (target/query_prep.py)."""
+    if not isinstance(attn, PackedVerify) or attn.chunk is not None or not attn.block.in_place:
+        return False
+    return attention_backend(attn.cache.impl).takes_raw_queries(attn.cache, attn.cache.k)
+
+
+def view_rows(cache: KVCache | PagedKVCache, rows: int, width: int, bucket: int) -> int:
+    """Rows of the in-place view of `rows` x `width` tokens packed in a `bucket`. A one-column view
+    read by the TPU kernel from a dense cache whose slots are whole on the mesh takes every row of
+    the bucket (rows past the slots have no token and read no key): the packed activations are
+    then reshaped into the view, not sliced to the slots' rows and padded back, two small fusions
+    a layer that priced the one-slot step dearer than the eight-slot one (docs/performance.md)."""
+    if width != 1 or bucket <= rows or not isinstance(cache, KVCache):
+        return rows
+    if not attention_backend(cache.impl).takes_raw_queries(cache, cache.k):
+        return rows
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and logical_to_pspec(CACHE_AXES, cache.k.shape, mesh)[1] is not None:
+        return rows
+    return bucket
+
+
+def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype, q_prep: QueryPrep | None = None):
     """One decoder layer's attention: q [B, T, Nq, D], k / v [B, T, Nkv, D] of the chunk, `kv` the
     cache's K / V pools carried through the layer scan (None without a cache), `layer` its index
     -> (out [B, T, Nq, D], kv after this layer's writes, this layer's outputs for the scan's ys:
-    the views' K / V of a `PackedVerify`, else None)."""
+    the views' K / V of a `PackedVerify`, else None). `q_prep`: q is raw (only where
+    `takes_raw_queries`)."""
+    if q_prep is not None and not takes_raw_queries(attn):
+        raise ValueError(f"raw queries for an attention that does not take them ({type(attn).__name__})")
     if isinstance(attn, CausalSelf):
         if attn.kernel == "splash":
             return splash_causal_attention(q, k, v, attn.valid), kv, None
@@ -188,6 +225,6 @@ def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype):
                                       rows=attn.slots)
         return out, kv, None
     if isinstance(attn, PackedVerify):
-        out, views_kv = _packed_attention(attn, q, k, v, kv, layer, dtype)
+        out, views_kv = _packed_attention(attn, q, k, v, kv, layer, dtype, q_prep)
         return out, kv, views_kv
     raise TypeError(f"no attention variant for {type(attn).__name__}")

@@ -23,6 +23,7 @@ from dspark_jax.target.gpu_kernel import gpu_kernel_fits
 from dspark_jax.target.kernels import PAGED_KERNELS, choose_paged_kernel
 from dspark_jax.target.layers import attention, attention_parts
 from dspark_jax.target.own_keys import OwnKeys
+from dspark_jax.target.query_prep import QueryPrep
 
 __all__ = ["AttentionBackend", "attention_backend", "attend_before", "CACHE_READS"]
 
@@ -47,19 +48,28 @@ class AttentionBackend:
     def _kernel_for(self, cache, k_all) -> bool:
         if self.gpu and not gpu_kernel_fits(k_all.shape[-1], k_all.shape[-2], dense=cache.DENSE):
             return False
-        return self.kernel and (self.forced or cache.kernel_pays(k_all))
+        # the TPU kernel pays at any size (no merge around it); the GPU one from `kernel_pays`
+        return self.kernel and (self.forced or not self.gpu or cache.kernel_pays(k_all))
 
-    def committed(self, cache, q, k_all, v_all, layer, start, own: OwnKeys, dtype, rows=None):
+    def takes_raw_queries(self, cache, k_all) -> bool:
+        """Whether `committed` over this cache prepares raw queries in the kernel (`QueryPrep`):
+        the TPU kernel does, once per query block; elsewhere they are prepared before it."""
+        return self._kernel_for(cache, k_all) and not self.gpu
+
+    def committed(self, cache, q, k_all, v_all, layer, start, own: OwnKeys, dtype, rows=None,
+                  q_prep: QueryPrep | None = None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
         block's own keys `own`, one softmax: the kernel takes the own keys into its online softmax
         after the cache's (the GPU kernel joins them through their log-sum-exp). `rows` [K]:
-        q [K, T, ..] are queries of those slots (a prefill chunk's rows)."""
+        q [K, T, ..] are queries of those slots (a prefill chunk's rows). `q_prep`: q is raw,
+        prepared in the kernel where it takes them (`takes_raw_queries`), else here."""
         own = own.astype(dtype)
         if not self._kernel_for(cache, k_all):
+            q = q if q_prep is None else q_prep.apply(q)
             return attend_before(q, *cache.layer_view(k_all, v_all, layer, dtype, rows), start,
                                  [own.as_part(q.shape[1])])
-        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, own=own, interpret=self.interpret,
-                                  gpu=self.gpu, out_dtype=dtype)
+        out, _ = cache.kernel_lse(q, k_all, v_all, layer, start, start, rows=rows, own=own, q_prep=q_prep,
+                                  interpret=self.interpret, gpu=self.gpu, out_dtype=dtype)
         return out
 
     def new_tokens(self, cache, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):

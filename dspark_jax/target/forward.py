@@ -33,6 +33,7 @@ from dspark_jax.target.attention import (
     cache_read,
     cache_written,
     layer_attention,
+    takes_raw_queries,
 )
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.kv_cache import KVCache
@@ -45,6 +46,7 @@ from dspark_jax.target.layers import (
     rope_inv_freq,
 )
 from dspark_jax.target.paged_kv import PagedKVCache
+from dspark_jax.target.query_prep import QueryPrep
 
 __all__ = ["ForwardOut", "forward", "check_feature_layers"]
 
@@ -90,10 +92,13 @@ def forward(target_params: dict, cfg: ModelConfig, tokens, positions, attn: Atte
     # their dtype conversion out of the layer loop (a converted copy of the whole cache)
     kv = None if cache is None else (cache.k, cache.v)
 
+    raw = takes_raw_queries(attn)  # the attention kernel applies q's norm and RoPE (target/query_prep.py)
+
     def layer(p, x, kv, li):
         """One decoder layer over weights `p` -> (x, kv after its cache writes, its outputs)."""
-        q, k, v = project_qkv(p, x, cos, sin, cfg)
-        out, kv, ys = layer_attention(attn, q, k, v, kv, li, dtype)
+        q, k, v = project_qkv(p, x, cos, sin, cfg, raw_queries=raw)
+        prep = QueryPrep(p["q_norm"] if cfg.qk_norm else None, cos, sin, cfg.rms_norm_eps) if raw else None
+        out, kv, ys = layer_attention(attn, q, k, v, kv, li, dtype, q_prep=prep)
         return pin(finish_layer(p, x, out, cfg)), kv, ys
 
     if per_layer:  # unrolled: each product reads its own weight array (no slice of a stack)

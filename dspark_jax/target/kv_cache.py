@@ -101,7 +101,8 @@ class KVCache:
         the filled positions once but adds a call and the log-sum-exp merge around it (about a
         dozen small ops a layer, each priced at 1-2 us by XLA:TPU). Below `KERNEL_MIN_BYTES` of K
         and V a layer on one chip the reference is cheaper (docs/performance.md, "Attention that
-        reads only the cache it needs")."""
+        reads only the cache it needs"). The GPU kernel's rule: the TPU kernel takes the own keys
+        and prepares the queries itself, with no merge around it, and pays at every size."""
         mesh = jax.sharding.get_abstract_mesh()
         shards = 1
         if not mesh.empty:
@@ -110,14 +111,16 @@ class KVCache:
                     shards *= mesh.shape[a]
         return 2 * k_all[0].size * k_all.dtype.itemsize // shards >= KERNEL_MIN_BYTES
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, interpret=None, gpu=False,
-                   out_dtype=jnp.float32):
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, q_prep=None, interpret=None,
+                   gpu=False, out_dtype=jnp.float32):
         """The Pallas kernel over layer `layer`, read in place up to each row's last visible key,
-        with the `own` keys (`OwnKeys`) beside it -> (out, lse) as `paged_kernel.paged_attention_lse`.
+        with the `own` keys (`OwnKeys`) beside it, raw queries prepared by `q_prep` (`QueryPrep`)
+        -> (out, lse) as `paged_kernel.paged_attention_lse`.
         Queries of chosen slots (`rows`) on a mesh that splits the slots read their rows through the
         reference instead (a shard holds only its own slots)."""
         mesh = jax.sharding.get_abstract_mesh()
         if rows is not None and not mesh.empty and logical_to_pspec(CACHE_AXES, k_all.shape, mesh)[1] is not None:
+            q = q if q_prep is None else q_prep.apply(q)
             k, v = self.layer_view(k_all, v_all, layer, q.dtype, rows)
             pos = jnp.arange(k.shape[1], dtype=jnp.int32)
             qpos = q_start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]
@@ -126,13 +129,13 @@ class KVCache:
             if own is not None:
                 parts.append(attention_lse(q, own.k.astype(q.dtype), own.v.astype(q.dtype), own.mask(q.shape[1])))
             return merge_parts(parts).astype(out_dtype), functools.reduce(jnp.logaddexp, [p[1] for p in parts])
-        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, own=own,
+        return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, own=own, q_prep=q_prep,
                                    interpret=interpret, gpu=gpu, out_dtype=out_dtype)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None):
+    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None, q_prep=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
         block's own keys `own` (`OwnKeys`), with one softmax (`AttentionBackend.committed`)."""
-        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows)
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows, q_prep)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
         """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, max_len]; `rows` [K]: q

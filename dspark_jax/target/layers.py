@@ -79,14 +79,15 @@ def _qkv(p: dict, h, cfg: ModelConfig):
     return split_qkv(qkv(h, p["qkv_proj"]), cfg)
 
 
-def project_qkv(p: dict, x, cos, sin, cfg: ModelConfig):
-    """Pre-norm, q/k/v projections, Qwen3 q/k RMSNorm, RoPE. x [B,T,H] -> q [B,T,Nq,D], k/v [B,T,Nkv,D]."""
+def project_qkv(p: dict, x, cos, sin, cfg: ModelConfig, raw_queries: bool = False):
+    """Pre-norm, q/k/v projections, Qwen3 q/k RMSNorm, RoPE. x [B,T,H] -> q [B,T,Nq,D], k/v [B,T,Nkv,D].
+    `raw_queries`: q as projected, its norm and RoPE left to the attention (target/query_prep.py)."""
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
     q, k, v = _qkv(p, h, cfg)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        q = q if raw_queries else rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return q if raw_queries else apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def finish_layer(p: dict, x, attn_out, cfg: ModelConfig):

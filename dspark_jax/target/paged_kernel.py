@@ -66,6 +66,7 @@ from dspark_jax.target.kernels import choose_paged_kernel as resolve_impl
 from dspark_jax.target.kernels import pallas_interpret
 from dspark_jax.target.layers import MASK_VALUE
 from dspark_jax.target.own_keys import OwnKeys
+from dspark_jax.target.query_prep import QueryPrep
 
 __all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "DENSE_CACHE_AXES", "attention_lse", "merge_parts",
            "paged_attention_lse", "dense_attention_lse", "resolve_impl"]
@@ -116,15 +117,29 @@ def _online_update(q, k, v, visible, m, l, acc, scale):
     return m_new, l, alpha * acc + pv
 
 
+def _prepared(x, cos, sin, norm, eps: float, dtype):
+    """`QueryPrep.apply` on one block of raw queries x [rows, D] (cos, sin [rows, D] float32; norm
+    [1, D] or None), rounding to `dtype` where `layers.rms_norm` and `layers.apply_rope` do."""
+    x = x.astype(jnp.float32)
+    if norm is not None:
+        x = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)).astype(dtype).astype(jnp.float32)
+        x = (norm.astype(dtype).astype(jnp.float32) * x).astype(dtype).astype(jnp.float32)
+    half = x.shape[-1] // 2  # rotate-half: (-x[half:], x[:half]), a roll by half the lanes and a sign
+    sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < half, -1.0, 1.0)
+    return (x * cos + pltpu.roll(x, half, 1) * sign * sin).astype(dtype)
+
+
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, *refs, page_size: int, pages: int, group: int,
             block_rows: int, heads: int, scale: float, mask_values: bool, own_width: int, own_causal: bool,
-            own_whole: bool):
+            own_whole: bool, prep: int, eps: float):
     own = own_width > 0
     own_len_ref, refs = (refs[0], refs[1:]) if own else (None, refs)
-    q_ref, k_refs, v_refs = refs[0], refs[1: 1 + pages], refs[1 + pages: 1 + 2 * pages]
+    q_ref, prep_refs, refs = refs[0], refs[1: 1 + prep], refs[1 + prep:]  # prep: cos, sin[, norm]
+    k_refs, v_refs = refs[:pages], refs[pages: 2 * pages]
     # own keys: [heads, R * W, D] (every row's, `own_whole`) or [heads, W, D] (this row's)
-    own_refs = refs[1 + 2 * pages: 3 + 2 * pages] if own else None
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[1 + 2 * pages + (2 if own else 0):]
+    own_refs = refs[2 * pages: 2 + 2 * pages] if own else None
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, *q_sc = refs[2 * pages + (2 if own else 0):]
+    q_block = q_sc[0] if prep else q_ref  # the queries scored: prepared once per block, or as given
     r, qb, b = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_len, q_start = kv_len_ref[r], q_start_ref[r]
     first_row = qb * block_rows
@@ -135,6 +150,15 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, *refs, page_size: int
         m_sc[...] = jnp.full(m_sc.shape, NO_KEYS, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if prep:
+            cos, sin = prep_refs[0][...], prep_refs[1][...]
+            norm = prep_refs[2][...] if prep == 3 else None
+
+            def prep_head(h, carry):
+                q_block[h] = _prepared(q_ref[h], cos, sin, norm, eps, q_block.dtype)
+                return carry
+
+            jax.lax.fori_loop(0, heads, prep_head, 0)
 
     # the step's first key exists and the block's last query may see it
     @pl.when((step_start < kv_len) & ((step_start - q_start) * group <= first_row + block_rows - 1))
@@ -144,7 +168,7 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, *refs, page_size: int
         offset = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
 
         def head(h, carry):
-            q = q_ref[h]  # [block_rows, D]
+            q = q_block[h]  # [block_rows, D]
             m, l, acc = m_sc[h], l_sc[h], acc_sc[h]
             for c in range(pages):  # keys past kv_len (a repeated last page, or none) are masked
                 k, v = k_refs[c][h], v_refs[c][h]  # [page_size, D]
@@ -172,7 +196,7 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, *refs, page_size: int
                 visible = visible & (col * group <= first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
 
             def own_head(h, carry):
-                m_sc[h], l_sc[h], acc_sc[h] = _online_update(q_ref[h], ko_ref[h], vo_ref[h], visible, m_sc[h],
+                m_sc[h], l_sc[h], acc_sc[h] = _online_update(q_block[h], ko_ref[h], vo_ref[h], visible, m_sc[h],
                                                              l_sc[h], acc_sc[h], scale)
                 return carry
 
@@ -192,13 +216,13 @@ def _tiling(rows: int, nkv: int, m: int, page_size: int, max_pages: int) -> tupl
     return block_rows, padded, heads, pages
 
 
-def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, *, interpret: bool, dense: bool,
+def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, q_prep=None, *, interpret: bool, dense: bool,
            out_dtype=jnp.float32):
     """The kernel on one shard: q [R, T, Nq, D], layer [1]. Paged: pool [L, P, Nkv, ps, D], table
     [R, M] page ids. Dense: cache [L, R', Nkv, S, D] read in blocks of `DENSE_BLOCK` positions as
     if they were pages, table [R] the cache row of each query row. `own`: an `OwnKeys` block
-    [R, W] taken into the softmax after the cache's keys. `out_dtype`: the output's (the
-    log-sum-exp is float32)."""
+    [R, W] taken into the softmax after the cache's keys. `q_prep` (`QueryPrep`): q is raw, the
+    kernel prepares each query block once. `out_dtype`: the output's (the log-sum-exp is float32)."""
     r, t, nq, d = q.shape
     nkv = k_pool.shape[2]
     if dense:
@@ -239,27 +263,40 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, *, interp
         else:  # [R, Nkv, W, D], one row's a step
             own_args = [x.transpose(0, 2, 1, 3) for x in (own.k, own.v)]
             own_specs = [pl.BlockSpec((None, heads, width, d), lambda i, h, *_: (i, h, 0, 0))] * 2
+    prep_specs, prep_args, q_scratch = [], [], []
+    if q_prep is not None:  # cos / sin of query row rho = t * G + g (token t), padded as the rows; the norm weight
+        prep_args = [jnp.repeat(x.astype(jnp.float32), g, axis=1) for x in (q_prep.cos, q_prep.sin)]
+        prep_args = [jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0))) for x in prep_args]
+        prep_specs = [pl.BlockSpec((None, block_rows, d), lambda i, h, qb, *_: (i, qb, 0))] * 2
+        if q_prep.norm is not None:
+            prep_args.append(q_prep.norm.reshape(1, d))
+            prep_specs.append(pl.BlockSpec((1, d), lambda *_: (0, 0)))
+        q_scratch = [pltpu.VMEM((heads, block_rows, d), q.dtype)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4 + len(own_prefetch), grid=(r, nkv // heads, padded // block_rows, steps),
-        in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + [page_map(c) for c in range(pages)] * 2
-        + own_specs,
+        in_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap)] + prep_specs
+        + [page_map(c) for c in range(pages)] * 2 + own_specs,
         out_specs=[pl.BlockSpec((None, heads, block_rows, d), qmap), pl.BlockSpec((None, heads, block_rows, 1), qmap)],
         scratch_shapes=[pltpu.VMEM((heads, block_rows, 1), jnp.float32),
                         pltpu.VMEM((heads, block_rows, 1), jnp.float32),
-                        pltpu.VMEM((heads, block_rows, d), jnp.float32)])
+                        pltpu.VMEM((heads, block_rows, d), jnp.float32)] + q_scratch)
     kernel = functools.partial(_kernel, page_size=ps, pages=pages, group=g, block_rows=block_rows, heads=heads,
                                scale=1.0 / math.sqrt(d), mask_values=mask_values, own_width=width,
-                               own_causal=own is not None and own.causal, own_whole=whole)
+                               own_causal=own is not None and own.causal, own_whole=whole, prep=len(prep_args),
+                               eps=q_prep.eps if q_prep is not None else 0.0)
     keys = r * nkv * padded * steps * pages * ps  # an upper bound: kv_len is known at run time only
+    keys += r * nkv * padded * (r * width if whole else width)  # the own keys each query block scores
     read = 2 * r * steps * pages * nkv * ps * d * k_pool.dtype.itemsize
-    cost = pl.CostEstimate(flops=4 * keys * d, transcendentals=keys,
+    read += sum(x.size * x.dtype.itemsize for x in own_args + prep_args)
+    prep_flops = 12 * r * nkv * padded * d if q_prep is not None else 0  # norm and rotation, once per block
+    cost = pl.CostEstimate(flops=4 * keys * d + prep_flops, transcendentals=keys,
                            bytes_accessed=read + qh.size * qh.dtype.itemsize + r * nkv * padded * (d + 1) * 4)
     out, lse = pl.pallas_call(
         kernel, grid_spec=grid_spec, interpret=interpret, cost_estimate=cost,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         out_shape=[jax.ShapeDtypeStruct((r, nkv, padded, d), out_dtype),
                    jax.ShapeDtypeStruct((r, nkv, padded, 1), jnp.float32)],
-    )(layer, table, kv_len, q_start, *own_prefetch, qh, *([k_pool] * pages), *([v_pool] * pages), *own_args)
+    )(layer, table, kv_len, q_start, *own_prefetch, qh, *prep_args, *([k_pool] * pages), *([v_pool] * pages), *own_args)
     out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
@@ -275,13 +312,15 @@ def _layer_index(layer):
 
 
 def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, layer=None, own: OwnKeys | None = None,
-                        interpret: bool | None = None, gpu: bool = False, out_dtype=jnp.float32):
+                        q_prep: QueryPrep | None = None, interpret: bool | None = None, gpu: bool = False,
+                        out_dtype=jnp.float32):
     """q [R, T, Nq, D] against one layer's pages [P, Nkv, page_size, D] (or layer `layer` of the
     whole pool [L, P, Nkv, page_size, D], read in place) through page_table [R, M] (entries < 0:
     no page). Key s of row r is visible to query t iff s < kv_len[r] and
     s <= q_start[r] + t. -> (out [R, T, Nq, D] in `out_dtype`, normalised over the visible keys;
     lse [R, T, Nq] float32, NO_KEYS where a query sees none, its out then 0).
     `own` (`OwnKeys` [R, W]): keys beside the cache in the same softmax (out and lse over both).
+    `q_prep` (`QueryPrep`): q is the projection's raw queries, prepared in the kernel.
     `interpret` defaults to "not compiled for TPU"; on a mesh (`jax.set_mesh`) the kernel runs
     per shard. `gpu`: the GPU kernel (target/gpu_kernel.py) in place of the TPU one."""
     if layer is None:
@@ -289,19 +328,22 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
     if interpret is None:
         interpret = _interpret(gpu)
     if gpu:
+        q = q if q_prep is None else q_prep.apply(q)
         local = functools.partial(gpu_cache_attention_lse, interpret=interpret, dense=False)
         out_lse = _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
         return _merge_own(out_lse, q, own, out_dtype)
     local = functools.partial(_local, interpret=interpret, dense=False, out_dtype=out_dtype)
-    return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start, own)
+    return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start, own,
+                      q_prep)
 
 
 def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, own: OwnKeys | None = None,
-                        interpret: bool | None = None, gpu: bool = False, out_dtype=jnp.float32):
+                        q_prep: QueryPrep | None = None, interpret: bool | None = None, gpu: bool = False,
+                        out_dtype=jnp.float32):
     """q [R, T, Nq, D] against layer `layer` of a dense heads-major cache [L, R', Nkv, S, D], read
     in place and only up to each row's last visible key (the grid's later steps repeat that
     block, which the pipeline does not fetch again). Row r reads cache row `rows[r]` (default r).
-    Visibility, `own`, returns, `gpu` and `out_dtype` as `paged_attention_lse`."""
+    Visibility, `own`, `q_prep`, returns, `gpu` and `out_dtype` as `paged_attention_lse`."""
     if interpret is None:
         interpret = _interpret(gpu)
     layer = _layer_index(layer)
@@ -310,18 +352,21 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, o
         raise ValueError("dense_attention_lse: queries of chosen cache rows (`rows`) need the cache's slots whole on "
                          "the mesh; read them with the reference path")
 
-    def local(layer, q, k, v, table, kv_len, q_start, own=None):  # one shard: its own rows, or the chosen ones
-        table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else jnp.minimum(table, k.shape[1] - 1)
+    def local(layer, q, k, v, table, kv_len, q_start, own=None, q_prep=None):  # one shard: its rows, or the chosen ones
+        # query rows past the cache's (a view padded to its bucket, reading no key) read its last row
+        table = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else table
+        table = jnp.minimum(table, k.shape[1] - 1)
         if gpu:
             return gpu_cache_attention_lse(layer, q, k, v, table, kv_len, q_start, interpret=interpret, dense=True)
-        return _local(layer, q, k, v, table, kv_len, q_start, own, interpret=interpret, dense=True,
+        return _local(layer, q, k, v, table, kv_len, q_start, own, q_prep, interpret=interpret, dense=True,
                       out_dtype=out_dtype)
 
     table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
     if gpu:
+        q = q if q_prep is None else q_prep.apply(q)
         out_lse = _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)
         return _merge_own(out_lse, q, own, out_dtype)
-    return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start, own)
+    return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start, own, q_prep)
 
 
 def _merge_own(out_lse, q, own: OwnKeys | None, out_dtype):
@@ -333,27 +378,39 @@ def _merge_own(out_lse, q, own: OwnKeys | None, out_dtype):
     return merge_parts([out_lse, own_part]).astype(out_dtype), jnp.logaddexp(out_lse[1], own_part[1])
 
 
-def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start, own: OwnKeys | None = None):
+def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start, own: OwnKeys | None = None,
+               q_prep: QueryPrep | None = None):
     """`local` over the whole arrays, or on the mesh set by `jax.set_mesh` per shard
     (`jax.shard_map`): rows over the batch axes, KV heads (and their query heads) as `pool_axes`
-    place them, so no shard gathers the cache; the own keys split as the queries."""
+    place them, so no shard gathers the cache; the own keys split as the queries, the query
+    preparation's cos / sin by rows (its norm weight whole)."""
     mesh = jax.sharding.get_abstract_mesh()
+    extras = lambda own, q_prep: {n: x for n, x in (("own", own), ("q_prep", q_prep)) if x is not None}
     if mesh.empty:
-        return local(layer, q, k, v, table, kv_len, q_start, *(() if own is None else (own,)))
+        return local(layer, q, k, v, table, kv_len, q_start, **extras(own, q_prep))
     pool = logical_to_pspec(pool_axes, k.shape, mesh)
     rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
     heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
     q_spec, row_spec = P(rows, None, heads, None), P(rows)
     table_spec = P(rows, *([None] * (table.ndim - 1)))
-    specs, args = (P(), q_spec, pool, pool, table_spec, row_spec, row_spec), (layer, q, k, v, table, kv_len, q_start)
+    specs, args = [P(), q_spec, pool, pool, table_spec, row_spec, row_spec], [layer, q, k, v, table, kv_len, q_start]
     if own is not None:  # own K / V [R, W, Nkv, D] split as the queries' rows and KV heads, lengths [R] by rows
-        def with_own(*a):
-            *cache_args, ok, ov, lengths = a
-            return local(*cache_args, dataclasses.replace(own, k=ok, v=ov, lengths=lengths))
-        return jax.shard_map(with_own, in_specs=specs + (q_spec, q_spec, row_spec),
-                             out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
-            *args, own.k, own.v, own.lengths)
-    return jax.shard_map(local, in_specs=specs, out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(*args)
+        specs += [q_spec, q_spec, row_spec]
+        args += [own.k, own.v, own.lengths]
+    if q_prep is not None:  # cos / sin [R, T, D] by rows
+        specs += [P(rows, None, None)] * 2 + ([P()] if q_prep.norm is not None else [])
+        args += [q_prep.cos, q_prep.sin] + ([q_prep.norm] if q_prep.norm is not None else [])
+
+    def shard(*a):
+        base, rest = list(a[:7]), list(a[7:])
+        shard_own = None if own is None else dataclasses.replace(own, k=rest.pop(0), v=rest.pop(0),
+                                                                 lengths=rest.pop(0))
+        shard_prep = None if q_prep is None else q_prep.replace(cos=rest.pop(0), sin=rest.pop(0),
+                                                                norm=rest.pop(0) if rest else None)
+        return local(*base, **extras(shard_own, shard_prep))
+
+    return jax.shard_map(shard, in_specs=tuple(specs), out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
+        *args)
 
 
 def attention_lse(q, k, v, mask):

@@ -150,17 +150,17 @@ class PagedKVCache:
         """Always: the reference gathers every row's pages into a copy before reading them."""
         return True
 
-    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, interpret=None, gpu=False,
-                   out_dtype=jnp.float32):
+    def kernel_lse(self, q, k_all, v_all, layer, kv_len, q_start, rows=None, own=None, q_prep=None, interpret=None,
+                   gpu=False, out_dtype=jnp.float32):
         """The Pallas kernel over layer `layer`'s pages, read in place (target/paged_kernel.py), with
-        the `own` keys (`OwnKeys`) beside them."""
+        the `own` keys (`OwnKeys`) beside them, raw queries prepared by `q_prep` (`QueryPrep`)."""
         return paged_attention_lse(q, k_all, v_all, self._table(rows), kv_len, q_start, layer=layer, own=own,
-                                   interpret=interpret, gpu=gpu, out_dtype=out_dtype)
+                                   q_prep=q_prep, interpret=interpret, gpu=gpu, out_dtype=out_dtype)
 
-    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None):
+    def attend_committed(self, q, k_all, v_all, layer, start, own, dtype, rows=None, q_prep=None):
         """Attention of q [R, T, Nq, D] over layer `layer`'s keys at positions < start [R] and the
         block's own keys `own` (`OwnKeys`), one softmax (`AttentionBackend.committed`)."""
-        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows)
+        return attention_backend(self.impl).committed(self, q, k_all, v_all, layer, start, own, dtype, rows, q_prep)
 
     def attend_layer(self, q, k_all, v_all, layer, mask, dtype, positions=None, rows=None):
         """Attention of q [R, T, Nq, D] against layer `layer`, mask [R, T, max_len]; `rows` [K]: q

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax.engine.verify import verify_forward
 from dspark_jax.target import KVCache, PagedKVCache
 from dspark_jax.target import attention as attention_mod
 from dspark_jax.target.attention import (
@@ -22,6 +23,7 @@ from dspark_jax.target.attention import (
     causal_self,
     layer_attention,
     masked_self,
+    view_rows,
 )
 from dspark_jax.target.forward import forward
 from dspark_jax.target.layers import rope_inv_freq
@@ -41,6 +43,8 @@ def setup():
     model = tiny_target(cfg, seed=5)
     params = model.arrays()
     rng = np.random.default_rng(0)
+    # q norm weights away from their initial ones, so a forward that skips them is caught
+    params["layers"]["q_norm"] = params["layers"]["q_norm"] * jnp.asarray(rng.uniform(0.5, 1.5, (cfg.head_dim,)))
     tokens = rng.integers(0, cfg.vocab_size, (R, T)).astype(np.int32)
     ref = [_np_forward(jax.tree.map(np.asarray, params), cfg, tokens[r, :LENGTHS[r]]) for r in range(R)]
     return cfg, params, tokens, ref
@@ -107,7 +111,12 @@ def _paged(cfg, impl):
 
 
 def _cache(cfg, kind):
-    return KVCache.create(cfg, R, S) if kind == "dense" else _paged(cfg, kind)
+    """"dense": the dense cache (read by the reference here); "dense-pallas": the dense cache read by
+    the TPU kernel (interpreted: it takes the own keys and prepares the queries itself); else a
+    paged cache read as `kind` says."""
+    if kind.startswith("dense"):
+        return KVCache.create(cfg, R, S, impl="pallas" if kind == "dense-pallas" else "auto")
+    return _paged(cfg, kind)
 
 
 @pytest.mark.parametrize("kind", ["causal", "masked"])
@@ -157,7 +166,7 @@ def _packed_forward(cfg, params, cache, tokens, start, valid, bucket, in_place=F
 
 
 @pytest.mark.parametrize("kind,in_place", [("dense", False), ("reference", False), ("dense", True),
-                                           ("reference", True)])
+                                           ("reference", True), ("dense-pallas", False), ("dense-pallas", True)])
 def test_packed_verification_equals_numpy(setup, kind, in_place):
     """The cache holds each row's prefix; the packed forward of the rest reads it (never writes).
     `in_place`: a bucket that holds the whole view (and padding past it) packs without compacting."""
@@ -192,6 +201,27 @@ def test_packed_verification_equals_numpy(setup, kind, in_place):
         n = LENGTHS[r] - PREFIX[r]
         np.testing.assert_allclose(np.asarray(k_views)[:, r, :n], np.asarray(full_k)[:, r, PREFIX[r]: LENGTHS[r]],
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dense", "dense-pallas"])
+def test_one_column_verification_equals_numpy(setup, kind):
+    """The target-only step's view, one column a slot in a bucket of 8: read by the kernel it takes
+    every row of the bucket (`view_rows`; rows past the slots hold no token). Logits and the view's
+    keys are the numpy forward's for the slot with a token; the other slot's token is invalid."""
+    cfg, params, tokens, ref = setup
+    prefix = np.asarray(PREFIX)
+    cache = _prefill(cfg, params, tokens, _cache(cfg, kind)).with_lengths(jnp.asarray(prefix, jnp.int32))
+    assert view_rows(cache, R, 1, 8) == (8 if kind == "dense-pallas" else R)
+    step = tokens[np.arange(R), prefix][:, None]
+    valid = jnp.asarray([[True], [False]])
+    out = jax.jit(lambda c, p: verify_forward(p, cfg, c, jnp.asarray(step), jnp.asarray(prefix, jnp.int32), valid,
+                                              bucket=8, feature_layers=FEATURE_LAYERS))(cache, params)
+    np.testing.assert_allclose(np.asarray(out.logits)[0, 0], ref[0][0][PREFIX[0]], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(out.features)[0, 0], ref[0][1][PREFIX[0]], rtol=1e-4, atol=1e-4)
+    assert out.k_new.shape == (cfg.num_layers, R, 1, cfg.num_kv_heads, cfg.head_dim)
+    full_k = _prefill(cfg, params, tokens, _cache(cfg, kind)).dense()[0]
+    np.testing.assert_allclose(np.asarray(out.k_new)[:, 0, 0], np.asarray(full_k)[:, 0, PREFIX[0]], rtol=1e-5,
+                               atol=1e-5)
 
 
 # --- dispatch: each metadata runs its own variant ------------------------------------------------
