@@ -33,9 +33,16 @@ while the kernel reads row-major pages, so the compiled program relayouts the po
 kernel (a copy in and out of each program that reads it); it compiles and computes the same, at
 that cost. Head dim 128 (the Qwen3 models) is read in place.
 
-It returns the normalised output and each query's log-sum-exp, so keys that are not in the
-pool (the verification's block of new tokens) join with `merge_parts`: one softmax over both,
-as `layers.attention_parts` computes it.
+Keys that are not in the pool (the verification's block of new tokens, the drafter's block:
+`OwnKeys`) come into the same online softmax after the pool's, as one more block: every row's
+at once where they are few (`OWN_WHOLE_MAX_KEYS`; a row's own columns picked by a mask, as a
+dynamic sublane offset must be a multiple of 8), else a row's a step. Raw queries with a
+`QueryPrep` (Qwen3's q norm, RoPE) are prepared once per query block into VMEM at the block's
+first step. Outside XLA these are one kernel call a layer, where the same work as XLA fusions
+was about fifteen small ones, each priced 1-2 us on TPU (docs/performance.md, item 12). It
+returns the normalised output (in `out_dtype`) and each query's log-sum-exp, so other key sets
+can still join with `merge_parts` (the GPU kernel's path): one softmax over both, as
+`layers.attention_parts` computes it.
 
 Whether a cache is read by this kernel is decided by target/attention_backend.py, from the platform
 the program is compiled for (the mesh it is traced under): on TPU the kernel compiles through

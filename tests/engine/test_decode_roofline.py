@@ -29,9 +29,9 @@ pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu: pip inst
 
 LAYERS, SLOTS, CONTEXT, SLICE = 4, 8, 2048, "v6e-8"
 # the step over the read-once price at these shapes (libtpu 0.0.42; each product group priced at
-# the cheaper of its parts and its merged product): 1.77 with the layers unrolled over merged
-# per-layer weights, 2.84 with the weights copied out of a stack under `lax.scan`
-BOUND = 2.1
+# the cheaper of its parts and its merged product): 1.51 with the layers unrolled over merged
+# per-layer weights, 2.59 with the weights copied out of a stack under `lax.scan`
+BOUND = 1.8
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +56,17 @@ def _floor(cfg, ab, slots):
 
 def test_attention_reads_the_cache_once(qwen3_8b_short):
     """At 64 slots the cache is a third of what a step reads. The kernel backend (chosen for TPU)
-    keeps the step within 1.9x of the read-once price (1.77 at libtpu 0.0.42); the reference,
+    keeps the step within 1.75x of the read-once price (1.54 at libtpu 0.0.42); the reference,
     which XLA:TPU compiles into a score pass and a value pass over every position of every row,
-    costs at least half a cache read more (0.64 of one; 2.00x the price), so a change that brings
-    the whole-cache reads back fails here."""
+    costs at least 0.8 of a cache read more (1.17 of one; 1.95x the price), so a change that
+    brings the whole-cache reads back fails here."""
     ab, ctl = _engine(qwen3_8b_short, 64)
     floor = _floor(qwen3_8b_short, ab, 64)
     step = _round_cost(ab, 64, ctl).seconds
-    assert step <= 1.9 * floor["total"], f"64-slot step {1e3 * step:.3f} ms > 1.9 x {1e3 * floor['total']:.3f} ms"
+    assert step <= 1.75 * floor["total"], f"64-slot step {1e3 * step:.3f} ms > 1.75 x {1e3 * floor['total']:.3f} ms"
     ab_ref, ctl_ref = _engine(qwen3_8b_short, 64, "reference")
     reference = _round_cost(ab_ref, 64, ctl_ref).seconds
-    assert reference - step >= 0.5 * floor["kv"], (reference, step, floor["kv"])
+    assert reference - step >= 0.8 * floor["kv"], (reference, step, floor["kv"])
 
 
 def _stacked_step(ab, ctl):
