@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.parallel.topology import slice_mesh
+from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.paged_kernel import (
     DENSE_CACHE_AXES,
     PAGE_AXES,
@@ -26,6 +27,7 @@ from dspark_jax.target.paged_kernel import (
     resolve_impl,
 )
 from dspark_jax.target.paged_kv import pages_per_slot
+from dspark_jax.target.query_prep import QueryPrep
 
 pytest.importorskip("libtpu", reason="the TPU compiler ships in libtpu, not installed: pip install -e '.[aot]'")
 
@@ -184,4 +186,62 @@ def test_dense_kernel_compiles_tensor_parallel_without_gathering_the_cache():
     compiled = _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype)
     (kernel,) = _kernels(compiled)
     assert f"f32[{r},{nkv // 4},{t * nq // nkv},{d}]" in kernel
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter", compiled.as_text())
+
+
+def _compile_dense_with_own(mesh, r, t, nq, nkv, d, ctx, dtype, norm: bool, layers=8):
+    """One layer's dense-cache kernel call with the verification's own keys and raw queries
+    prepared in the kernel (`OwnKeys`, `QueryPrep`), compiled for `mesh`'s devices."""
+    cache = (layers, r, nkv, ctx, d)
+
+    def arg(shape, dt, names):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
+
+    rows = ("batch",)
+    args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
+            arg(cache, dtype, DENSE_CACHE_AXES), arg(cache, dtype, DENSE_CACHE_AXES),
+            arg((r,), jnp.int32, rows), arg((r, t, nkv, d), dtype, ("batch", None, "act_heads", None)),
+            arg((r, t, nkv, d), dtype, ("batch", None, "act_heads", None)), arg((r,), jnp.int32, rows),
+            arg((r, t, d), jnp.float32, ("batch", None, None)), arg((r, t, d), jnp.float32, ("batch", None, None)),
+            arg((d,), dtype, (None,)))
+
+    def f(layer, q, k, v, start, ok, ov, own_len, cos, sin, weight):
+        prep = QueryPrep(weight if norm else None, cos, sin, 1e-6)
+        return dense_attention_lse(q, k, v, start, start, layer=layer, own=OwnKeys(ok, ov, own_len), q_prep=prep,
+                                   out_dtype=dtype)
+
+    with jax.set_mesh(mesh):
+        try:
+            return jax.jit(f).lower(*args).compile()
+        except (ValueError, jax.errors.JaxRuntimeError) as e:
+            pytest.fail(f"the TPU compiler refused the dense-cache kernel with own keys at {(r, t, nq, nkv, d, ctx)} "
+                        f"{jnp.dtype(dtype).name} on {mesh.devices.flat[0].device_kind}:\n{e}")
+
+
+# (rows, queries per row, query heads, KV heads, head_dim, context, dtype, q norm): the target-only
+# step (one column, every row's own keys one block), a drafting round's view (8 columns, one
+# block), a view of more own keys than `OWN_WHOLE_MAX_KEYS` (a row's own keys a step), SmolLM2
+# (head dim 64, float32, RoPE without a q norm)
+OWN_SHAPES = {"step_8_rows": (8, 1, 32, 8, 128, 2048, jnp.bfloat16, True),
+              "round_8x8": (8, 8, 32, 8, 128, 2048, jnp.bfloat16, True),
+              "round_64x16": (64, 16, 32, 8, 128, 512, jnp.bfloat16, True),
+              "smollm2_f32": (8, 8, 9, 3, 64, 1000, jnp.float32, False)}
+OWN_CASES = [(g, s) for g in ("v5e-1", "v6e-1") for s in OWN_SHAPES]
+OWN_CASES += [(g, s) for g in ("v5p-8", "v7x-8") for s in ("step_8_rows", "round_8x8")]
+
+
+@pytest.mark.parametrize(("slice_name", "shape"), OWN_CASES, ids=[f"{g}-{s}" for g, s in OWN_CASES])
+def test_kernel_with_own_keys_and_query_prep_compiles(slice_name, shape):
+    """The kernel taking the own keys into its softmax and preparing raw queries lowers through
+    Mosaic for v5e, v6e, v5p and v7x: one kernel call, nothing else around it but layouts."""
+    mesh = _mesh(slice_name)
+    compiled = _compile_dense_with_own(mesh, *OWN_SHAPES[shape])
+    assert len(_kernels(compiled)) == 1
+
+
+def test_kernel_with_own_keys_compiles_tensor_parallel_without_collectives():
+    """v6e-4, tensor 4: own keys and the queries' preparation split with the KV heads; nothing
+    moves between chips."""
+    compiled = _compile_dense_with_own(_mesh("v6e-4", 4), *OWN_SHAPES["round_8x8"])
+    assert len(_kernels(compiled)) == 1
     assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter", compiled.as_text())
