@@ -23,6 +23,7 @@ from dspark_jax.decoding.sampling import (
     sample_with_noise,
 )
 from dspark_jax.drafter.confidence import confidence_logits, prev_embed
+from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.layers import lm_head_logits
 
 __all__ = ["head_type", "base_logits", "project_bias", "step_bias", "head_bias_train", "sample_block",
@@ -120,17 +121,20 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     confidence head). Without a Markov head (DFlash) B = 0. `path`: see `sampling.sampling_path`.
     """
     r, g = h.shape[:2]
-    u = base_logits(params, h)
+    u = constrain(base_logits(params, h), (None, None, "act_vocab"))
     # Every slot's sampling noise in one batched draw before the scan (the same values as
     # `sample(fold_in(key, j), q_j)` would draw): the scan body keeps only the V-wide softmax
     # and one argmax per slot.
     noise = jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), (r, u.shape[-1])))(jnp.arange(g))
+    noise = constrain(noise, (None, None, "act_vocab"))
 
     def body(carry, xs):
         prev, s = carry
         u_j, h_j, noise_j = xs
         s, b_j = step_bias(params, s, h_j, prev)
-        q_j = probs_from_params(u_j + b_j, sampling, path)
+        # the V-wide work split as the LM head's output is (over tensor), never gathered whole
+        q_j = constrain(probs_from_params(constrain(u_j + b_j, (None, "act_vocab")), sampling, path),
+                        (None, "act_vocab"))
         tok = sample_with_noise(q_j, noise_j)
         z_j = confidence_logits(params, h_j, prev)
         return (tok, s), (tok, q_j, z_j)

@@ -21,7 +21,7 @@ from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import abstract_engine, plan_mesh
 from dspark_jax.engine.predict import _abstract_args, _round_compiled, _round_cost
 from dspark_jax.engine.read_once import kv_bytes_per_chip, product_shapes, read_once_seconds
-from dspark_jax.engine.round import round_step
+from dspark_jax.engine.round import draft_part, round_step
 from dspark_jax.parallel.tpu_cost import program_cost
 from dspark_jax.target.merged import MergeChoice
 
@@ -126,3 +126,28 @@ def test_no_weight_is_copied_on_v5p(qwen3_8b_short):
     copies = {tuple(int(x) for x in m.split(",")) for m in re.findall(r"= bf16\[([\d,]+)\]\{[^}]*\} copy\(", hlo)}
     assert copies, "no copy found at all: the HLO text format changed and this test sees nothing"
     assert not copies & weights, f"weights copied every step: {sorted(copies & weights)}"
+
+
+def test_draft_keeps_the_vocabulary_split(qwen3_8b_short):
+    """v6e-8, 64 slots: the sequential head's V-wide work (the LM head's logits, the draft
+    distributions, the sampling noise) stays split over tensor as the LM head's output is. With
+    the logits gathered whole, every chip built [64, 151936] float32 arrays each of the head's
+    gamma steps (the one-hot of a greedy row, the distributions' transpose): the full Qwen3-8B
+    draft was priced 7.42 ms, 1.90 ms split (docs/performance.md, item 13)."""
+    mesh = plan_mesh((1, 1, 8), SLICE)
+    ab = abstract_engine(qwen3_8b_short, mesh, EngineConfig(num_slots=64, max_len=CONTEXT),
+                         drafter_in_target_dtype=True)
+    ctl = ab.eng.control(SamplingParams(0.0, 0, 1.0))
+    spec = ab.eng.spec
+
+    def draft_only(dp, dfz, s):
+        return draft_part(spec, ab.darrays(dp, dfz), s, ctl.sampling)
+
+    with jax.set_mesh(ab.mesh):
+        _, dp, dfz, st = _abstract_args(ab)
+        jitted = jax.jit(draft_only, in_shardings=(ab.dp_sh, ab.dfz_sh, ab.state_sh))
+        hlo = jitted.lower(dp, dfz, st).compile().as_text()
+    vocab = qwen3_8b_short.target.model.vocab_size
+    assert re.search(rf"f32\[[\d,]*{vocab // 8}\]", hlo), "no split V-wide array: the HLO format changed"
+    whole = sorted(set(re.findall(rf"f32\[[\d,]*,{vocab}\]", hlo)))
+    assert not whole, f"V-wide float32 arrays gathered whole in the draft: {whole}"

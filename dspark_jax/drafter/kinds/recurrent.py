@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import probs_from_params, sample
 from dspark_jax.drafter.eagle3 import create_cache
 from dspark_jax.drafter.kinds.base import DrafterKind
+from dspark_jax.parallel.sharding import constrain
 
 
 def _where_rows(mask, new, old):
@@ -26,11 +27,11 @@ def sample_rows(keys, logits, sampling, path):
     row draws `sample(k_r, probs_from_params(logits_r[None], s_r))` exactly as a one-row draft
     does; only this small per-row step is vmapped (vmapping the draft itself over rows made XLA
     copy the whole drafter cache every round)."""
-    def one(k, lg, s):
-        q = probs_from_params(lg[None], s, path)
+    def one(k, lg, s):  # the V-wide work split over tensor as the LM head's output is
+        q = constrain(probs_from_params(constrain(lg[None], (None, "act_vocab")), s, path), (None, "act_vocab"))
         return sample(k, q)[0], q[0]
 
-    return jax.vmap(one)(keys, logits, sampling)
+    return jax.vmap(one)(keys, constrain(logits, ("batch", "act_vocab")), sampling)
 
 
 class RecurrentKind(DrafterKind):
