@@ -44,15 +44,28 @@ def _mesh(name: str, tensor: int = 1):
     return slice_mesh(name, -1, 1, tensor)
 
 
+def _arg(mesh, shape, dt, names):
+    """An abstract argument laid out on `mesh` as the rules table places its logical axes."""
+    return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
+
+
+def _compiled_or_fail(mesh, f, args, what: str):
+    """`f` lowered and compiled for `mesh`'s devices; a compiler error fails the test with the
+    compiler's words first, not a traceback."""
+    with jax.set_mesh(mesh):
+        try:
+            return jax.jit(f).lower(*args).compile()
+        except (ValueError, jax.errors.JaxRuntimeError) as e:
+            pytest.fail(f"the TPU compiler refused {what} on {mesh.devices.flat[0].device_kind}:\n{e}")
+
+
 def _compile(mesh, r, t, nq, nkv, d, ps, ctx, dtype, layers=2):
     """Lower and compile one layer's kernel call (the layer index traced, as in the scan over
     layers) for `mesh`'s devices; a compiler error is re-raised as the test's failure message."""
     m = pages_per_slot(ctx, ps)
     pool = (layers, r * m, nkv, ps, d)
 
-    def arg(shape, dt, names):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
-
+    arg = functools.partial(_arg, mesh)
     args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
             arg(pool, dtype, PAGE_AXES), arg(pool, dtype, PAGE_AXES), arg((r, m), jnp.int32, ("batch", None)),
             arg((r,), jnp.int32, ("batch",)), arg((r,), jnp.int32, ("batch",)))
@@ -134,9 +147,7 @@ def _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype, layers=8):
     layers: a cache small enough for VMEM is prefetched there whole by XLA:TPU, as v7x does with 2)."""
     cache = (layers, r, nkv, ctx, d)
 
-    def arg(shape, dt, names):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
-
+    arg = functools.partial(_arg, mesh)
     args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
             arg(cache, dtype, DENSE_CACHE_AXES), arg(cache, dtype, DENSE_CACHE_AXES),
             arg((r,), jnp.int32, ("batch",)), arg((r,), jnp.int32, ("batch",)))
@@ -144,12 +155,8 @@ def _compile_dense(mesh, r, t, nq, nkv, d, ctx, dtype, layers=8):
     def f(layer, q, k, v, kv_len, q_start):
         return dense_attention_lse(q, k, v, kv_len, q_start, layer=layer)
 
-    with jax.set_mesh(mesh):
-        try:
-            return jax.jit(f).lower(*args).compile()
-        except (ValueError, jax.errors.JaxRuntimeError) as e:
-            pytest.fail(f"the TPU compiler refused the dense-cache kernel at {(r, t, nq, nkv, d, ctx)} "
-                        f"{jnp.dtype(dtype).name} on {mesh.devices.flat[0].device_kind}:\n{e}")
+    return _compiled_or_fail(mesh, f, args, f"the dense-cache kernel at {(r, t, nq, nkv, d, ctx)} "
+                                            f"{jnp.dtype(dtype).name}")
 
 
 # (rows, queries per row, query heads, KV heads, head_dim, context, dtype)
@@ -194,9 +201,7 @@ def _compile_dense_with_own(mesh, r, t, nq, nkv, d, ctx, dtype, norm: bool, laye
     prepared in the kernel (`OwnKeys`, `QueryPrep`), compiled for `mesh`'s devices."""
     cache = (layers, r, nkv, ctx, d)
 
-    def arg(shape, dt, names):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, logical_to_pspec(names, shape, mesh)))
-
+    arg = functools.partial(_arg, mesh)
     rows = ("batch",)
     args = (arg((), jnp.int32, ()), arg((r, t, nq, d), dtype, ("batch", None, "act_heads", None)),
             arg(cache, dtype, DENSE_CACHE_AXES), arg(cache, dtype, DENSE_CACHE_AXES),
@@ -210,12 +215,8 @@ def _compile_dense_with_own(mesh, r, t, nq, nkv, d, ctx, dtype, norm: bool, laye
         return dense_attention_lse(q, k, v, start, start, layer=layer, own=OwnKeys(ok, ov, own_len), q_prep=prep,
                                    out_dtype=dtype)
 
-    with jax.set_mesh(mesh):
-        try:
-            return jax.jit(f).lower(*args).compile()
-        except (ValueError, jax.errors.JaxRuntimeError) as e:
-            pytest.fail(f"the TPU compiler refused the dense-cache kernel with own keys at {(r, t, nq, nkv, d, ctx)} "
-                        f"{jnp.dtype(dtype).name} on {mesh.devices.flat[0].device_kind}:\n{e}")
+    return _compiled_or_fail(mesh, f, args, f"the dense-cache kernel with own keys at {(r, t, nq, nkv, d, ctx)} "
+                                            f"{jnp.dtype(dtype).name}")
 
 
 # (rows, queries per row, query heads, KV heads, head_dim, context, dtype, q norm): the target-only
