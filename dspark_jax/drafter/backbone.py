@@ -216,7 +216,7 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
     cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
 
     # a cache the attention backend reads by the Pallas kernel: context keys < anchor in place, the
-    # block's own keys merged through their log-sum-exp (no sliding window there: the kernel has no
+    # block's own keys in the same softmax (`OwnKeys`; no sliding window there: the kernel has no
     # lower bound)
     kernel = window is None and attention_backend(cache.impl).kernel
     whole_block = jnp.full((r,), gamma, jnp.int32)  # own keys each query sees: all of its block

@@ -26,13 +26,13 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.parallel.sharding import logical_to_pspec
 from dspark_jax.target.attention_backend import attention_backend
 from dspark_jax.target.kernels import choose_causal_kernel
-from dspark_jax.target.kv_cache import CACHE_AXES, KVCache
+from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.layers import attention, causal_attention
 from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.packing import Packing
+from dspark_jax.target.paged_kernel import slots_split
 from dspark_jax.target.paged_kv import PagedKVCache
 from dspark_jax.target.query_prep import QueryPrep
 from dspark_jax.target.splash import splash_causal_attention
@@ -199,10 +199,7 @@ def view_rows(cache: KVCache | PagedKVCache, rows: int, width: int, bucket: int)
         return rows
     if not attention_backend(cache.impl).takes_raw_queries(cache, cache.k):
         return rows
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and logical_to_pspec(CACHE_AXES, cache.k.shape, mesh)[1] is not None:
-        return rows
-    return bucket
+    return rows if slots_split(cache.k.shape) else bucket
 
 
 def layer_attention(attn: AttentionMetadata, q, k, v, kv, layer, dtype, q_prep: QueryPrep | None = None):

@@ -13,7 +13,6 @@ reads it is the backend's choice (target/attention_backend.py, from `impl`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import jax
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 
 from dspark_jax.parallel.sharding import constrain, logical_to_pspec
 from dspark_jax.target.attention_backend import attention_backend
-from dspark_jax.target.paged_kernel import DENSE_CACHE_AXES, attention_lse, dense_attention_lse, merge_parts
+from dspark_jax.target.paged_kernel import DENSE_CACHE_AXES, attention_lse, dense_attention_lse, merge_own, slots_split
 
 # slots over the batch axes, KV heads over tensor (on the mesh set by `jax.set_mesh`, if any)
 CACHE_AXES = DENSE_CACHE_AXES
@@ -96,13 +95,13 @@ class KVCache:
         return self.k.swapaxes(2, 3), self.v.swapaxes(2, 3)
 
     def kernel_pays(self, k_all) -> bool:
-        """Whether the kernel beats the reference for one layer of this cache: the reference reads
-        the layer's whole [R, S] twice (scores, values) in XLA's own fusions, the kernel reads only
-        the filled positions once but adds a call and the log-sum-exp merge around it (about a
-        dozen small ops a layer, each priced at 1-2 us by XLA:TPU). Below `KERNEL_MIN_BYTES` of K
-        and V a layer on one chip the reference is cheaper (docs/performance.md, "Attention that
-        reads only the cache it needs"). The GPU kernel's rule: the TPU kernel takes the own keys
-        and prepares the queries itself, with no merge around it, and pays at every size."""
+        """Whether the GPU kernel is worth its call for one layer of this cache (the TPU kernel,
+        with no merge around it, is used at every size: attention_backend.py). The reference reads
+        the layer's whole [R, S] twice (scores, values) in XLA's own fusions; the kernel reads only
+        the filled positions once but adds a call and the log-sum-exp merge around it. Below
+        `KERNEL_MIN_BYTES` of K and V a layer on one chip the reference was cheaper where this was
+        priced, on TPU before the kernel took the own keys (docs/performance.md, "Attention that
+        reads only the cache it needs"); on a GPU the threshold is unmeasured."""
         mesh = jax.sharding.get_abstract_mesh()
         shards = 1
         if not mesh.empty:
@@ -118,17 +117,13 @@ class KVCache:
         -> (out, lse) as `paged_kernel.paged_attention_lse`.
         Queries of chosen slots (`rows`) on a mesh that splits the slots read their rows through the
         reference instead (a shard holds only its own slots)."""
-        mesh = jax.sharding.get_abstract_mesh()
-        if rows is not None and not mesh.empty and logical_to_pspec(CACHE_AXES, k_all.shape, mesh)[1] is not None:
+        if rows is not None and slots_split(k_all.shape):
             q = q if q_prep is None else q_prep.apply(q)
             k, v = self.layer_view(k_all, v_all, layer, q.dtype, rows)
             pos = jnp.arange(k.shape[1], dtype=jnp.int32)
             qpos = q_start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None]
             mask = (pos[None, None] < kv_len[:, None, None]) & (pos[None, None] <= qpos[:, :, None])
-            parts = [attention_lse(q, k, v, mask)]
-            if own is not None:
-                parts.append(attention_lse(q, own.k.astype(q.dtype), own.v.astype(q.dtype), own.mask(q.shape[1])))
-            return merge_parts(parts).astype(out_dtype), functools.reduce(jnp.logaddexp, [p[1] for p in parts])
+            return merge_own(attention_lse(q, k, v, mask), q, own, out_dtype)
         return dense_attention_lse(q, k_all, v_all, kv_len, q_start, layer=layer, rows=rows, own=own, q_prep=q_prep,
                                    interpret=interpret, gpu=gpu, out_dtype=out_dtype)
 

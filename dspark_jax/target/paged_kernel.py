@@ -76,7 +76,7 @@ from dspark_jax.target.own_keys import OwnKeys
 from dspark_jax.target.query_prep import QueryPrep
 
 __all__ = ["PAGED_ATTENTION_IMPLS", "PAGE_AXES", "DENSE_CACHE_AXES", "attention_lse", "merge_parts",
-           "paged_attention_lse", "dense_attention_lse", "resolve_impl"]
+           "merge_own", "slots_split", "paged_attention_lse", "dense_attention_lse", "resolve_impl"]
 
 # the page pool [L, P, Nkv, page_size, D] has no slot axis: KV heads over tensor (on the mesh set by
 # `jax.set_mesh`, if any), whole on the batch axes
@@ -93,6 +93,13 @@ DENSE_BLOCKS_PER_STEP = 4  # a grid step over a dense cache reads 512 positions
 # own keys of all rows (R x W) up to which they are one block, fetched once per head block, each
 # row's queries scored against all of them and masked to their own
 OWN_WHOLE_MAX_KEYS = 512
+
+
+def slots_split(cache_shape) -> bool:
+    """Whether the mesh set by `jax.set_mesh` splits a dense cache [L, R, Nkv, S, D]'s slots (a
+    shard then holds only its own rows)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and logical_to_pspec(DENSE_CACHE_AXES, cache_shape, mesh)[1] is not None
 
 
 def _precision(dtype):
@@ -338,7 +345,7 @@ def paged_attention_lse(q, k_pages, v_pages, page_table, kv_len, q_start, *, lay
         q = q if q_prep is None else q_prep.apply(q)
         local = functools.partial(gpu_cache_attention_lse, interpret=interpret, dense=False)
         out_lse = _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start)
-        return _merge_own(out_lse, q, own, out_dtype)
+        return merge_own(out_lse, q, own, out_dtype)
     local = functools.partial(_local, interpret=interpret, dense=False, out_dtype=out_dtype)
     return _per_shard(local, PAGE_AXES, _layer_index(layer), q, k_pages, v_pages, page_table, kv_len, q_start, own,
                       q_prep)
@@ -354,8 +361,7 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, o
     if interpret is None:
         interpret = _interpret(gpu)
     layer = _layer_index(layer)
-    mesh = jax.sharding.get_abstract_mesh()
-    if rows is not None and not mesh.empty and logical_to_pspec(DENSE_CACHE_AXES, k_all.shape, mesh)[1] is not None:
+    if rows is not None and slots_split(k_all.shape):
         raise ValueError("dense_attention_lse: queries of chosen cache rows (`rows`) need the cache's slots whole on "
                          "the mesh; read them with the reference path")
 
@@ -372,13 +378,13 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, o
     if gpu:
         q = q if q_prep is None else q_prep.apply(q)
         out_lse = _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start)
-        return _merge_own(out_lse, q, own, out_dtype)
+        return merge_own(out_lse, q, own, out_dtype)
     return _per_shard(local, DENSE_CACHE_AXES, layer, q, k_all, v_all, table, kv_len, q_start, own, q_prep)
 
 
-def _merge_own(out_lse, q, own: OwnKeys | None, out_dtype):
-    """A kernel's (out, lse) over the cache joined with the own keys through their log-sum-exp
-    (the GPU kernel takes no own block), out in `out_dtype`."""
+def merge_own(out_lse, q, own: OwnKeys | None, out_dtype):
+    """An (out, lse) over the cache joined with the own keys through their log-sum-exp (the GPU
+    kernel and the reference take no own block), out in `out_dtype`."""
     if own is None:
         return out_lse[0].astype(out_dtype), out_lse[1]
     own_part = attention_lse(q, own.k.astype(q.dtype), own.v.astype(q.dtype), own.mask(q.shape[1]))
@@ -392,32 +398,26 @@ def _per_shard(local, pool_axes, layer, q, k, v, table, kv_len, q_start, own: Ow
     place them, so no shard gathers the cache; the own keys split as the queries, the query
     preparation's cos / sin by rows (its norm weight whole)."""
     mesh = jax.sharding.get_abstract_mesh()
-    extras = lambda own, q_prep: {n: x for n, x in (("own", own), ("q_prep", q_prep)) if x is not None}
+    named = {n: x for n, x in (("own", own), ("q_prep", q_prep)) if x is not None}  # `local`'s optional inputs
     if mesh.empty:
-        return local(layer, q, k, v, table, kv_len, q_start, **extras(own, q_prep))
+        return local(layer, q, k, v, table, kv_len, q_start, **named)
     pool = logical_to_pspec(pool_axes, k.shape, mesh)
     rows = logical_to_pspec(("batch",), q.shape[:1], mesh)[0]
     heads = pool[2]  # query heads split with their KV heads (whole when the KV heads are)
     q_spec, row_spec = P(rows, None, heads, None), P(rows)
     table_spec = P(rows, *([None] * (table.ndim - 1)))
-    specs, args = [P(), q_spec, pool, pool, table_spec, row_spec, row_spec], [layer, q, k, v, table, kv_len, q_start]
-    if own is not None:  # own K / V [R, W, Nkv, D] split as the queries' rows and KV heads, lengths [R] by rows
-        specs += [q_spec, q_spec, row_spec]
-        args += [own.k, own.v, own.lengths]
-    if q_prep is not None:  # cos / sin [R, T, D] by rows
-        specs += [P(rows, None, None)] * 2 + ([P()] if q_prep.norm is not None else [])
-        args += [q_prep.cos, q_prep.sin] + ([q_prep.norm] if q_prep.norm is not None else [])
+    # own K / V [R, W, Nkv, D] split as the queries' rows and KV heads, their lengths by rows; the
+    # preparation's cos / sin [R, T, D] by rows, its norm weight whole (specs as pytrees like the inputs)
+    spec_of = {"own": lambda o: dataclasses.replace(o, k=q_spec, v=q_spec, lengths=row_spec),
+               "q_prep": lambda p: p.replace(cos=P(rows, None, None), sin=P(rows, None, None),
+                                             norm=None if p.norm is None else P())}
+    specs = (P(), q_spec, pool, pool, table_spec, row_spec, row_spec, *(spec_of[n](x) for n, x in named.items()))
 
     def shard(*a):
-        base, rest = list(a[:7]), list(a[7:])
-        shard_own = None if own is None else dataclasses.replace(own, k=rest.pop(0), v=rest.pop(0),
-                                                                 lengths=rest.pop(0))
-        shard_prep = None if q_prep is None else q_prep.replace(cos=rest.pop(0), sin=rest.pop(0),
-                                                                norm=rest.pop(0) if rest else None)
-        return local(*base, **extras(shard_own, shard_prep))
+        return local(*a[:7], **dict(zip(named, a[7:])))
 
-    return jax.shard_map(shard, in_specs=tuple(specs), out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
-        *args)
+    return jax.shard_map(shard, in_specs=specs, out_specs=(q_spec, P(rows, None, heads)), check_vma=False)(
+        layer, q, k, v, table, kv_len, q_start, *named.values())
 
 
 def attention_lse(q, k, v, mask):

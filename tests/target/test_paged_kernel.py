@@ -138,20 +138,35 @@ with jax.set_mesh(mesh):
     got = f(*args)
     text = f.lower(*args).as_text()
 err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, want))
-print(json.dumps({"err": err, "per_shard": "manual_computation" in text,
+# with own keys and raw queries prepared in the kernel: their inputs split as the queries' rows and heads
+from dspark_jax.target.own_keys import OwnKeys
+from dspark_jax.target.query_prep import QueryPrep
+ko, vo = (rng.normal(size=(r, t, nkv, d)).astype(np.float32) for _ in range(2))
+own_len = np.array([3, 1, 0, 2], np.int32)
+cos, sin = (rng.uniform(-1, 1, size=(r, t, d)).astype(np.float32) for _ in range(2))
+norm = rng.uniform(0.5, 1.5, size=(d,)).astype(np.float32)
+g = jax.jit(lambda q, k, v, tb, kl, qs, ko, vo, ol, c, s, n: paged_attention_lse(
+    q, k, v, tb, kl, qs, layer=1, own=OwnKeys(ko, vo, ol), q_prep=QueryPrep(n, c, s)))
+want_own = g(q, k, v, table, kv_len, q_start, ko, vo, own_len, cos, sin, norm)
+with jax.set_mesh(mesh):
+    got_own = g(*args, put(ko, "data", None, "tensor"), put(vo, "data", None, "tensor"), put(own_len, "data"),
+                put(cos, "data"), put(sin, "data"), put(norm))
+err_own = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got_own, want_own))
+print(json.dumps({"err": err, "err_own": err_own, "per_shard": "manual_computation" in text,
                   "out_spec": str(got[0].sharding.spec)}))
 """
 
 
 def test_kernel_per_shard_on_a_mesh():
     """On a mesh (4 fake CPU devices: rows over data 2, KV heads over tensor 2) the kernel runs per
-    shard through shard_map and gives the single-device numbers."""
+    shard through shard_map and gives the single-device numbers, also with own keys and raw
+    queries prepared in the kernel."""
     import json
 
     from tests.conftest import run_multidevice
 
     res = json.loads(run_multidevice(MESH_CODE, n=4).strip().splitlines()[-1])
-    assert res["per_shard"] and res["err"] < 1e-6, res
+    assert res["per_shard"] and res["err"] < 1e-6 and res["err_own"] < 1e-5, res
     assert res["out_spec"] == "P('data', None, 'tensor')", res  # out [R, T, Nq, D]: rows and heads split
 
 
