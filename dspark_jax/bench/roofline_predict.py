@@ -15,6 +15,7 @@ import dataclasses
 import time
 
 import jax
+from flax import nnx
 
 from dspark_jax.bench import roofline_model as rm
 from dspark_jax.decoding.sampling import SamplingParams
@@ -41,13 +42,10 @@ def _prefill_compiled(ab, width: int):
                  sds((R,), bool, sharding=rep), sds(keys.shape, keys.dtype, sharding=rep),
                  sds((R,), jax.numpy.int32, sharding=rep))
 
-    def one_prefill(tp, dp, dfz, s, *join):
-        return prefill_fn(tp, ab.darrays(dp, dfz), s, *join)
-
-    tp, dp, dfz, st = _abstract_args(ab)
+    tp, dt, st = _abstract_args(ab)
     with jax.set_mesh(ab.mesh):
-        return jax.jit(one_prefill, in_shardings=(ab.tp_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh, *([None] * 5)),
-                       out_shardings=ab.state_sh, donate_argnums=(3,)).lower(tp, dp, dfz, st, *join_args).compile()
+        return jax.jit(prefill_fn, in_shardings=(ab.tp_sh, ab.dt_sh, ab.state_sh, *([None] * 5)),
+                       out_shardings=ab.state_sh, donate_argnums=(2,)).lower(tp, dt, st, *join_args).compile()
 
 
 def _shapes(ab) -> rm.ModelShapes:
@@ -58,7 +56,8 @@ def _shapes(ab) -> rm.ModelShapes:
     drafter = {}
     if ab.eng.G:
         stored = {**rm.named_leaves(ab.dparams, ab.dp_sh), **rm.named_leaves(ab.dfrozen, ab.dfz_sh)}
-        taken = rm.named_leaves(jax.eval_shape(ab.darrays, ab.dparams, ab.dfrozen))
+        taken = rm.named_leaves(jax.eval_shape(lambda dp, dfz: nnx.merge(ab.dg, dp, dfz).arrays(), ab.dparams,
+                                               ab.dfrozen))
         drafter = {n: _in_dtype(leaf, taken[n].nbytes / taken[n].elems) for n, leaf in stored.items()}
     return rm.model_shapes(ab.eng.spec, ab.tp, drafter, ab.state, ab.state_sh)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SamplingParams", "sampling_probs", "sampling_path", "sample", "sample_with_noise", "exponential_noise",
-           "first_argmax", "probs_from_params"]
+           "all_greedy", "first_argmax", "probs_from_params"]
 
 
 from dspark_jax.decoding.params import SamplingParams  # noqa: E402  (defined without jax)
@@ -75,6 +75,16 @@ def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
     small = jnp.all(k_on & (k <= min(TOPK_CAP, vocab_size)))
     branch = jnp.where(no_trunc, 0, jnp.where(small, 1, 2))
     return (branch + 3 * jnp.any(t <= 0.0)).astype(jnp.int32)
+
+
+def all_greedy(sampling) -> bool:
+    """Whether every row of `sampling` (a `SamplingParams` of scalars or per-row arrays) is greedy
+    and known so when traced (its temperatures constants, not arguments): a program traced so needs
+    no sampling noise and no distributions beyond the argmax's one-hot."""
+    t = sampling.temperature
+    if isinstance(t, jax.core.Tracer):
+        return False
+    return bool(np.all(np.asarray(t, np.float32) <= 0.0))
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

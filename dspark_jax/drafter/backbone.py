@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from dspark_jax.parallel.sharding import constrain
 from dspark_jax.target.attention_backend import attention_backend
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kernels import row_tile
 from dspark_jax.target.layers import (
     MASK_VALUE,
     apply_rope,
@@ -167,6 +168,26 @@ def backbone_train(params: dict, cfg: ModelConfig, tokens, ctx, anchors, keep, *
     return h.reshape(b, a, g, -1)
 
 
+def _run_layers(body, x, layers):
+    """`body(x, (layer weights, layer index)) -> (x, None)` over the drafter's layers: a `lax.scan`
+    over stacked weights ({name: [L, ...]}), unrolled over per-layer ones (a tuple of dicts,
+    drafter/decode_weights.py: each product reads its weight in place, no slice of a stack)."""
+    if isinstance(layers, (tuple, list)):
+        for li, p in enumerate(layers):
+            x, _ = body(x, (p, jnp.int32(li)))
+        return x
+    n = jax.tree.leaves(layers)[0].shape[0]
+    x, _ = jax.lax.scan(body, x, (layers, jnp.arange(n, dtype=jnp.int32)))
+    return x
+
+
+def _padded_columns(r: int, t: int) -> int:
+    """Columns that give at least the platform's row tile of token rows (`target.kernels.row_tile`):
+    on a TPU a product of fewer than 8 rows runs on the vector unit, dearer than 8 rows."""
+    tile = row_tile()
+    return max(t, -(-tile // r)) if r * t < tile else t
+
+
 def update_context(params: dict, cfg: ModelConfig, cache, features, positions, valid, rows=None):
     """Write the context K/V of new target features into the drafter cache (a dense `KVCache`
     or a `PagedKVCache`: only their shared interface is used).
@@ -177,9 +198,14 @@ def update_context(params: dict, cfg: ModelConfig, cache, features, positions, v
     block only reads positions < its anchor. `lengths` is set to one past the last
     position written in this call for rows with any valid token (others unchanged);
     `draft_hidden` does not read it. `rows` [K]: the inputs' rows are those slots (a prefill
-    chunk; rows >= R are dropped).
+    chunk; rows >= R are dropped). Fewer than the row tile of tokens are padded to it
+    (invalid, not written).
     """
     r, t = positions.shape
+    tp = _padded_columns(r, t)
+    if tp > t:
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))
+        features, positions, valid = pad(features), pad(positions), pad(valid)
     ctx = fuse_context(params, features, cfg)
     cos, sin = rope_cos_sin(positions, _inv_freq(cfg))
     write = jnp.where(valid, positions, cache.max_len)  # out of range: dropped
@@ -191,8 +217,7 @@ def update_context(params: dict, cfg: ModelConfig, cache, features, positions, v
         k, v = context_kv(p, ctx, cos, sin, cfg)
         return cache.write_layer_at(*kv, li, rows, write, k, v), None  # in place: the cache is carried
 
-    layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    (k, v), _ = jax.lax.scan(body, (cache.k, cache.v), (params["layers"], layer_ids))
+    k, v = _run_layers(body, (cache.k, cache.v), params["layers"])
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1).astype(jnp.int32)
     n = cache.lengths.shape[0]
     lengths = cache.lengths.at[jnp.where(valid.any(axis=1), slots, n)].set(end, mode="drop")
@@ -204,21 +229,23 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
     """Inference forward of one block per row: anchor_tok, anchor_pos [R] -> h [R,G,H].
 
     The block sees cache positions < anchor_pos (and >= anchor_pos - window) and itself;
-    positions below the anchor must have been written by `update_context`.
+    positions below the anchor must have been written by `update_context`. Where the kernel reads
+    the cache and R x G is under the row tile, the block runs padded with mask slots past G that no
+    slot sees (its own keys counted to G) and are dropped.
     """
     r = anchor_tok.shape[0]
     dtype = params["fc"].dtype
     anchor_pos = anchor_pos.astype(jnp.int32)
-    x = block_embed(params["embed"], anchor_tok, mask_id, gamma, dtype)
-    pos = anchor_pos[:, None] + jnp.arange(gamma, dtype=jnp.int32)
-    cos, sin = rope_cos_sin(pos, _inv_freq(cfg))
-    keep = jnp.ones((r, 1), bool)
-    cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
-
     # a cache the attention backend reads by the Pallas kernel: context keys < anchor in place, the
     # block's own keys in the same softmax (`OwnKeys`; no sliding window there: the kernel has no
     # lower bound)
     kernel = window is None and attention_backend(cache.impl).kernel
+    width = _padded_columns(r, gamma) if kernel else gamma
+    x = block_embed(params["embed"], anchor_tok, mask_id, width, dtype)
+    pos = anchor_pos[:, None] + jnp.arange(width, dtype=jnp.int32)
+    cos, sin = rope_cos_sin(pos, _inv_freq(cfg))
+    keep = jnp.ones((r, 1), bool)
+    cmask = context_mask(anchor_pos[:, None], keep, cache.max_len, window)
     whole_block = jnp.full((r,), gamma, jnp.int32)  # own keys each query sees: all of its block
 
     def body(x, layer):
@@ -232,5 +259,5 @@ def draft_hidden(params: dict, cfg: ModelConfig, cache, anchor_tok, anchor_pos, 
         out = block_attention(q[:, None], ck, cv, k[:, None], v[:, None], cmask, keep)
         return finish_layer(p, x, out[:, 0], cfg), None
 
-    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cache.k.shape[0], dtype=jnp.int32)))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = _run_layers(body, x, params["layers"])
+    return rms_norm(x[:, :gamma], params["final_norm"], cfg.rms_norm_eps)

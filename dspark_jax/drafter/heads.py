@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import (
     SamplingParams,
+    all_greedy,
     exponential_noise,
     first_argmax,
     probs_from_params,
@@ -110,32 +111,49 @@ def head_bias_train(params: dict, h, prev_tokens):
     return project_bias(params, jnp.moveaxis(outs, 0, -2))
 
 
-def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = SamplingParams(), path=None):
+def _block_noise(key, r: int, g: int, v: int):
+    """Every slot's Exp(1) sampling noise [G, R, V] in one batched draw before the head's scan: one
+    key for the whole block (slot j draws with `fold_in(key, j)`), or one key per row ([R]: row r's
+    slot j with `fold_in(key[r], j)`, the same values a block of that row alone would draw)."""
+    if jnp.ndim(key) == 0:
+        return jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), (r, v)))(jnp.arange(g))
+    one = lambda k: jax.vmap(lambda j: exponential_noise(jax.random.fold_in(k, j), (1, v))[0])(jnp.arange(g))
+    return jnp.moveaxis(jax.vmap(one)(key), 0, 1)
+
+
+def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = SamplingParams(), path=None,
+                 greedy: bool | None = None):
     """Sample d_0..d_{G-1} left to right in ONE `lax.scan` over the G slots.
 
-    h [R,G,H] (backbone output); anchor [R] (x_p, the previous token of slot 0).
+    h [R,G,H] (backbone output); anchor [R] (x_p, the previous token of slot 0); `key` one key for
+    the block or one per row [R]; `sampling` scalars or per row [R].
     Slot j draws with key `jax.random.fold_in(key, j)` from
     `q_j = sampling_probs(U_j + B_j, sampling)`, B_j computed from the *sampled* previous
     token; z_j (confidence logit) likewise. Returns tokens [R,G] int32, q [R,G,V] float32
     (exactly the distributions sampled from), z [R,G] float32 (zeros without a
     confidence head). Without a Markov head (DFlash) B = 0. `path`: see `sampling.sampling_path`.
+    Every row greedy and known so when traced (`greedy`, default `sampling.all_greedy`): each
+    slot's argmax, no noise, q its one-hot (what `sampling_probs` gives a greedy row).
     """
     r, g = h.shape[:2]
     u = constrain(base_logits(params, h), (None, None, "act_vocab"))
-    # Every slot's sampling noise in one batched draw before the scan (the same values as
-    # `sample(fold_in(key, j), q_j)` would draw): the scan body keeps only the V-wide softmax
-    # and one argmax per slot.
-    noise = jax.vmap(lambda j: exponential_noise(jax.random.fold_in(key, j), (r, u.shape[-1])))(jnp.arange(g))
-    noise = constrain(noise, (None, None, "act_vocab"))
+    v = u.shape[-1]
+    greedy = all_greedy(sampling) if greedy is None else greedy
+    # the noise drawn before the scan: the scan body keeps only the V-wide softmax and one argmax
+    noise = None if greedy else constrain(_block_noise(key, r, g, v), (None, None, "act_vocab"))
 
     def body(carry, xs):
         prev, s = carry
         u_j, h_j, noise_j = xs
         s, b_j = step_bias(params, s, h_j, prev)
         # the V-wide work split as the LM head's output is (over tensor), never gathered whole
-        q_j = constrain(probs_from_params(constrain(u_j + b_j, (None, "act_vocab")), sampling, path),
-                        (None, "act_vocab"))
-        tok = sample_with_noise(q_j, noise_j)
+        logits = constrain(u_j + b_j, (None, "act_vocab"))
+        if greedy:
+            tok = first_argmax(logits).astype(jnp.int32)
+            q_j = constrain(jax.nn.one_hot(tok, v, dtype=jnp.float32), (None, "act_vocab"))
+        else:
+            q_j = constrain(probs_from_params(logits, sampling, path), (None, "act_vocab"))
+            tok = sample_with_noise(q_j, noise_j)
         z_j = confidence_logits(params, h_j, prev)
         return (tok, s), (tok, q_j, z_j)
 

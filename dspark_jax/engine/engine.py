@@ -21,6 +21,7 @@ import numpy as np
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import registry
+from dspark_jax.drafter.decode_weights import drafter_decode_arrays
 from dspark_jax.engine import batcher, rows
 from dspark_jax.engine.buckets import (
     bucket_for,
@@ -124,7 +125,8 @@ class Engine:
                                                   t_draft=0.0)
         # the target's weights one array per layer: what every compiled program reads (each once)
         self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh), release=cfg.release_target_layers)
-        self.dp = drafter.arrays() if drafter is not None else {}
+        self.dp = {} if drafter is None else drafter.arrays() if not self.kind.decode_layout else \
+            drafter_decode_arrays(drafter.arrays(), per_layer_decode(mesh), mesh)
         state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)

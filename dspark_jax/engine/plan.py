@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.drafter.abstract import abstract_models
+from dspark_jax.drafter.decode_weights import abstract_drafter_arrays
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.layout import decode_shardings
@@ -85,15 +86,32 @@ class AbstractEngine(NamedTuple):
     dp_sh: object
     dfz_sh: object
     tp: object  # the target's weights as the programs take them (per layer, `decode_weights`), abstract
+    dt: object  # the drafter's arrays as the programs take them (drafter/decode_weights.py), abstract
 
     @property
     def tp_sh(self):
         """The shardings of `tp`."""
         return jax.tree.map(lambda a: a.sharding, self.tp)
 
-    def darrays(self, dp, dfz):
-        """The drafter's arrays as the round reads them ({} for target-only)."""
-        return nnx.merge(self.dg, dp, dfz).arrays() if self.eng.G else {}
+    @property
+    def dt_sh(self):
+        """The shardings of `dt`."""
+        return jax.tree.map(lambda a: a.sharding, self.dt)
+
+
+def _abstract_drafter(eng: Engine, dg, dparams, dfrozen, dp_sh, dfz_sh, mesh):
+    """The drafter's arrays as the engine passes them to its programs (`Engine.dp`), abstract: each
+    array's sharding as `Drafter.arrays()` leaves it on the mesh (read from a compile of it), then
+    the kind's decode layout (drafter/decode_weights.py)."""
+    if not eng.G:
+        return {}
+    arrays = lambda dp, dfz: nnx.merge(dg, dp, dfz).arrays()
+    with jax.set_mesh(mesh):
+        shapes = jax.eval_shape(arrays, dparams, dfrozen)
+        out_sh = jax.jit(arrays, in_shardings=(dp_sh, dfz_sh)).lower(dparams, dfrozen).compile().output_shardings
+    if not eng.kind.decode_layout:
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_sh)
+    return abstract_drafter_arrays(shapes, out_sh, mesh, per_layer_decode(mesh))
 
 
 def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", drafter: bool = True,
@@ -131,10 +149,10 @@ def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", draf
     st = jax.eval_shape(eng._fresh_state)
     tp = abstract_decode_arrays(eng.target.cfg, jax.eval_shape(lambda ts: nnx.merge(tg, ts).arrays(), tstate), mesh,
                                 per_layer=per_layer_decode(mesh))
+    t_sh, dp_sh, dfz_sh = (state_shardings(x, mesh) for x in (tstate, dparams, dfrozen))
     return AbstractEngine(eng=eng, mesh=mesh, tg=tg, tstate=tstate, dg=dg, dparams=dparams, dfrozen=dfrozen,
-                          state=st, state_sh=decode_shardings(st, mesh), tp=tp,
-                          **dict(zip(("t_sh", "dp_sh", "dfz_sh"),
-                                     (state_shardings(x, mesh) for x in (tstate, dparams, dfrozen)))))
+                          state=st, state_sh=decode_shardings(st, mesh), tp=tp, t_sh=t_sh, dp_sh=dp_sh, dfz_sh=dfz_sh,
+                          dt=_abstract_drafter(eng, dg, dparams, dfrozen, dp_sh, dfz_sh, mesh))
 
 
 def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma: int | None = None,
@@ -157,8 +175,7 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     ab = abstract_engine(cfg, mesh, EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
                                                   prefill_chunk=prefill_chunk), policy=policy, drafter=drafter)
     eng, st, st_sh = ab.eng, ab.state, ab.state_sh
-    tstate, dg, dparams, dfrozen = ab.tstate, ab.dg, ab.dparams, ab.dfrozen
-    t_sh, dp_sh, dfz_sh = ab.t_sh, ab.dp_sh, ab.dfz_sh
+    tstate, dparams, t_sh, dp_sh = ab.tstate, ab.dparams, ab.t_sh, ab.dp_sh
     leaves = lambda tree, sh: sum(_chip_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
     out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
@@ -170,16 +187,12 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     if not compile_round:
         return out
     rep = NamedSharding(mesh, P())
-    darrays = (lambda dp, dfz: nnx.merge(dg, dp, dfz).arrays()) if drafter else (lambda dp, dfz: {})
     spec = eng.spec
 
-    def one_round(tp, dp, dfz, s, ctl):
-        return round_step(spec, tp, darrays(dp, dfz), s, ctl)
+    def one_round(tp, dt, s, ctl):
+        return round_step(spec, tp, dt, s, ctl)
 
     prefill_fn = eng._prefill.__wrapped__
-
-    def one_prefill(tp, dp, dfz, s, *join):
-        return prefill_fn(tp, darrays(dp, dfz), s, *join)
 
     def join_args(width):
         sds = jax.ShapeDtypeStruct
@@ -193,12 +206,12 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
         ctl_a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), ctl)
         st_a = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st, st_sh)
         lowerings = {
-            "round": lambda: jax.jit(one_round, in_shardings=(ab.tp_sh, dp_sh, dfz_sh, st_sh, None),
-                                     out_shardings=(st_sh, None), donate_argnums=(3,)).lower(
-                ab.tp, dparams, dfrozen, st_a, ctl_a),
-            "prefill": lambda: jax.jit(one_prefill, in_shardings=(ab.tp_sh, dp_sh, dfz_sh, st_sh, *([None] * 5)),
-                                       out_shardings=st_sh, donate_argnums=(3,)).lower(
-                ab.tp, dparams, dfrozen, st_a, *join_args(eng.prefill_buckets[-1])),
+            "round": lambda: jax.jit(one_round, in_shardings=(ab.tp_sh, ab.dt_sh, st_sh, None),
+                                     out_shardings=(st_sh, None), donate_argnums=(2,)).lower(
+                ab.tp, ab.dt, st_a, ctl_a),
+            "prefill": lambda: jax.jit(prefill_fn, in_shardings=(ab.tp_sh, ab.dt_sh, st_sh, *([None] * 5)),
+                                       out_shardings=st_sh, donate_argnums=(2,)).lower(
+                ab.tp, ab.dt, st_a, *join_args(eng.prefill_buckets[-1])),
             "admit": lambda: jax.jit(admit, out_shardings=st_sh, donate_argnums=(0,)).lower(
                 st_a, *join_args(context)),
         }

@@ -51,7 +51,7 @@ def libtpu_version() -> str:
 
 def _abstract_args(ab: AbstractEngine):
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    return (ab.tp, ab.dparams, ab.dfrozen, jax.tree.map(sds, ab.state, ab.state_sh))
+    return (ab.tp, ab.dt, jax.tree.map(sds, ab.state, ab.state_sh))
 
 
 def _round_compiled(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False,
@@ -63,16 +63,16 @@ def _round_compiled(ab: AbstractEngine, bucket: int, ctl, width: int | None = No
                                verify_widths=(width,) if width else (),
                                **({"skip_drafting": "always"} if skip else {}))
 
-    def one_round(tp, dp, dfz, s):
-        return round_step(spec, tp, ab.darrays(dp, dfz), s, ctl)
+    def one_round(tp, dt, s):
+        return round_step(spec, tp, dt, s, ctl)
 
     tp_sh = ab.tp_sh
     if auto_weight_layouts:
         tp_sh = {**tp_sh, "layers": jax.tree.map(lambda sh, a: Format(Layout.AUTO, sh) if a.ndim >= 2 else sh,
                                                  tp_sh["layers"], ab.tp["layers"])}
     with jax.set_mesh(ab.mesh):
-        lowered = jax.jit(one_round, in_shardings=(tp_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
-                          out_shardings=(ab.state_sh, None), donate_argnums=(3,)).lower(*_abstract_args(ab))
+        lowered = jax.jit(one_round, in_shardings=(tp_sh, ab.dt_sh, ab.state_sh),
+                          out_shardings=(ab.state_sh, None), donate_argnums=(2,)).lower(*_abstract_args(ab))
         return lowered.compile()
 
 
@@ -83,12 +83,12 @@ def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, 
 def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
     spec = ab.eng.spec
 
-    def draft_only(dp, dfz, s):
-        return draft_part(spec, ab.darrays(dp, dfz), s, ctl.sampling)
+    def draft_only(dt, s):
+        return draft_part(spec, dt, s, ctl.sampling)
 
     with jax.set_mesh(ab.mesh):
-        _, dp, dfz, st = _abstract_args(ab)
-        lowered = jax.jit(draft_only, in_shardings=(ab.dp_sh, ab.dfz_sh, ab.state_sh)).lower(dp, dfz, st)
+        _, dt, st = _abstract_args(ab)
+        lowered = jax.jit(draft_only, in_shardings=(ab.dt_sh, ab.state_sh)).lower(dt, st)
         return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
 
 

@@ -35,6 +35,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_vocab", "tensor"),
+    # the drafter's fused feature projection's output in decoding (drafter/decode_weights.py)
+    ("ctx_out", "tensor"),
 )
 
 

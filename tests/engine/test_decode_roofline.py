@@ -72,15 +72,15 @@ def test_attention_reads_the_cache_once(qwen3_8b_short):
 def _stacked_step(ab, ctl):
     """The broken variant: the target's weights stacked, the layers under `lax.scan`."""
     spec = dataclasses.replace(ab.eng.spec, buckets=(SLOTS,))
-    _, dp, dfz, st = _abstract_args(ab)
+    _, dt, st = _abstract_args(ab)
 
-    def one_round(ts, dp, dfz, s):
-        return round_step(spec, nnx.merge(ab.tg, ts).arrays(), ab.darrays(dp, dfz), s, ctl)
+    def one_round(ts, dt, s):
+        return round_step(spec, nnx.merge(ab.tg, ts).arrays(), dt, s, ctl)
 
     with jax.set_mesh(ab.mesh):
-        jitted = jax.jit(one_round, in_shardings=(ab.t_sh, ab.dp_sh, ab.dfz_sh, ab.state_sh),
-                         out_shardings=(ab.state_sh, None), donate_argnums=(3,))
-        compiled = jitted.lower(ab.tstate, dp, dfz, st).compile()
+        jitted = jax.jit(one_round, in_shardings=(ab.t_sh, ab.dt_sh, ab.state_sh),
+                         out_shardings=(ab.state_sh, None), donate_argnums=(2,))
+        compiled = jitted.lower(ab.tstate, dt, st).compile()
     return program_cost(compiled, ab.mesh.devices.flat[0]).seconds
 
 
@@ -140,13 +140,13 @@ def test_draft_keeps_the_vocabulary_split(qwen3_8b_short):
     ctl = ab.eng.control(SamplingParams(0.0, 0, 1.0))
     spec = ab.eng.spec
 
-    def draft_only(dp, dfz, s):
-        return draft_part(spec, ab.darrays(dp, dfz), s, ctl.sampling)
+    def draft_only(dt, s):
+        return draft_part(spec, dt, s, ctl.sampling)
 
     with jax.set_mesh(ab.mesh):
-        _, dp, dfz, st = _abstract_args(ab)
-        jitted = jax.jit(draft_only, in_shardings=(ab.dp_sh, ab.dfz_sh, ab.state_sh))
-        hlo = jitted.lower(dp, dfz, st).compile().as_text()
+        _, dt, st = _abstract_args(ab)
+        jitted = jax.jit(draft_only, in_shardings=(ab.dt_sh, ab.state_sh))
+        hlo = jitted.lower(dt, st).compile().as_text()
     vocab = qwen3_8b_short.target.model.vocab_size
     assert re.search(rf"f32\[[\d,]*{vocab // 8}\]", hlo), "no split V-wide array: the HLO format changed"
     whole = sorted(set(re.findall(rf"f32\[[\d,]*,{vocab}\]", hlo)))

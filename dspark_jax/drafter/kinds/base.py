@@ -43,6 +43,7 @@ class DrafterKind(ABC):
     max_gamma: int | None = None  # draft tokens per round the kind can make at most (None: any)
     supports_remat: bool = False  # `loss(..., remat=True)` recomputes the drafter layers
     has_reference_layout: bool = False  # `python -m dspark_jax convert` reads / writes it in DeepSpec's layout
+    decode_layout: bool = False  # the engine lays its arrays out as drafter/decode_weights.py says
 
     def __hash__(self):
         return hash((type(self), self.name))

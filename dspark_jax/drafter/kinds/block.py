@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.sampling import all_greedy
 from dspark_jax.drafter import backbone, heads
 from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
 from dspark_jax.drafter.losses import combine, dspark_chunked_sums
 from dspark_jax.drafter.model import Drafter, resolve_config
+from dspark_jax.target.kernels import row_tile
 
 
 class BlockKind(DrafterKind):
@@ -21,6 +22,7 @@ class BlockKind(DrafterKind):
     drafts_in_parallel = True
     has_reference_layout = True
     supports_remat = True
+    decode_layout = True
 
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
@@ -76,13 +78,16 @@ class BlockKind(DrafterKind):
 
     def draft(self, spec, dp, dcache, last, anchor, pos, keys, sampling, path):
         h = self.draft_hidden(spec, dp, dcache, anchor, pos)
-
-        def one(k, h_r, a_r, s_r):
-            t, q, z = heads.sample_block(k, dp, h_r[None], a_r[None], s_r, path)
-            return t[0], q[0], z[0]
-
-        toks, q, z = jax.vmap(one)(keys, h, anchor, sampling)
-        return toks, q, z, dcache
+        # the head runs all rows at once (each with its own key and settings), at least the row
+        # tile of them: its per-slot Markov product has one row per slot, and on a TPU fewer than
+        # 8 rows run on the vector unit (a 1-slot Qwen3-8B draft 1.32 -> ms, docs/performance.md)
+        r = anchor.shape[0]
+        rows = max(r, row_tile())
+        greedy = all_greedy(sampling)  # known before the padding stages the settings into the trace
+        pad = lambda a: a if rows == r else jnp.concatenate([a, jnp.repeat(a[:1], rows - r, axis=0)])
+        sampling = type(sampling)(*(pad(jnp.broadcast_to(jnp.asarray(x), (r,))) for x in sampling))
+        toks, q, z = heads.sample_block(pad(keys), dp, pad(h), pad(anchor), sampling, path, greedy=greedy)
+        return toks[:r], q[:r], z[:r], dcache
 
     def _forced_hidden(self, params, shape, target_out, tokens, anchors):
         # every anchor's block through the training forward: context < p, as `draft_hidden` reads it
