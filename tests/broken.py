@@ -30,7 +30,7 @@ def verify_no_residual(key, d, q, p, l):
     g = d.shape[1]
     k_u, k_s = jax.random.split(key)
     pd = rejection.probs_at(p, d)  # p: [R, G+1, V] or the round's PackedProbs
-    qd = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
+    qd = rejection.probs_at(q, d)  # q: [R, G, V] or the round's PackedProbs
     u = jax.random.uniform(k_u, d.shape, jnp.float32)
     accept = (u * qd < pd) & (jnp.arange(g)[None] < l[:, None])
     acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)

@@ -69,7 +69,8 @@ def verify(
     Args:
       key: PRNG key.
       draft_tokens: int ``[R, G]``; only the first ``lengths[r]`` of row r are verified.
-      q: ``[R, G, V]`` drafter distributions the drafts were sampled from.
+      q: ``[R, G, V]`` drafter distributions the drafts were sampled from, or the same as
+        `PackedProbs` (rows of a flat ``[R * G, V]`` left where the draft wrote them).
       p: ``[R, G+1, V]`` target distributions (row j predicts the token at slot j; row G
         is the bonus row after all G drafts), or the same as `PackedProbs` (the engine's round:
         only the rows read are gathered, with the same arithmetic).
@@ -88,13 +89,12 @@ def verify(
       n_out: int32 ``[R]`` number of valid tokens in ``out_tokens``.
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    q = jnp.asarray(q, jnp.float32)
     lengths = jnp.asarray(lengths, jnp.int32)
     R, G = draft_tokens.shape
     k_u, k_s = jax.random.split(key)
 
     pd = probs_at(p, draft_tokens)
-    qd = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    qd = probs_at(q, draft_tokens)
     u = jax.random.uniform(k_u, (R, G), jnp.float32)
     # accept w.p. min(1, pd/qd): u < pd/qd  <=>  u*qd < pd  (u in [0, 1)).
     accept = (u * qd < pd) & (jnp.arange(G)[None, :] < lengths[:, None])
@@ -102,7 +102,7 @@ def verify(
 
     rows = jnp.arange(R)
     p_a = probs_row(p, acc)  # [R, V]
-    q_a = q[rows, jnp.minimum(acc, G - 1)]
+    q_a = probs_row(q, jnp.minimum(acc, G - 1))
     rejected = acc < lengths
     dist = jnp.where(rejected[:, None], residual_distribution(p_a, q_a), p_a)
     last = sample(k_s, dist)

@@ -77,13 +77,14 @@ def sampling_path(temperature, top_k, top_p, vocab_size: int) -> jax.Array:
     return (branch + 3 * jnp.any(t <= 0.0)).astype(jnp.int32)
 
 
-def all_greedy(sampling) -> bool:
-    """Whether every row of `sampling` (a `SamplingParams` of scalars or per-row arrays) is greedy
-    and known so when traced (its temperatures constants, not arguments): a program traced so needs
-    no sampling noise and no distributions beyond the argmax's one-hot."""
+def all_greedy(sampling) -> bool | None:
+    """Whether every row of `sampling` (a `SamplingParams` of scalars or per-row arrays) is greedy,
+    where that is known when traced (its temperatures constants, not arguments); None where it is
+    not (the program must decide at run time). A program traced for greedy rows only needs no
+    sampling noise and no distributions beyond the argmax's one-hot."""
     t = sampling.temperature
     if isinstance(t, jax.core.Tracer):
-        return False
+        return None
     return bool(np.all(np.asarray(t, np.float32) <= 0.0))
 
 

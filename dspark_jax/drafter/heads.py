@@ -132,49 +132,64 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     token; z_j (confidence logit) likewise. Returns tokens [R,G] int32, q [R,G,V] float32
     (exactly the distributions sampled from), z [R,G] float32 (zeros without a
     confidence head). Without a Markov head (DFlash) B = 0. `path`: see `sampling.sampling_path`.
-    Every row greedy and known so when traced (`greedy`, default `sampling.all_greedy`): each
-    slot's argmax, no noise, q its one-hot (what `sampling_probs` gives a greedy row).
+
+    When every row is greedy, each slot takes its argmax with no noise drawn and q is the tokens'
+    one-hot (what `sampling_probs` gives a greedy row), built once after the scan. `greedy`
+    (default `sampling.all_greedy`): True or False when known as the program is traced (only that
+    head is in the program); otherwise both are and `lax.cond` picks at run time.
     """
     r, g = h.shape[:2]
     u = constrain(base_logits(params, h), (None, None, "act_vocab"))
     v = u.shape[-1]
     greedy = all_greedy(sampling) if greedy is None else greedy
-    # the noise drawn before the scan: the scan body keeps only the V-wide softmax and one argmax
-    noise = None if greedy else constrain(_block_noise(key, r, g, v), (None, None, "act_vocab"))
+    s0 = init_state(params, (r,), h.dtype)
+    carry0 = (anchor.astype(jnp.int32), s0)
+    slots = (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0))
 
-    def body(carry, xs):
-        prev, s = carry
-        u_j, h_j, noise_j = xs
-        s, b_j = step_bias(params, s, h_j, prev)
-        # the V-wide work split as the LM head's output is (over tensor), never gathered whole
-        logits = constrain(u_j + b_j, (None, "act_vocab"))
-        if greedy:
-            tok = first_argmax(logits).astype(jnp.int32)
-            q_j = constrain(jax.nn.one_hot(tok, v, dtype=jnp.float32), (None, "act_vocab"))
-        else:
+    def argmax_head(_):
+        toks, z = _argmax_scan(params, u, h, anchor)
+        return toks, constrain(jax.nn.one_hot(toks, v, dtype=jnp.float32), (None, None, "act_vocab")), z
+
+    def sampling_head(_):
+        # the noise drawn before the scan: the scan body keeps only the V-wide softmax and one argmax
+        noise = constrain(_block_noise(key, r, g, v), (None, None, "act_vocab"))
+
+        def body(carry, xs):
+            prev, s = carry
+            u_j, h_j, noise_j = xs
+            s, b_j = step_bias(params, s, h_j, prev)
+            # the V-wide work split as the LM head's output is (over tensor), never gathered whole
+            logits = constrain(u_j + b_j, (None, "act_vocab"))
             q_j = constrain(probs_from_params(logits, sampling, path), (None, "act_vocab"))
             tok = sample_with_noise(q_j, noise_j)
-        z_j = confidence_logits(params, h_j, prev)
-        return (tok, s), (tok, q_j, z_j)
+            return (tok, s), (tok, q_j, confidence_logits(params, h_j, prev))
 
-    s0 = init_state(params, (r,), h.dtype)
-    xs = (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0), noise)
-    _, (toks, q, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), xs)
-    return toks.T, jnp.moveaxis(q, 0, 1), z.T
+        _, (toks, q, z) = jax.lax.scan(body, carry0, (*slots, noise))
+        return toks.T, jnp.moveaxis(q, 0, 1), z.T
+
+    if greedy is None:
+        every_row = jnp.all(jnp.asarray(sampling.temperature, jnp.float32) <= 0.0)
+        return jax.lax.cond(every_row, argmax_head, sampling_head, None)
+    return argmax_head(None) if greedy else sampling_head(None)
 
 
-def greedy_block(params: dict, h, anchor):
-    """`sample_block` at temperature 0 (each slot's argmax, previous slots' own tokens feeding the
-    head) without what sampling needs: no noise, no distributions. -> tokens [R, G] int32, z [R, G]."""
-    u = base_logits(params, h)
+def _argmax_scan(params: dict, u, h, anchor):
+    """Each slot's argmax of U_j + B_j left to right, B_j from the previous slot's own token:
+    u [R, G, V] (the LM head's logits), h [R, G, H] -> tokens [R, G] int32, z [R, G]."""
 
     def body(carry, xs):
         prev, s = carry
         u_j, h_j = xs
         s, b_j = step_bias(params, s, h_j, prev)
-        tok = first_argmax(u_j + b_j).astype(jnp.int32)
+        tok = first_argmax(constrain(u_j + b_j, (None, "act_vocab"))).astype(jnp.int32)
         return (tok, s), (tok, confidence_logits(params, h_j, prev))
 
     s0 = init_state(params, (h.shape[0],), h.dtype)
     _, (toks, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0)))
     return toks.T, z.T
+
+
+def greedy_block(params: dict, h, anchor):
+    """`sample_block` at temperature 0 (each slot's argmax, previous slots' own tokens feeding the
+    head) without what sampling needs: no noise, no distributions. -> tokens [R, G] int32, z [R, G]."""
+    return _argmax_scan(params, base_logits(params, h), h, anchor)

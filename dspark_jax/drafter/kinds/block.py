@@ -83,7 +83,7 @@ class BlockKind(DrafterKind):
         # 8 rows run on the vector unit (a 1-slot Qwen3-8B draft 1.32 -> ms, docs/performance.md)
         r = anchor.shape[0]
         rows = max(r, row_tile())
-        greedy = all_greedy(sampling)  # known before the padding stages the settings into the trace
+        greedy = all_greedy(sampling)  # read before the padding stages the settings into the trace
         pad = lambda a: a if rows == r else jnp.concatenate([a, jnp.repeat(a[:1], rows - r, axis=0)])
         sampling = type(sampling)(*(pad(jnp.broadcast_to(jnp.asarray(x), (r,))) for x in sampling))
         toks, q, z = heads.sample_block(pad(keys), dp, pad(h), pad(anchor), sampling, path, greedy=greedy)
