@@ -100,7 +100,6 @@ def verify(
     accept = (u * qd < pd) & (jnp.arange(G)[None, :] < lengths[:, None])
     acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
-    rows = jnp.arange(R)
     p_a = probs_row(p, acc)  # [R, V]
     q_a = probs_row(q, jnp.minimum(acc, G - 1))
     rejected = acc < lengths
