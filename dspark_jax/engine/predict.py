@@ -80,7 +80,8 @@ def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, 
     return program_cost(_round_compiled(ab, bucket, ctl, width, skip), ab.mesh.devices.flat[0])
 
 
-def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
+def _draft_compiled(ab: AbstractEngine, ctl):
+    """The round's draft part alone compiled for the abstract engine's slice."""
     spec = ab.eng.spec
 
     def draft_only(dt, s):
@@ -88,8 +89,11 @@ def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
 
     with jax.set_mesh(ab.mesh):
         _, dt, st = _abstract_args(ab)
-        lowered = jax.jit(draft_only, in_shardings=(ab.dt_sh, ab.state_sh)).lower(dt, st)
-        return program_cost(lowered.compile(), ab.mesh.devices.flat[0])
+        return jax.jit(draft_only, in_shardings=(ab.dt_sh, ab.state_sh)).lower(dt, st).compile()
+
+
+def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
+    return program_cost(_draft_compiled(ab, ctl), ab.mesh.devices.flat[0])
 
 
 def _derive_times(d: dict) -> dict:

@@ -29,9 +29,11 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.parallel.tpu_cost import kernel_rates, program_cost
 from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.kernels import TPU_ROW_TILE as TILE
 from dspark_jax.target.merged import MERGED_PRODUCTS, MergeChoice, merge_choice
 
-__all__ = ["product_shapes", "read_once_seconds", "kv_bytes_per_chip"]
+__all__ = ["product_shapes", "read_once_seconds", "kv_bytes_per_chip", "weight_bytes_per_chip",
+           "draft_read_once_seconds", "context_read_once_seconds"]
 
 
 def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = None) -> dict[str, tuple]:
@@ -67,6 +69,13 @@ def _bare_seconds(device, rows: int, name: str, weight: tuple[int, ...], dtype) 
         return program_cost(jax.jit(product).lower(x, w).compile(), device).seconds
 
 
+def weight_bytes_per_chip(cfg: ModelConfig, tensor: int, itemsize: int = 2, lm_head: bool = True) -> int:
+    """One chip's bytes of the weights a decode step's products read (`product_shapes`, the LM head
+    with `lm_head`): what the HBM floor divides by the chip's datasheet bandwidth."""
+    return sum(int(np.prod(shape)) * m * itemsize for name, (shape, m) in product_shapes(cfg, tensor).items()
+               if lm_head or name != "lm_head")
+
+
 def kv_bytes_per_chip(cfg: ModelConfig, *, slots: int, context: int, tensor: int, itemsize: int = 2) -> int:
     """One chip's K and V of `slots` rows over `context` positions, its KV heads split over
     `tensor` chips (a head on every chip where there are fewer heads than chips)."""
@@ -80,7 +89,8 @@ def read_once_seconds(cfg: ModelConfig, device, *, rows: int, tensor: int, kv_by
                       dtype=jnp.bfloat16) -> dict:
     """The compiler's price of one chip's share of a decode step of `rows` token rows: its weight
     products compiled bare ({name: seconds, all layers}; a group the cheaper of its parts and its
-    merged product) and its KV read -> {"weights": s, "kv": s, "total": s, "products": {...}}."""
+    merged product) and its KV read -> {"weights": s, "kv": s, "total": s, "products": {...}, "bytes": the
+    weights' and KV's bytes}."""
     price = lambda choice: {name: m * _bare_seconds(device, rows, name, shape, dtype)
                             for name, (shape, m) in product_shapes(cfg, tensor, choice).items()}
     parts, merged = price(MergeChoice(False, False)), price(MergeChoice(True, True))
@@ -89,4 +99,40 @@ def read_once_seconds(cfg: ModelConfig, device, *, rows: int, tensor: int, kv_by
         products[label] = min(sum(parts[n] for n in names), merged[one])
     weights = sum(products.values())
     kv = kv_bytes_per_chip / kernel_rates(device)[1]
-    return {"weights": weights, "kv": kv, "total": weights + kv, "products": products}
+    nbytes = weight_bytes_per_chip(cfg, tensor, jnp.dtype(dtype).itemsize) + kv_bytes_per_chip
+    return {"weights": weights, "kv": kv, "total": weights + kv, "products": products, "bytes": nbytes}
+
+
+def draft_read_once_seconds(layer_cfg: ModelConfig, device, *, slots: int, gamma: int, markov_rank: int,
+                            tensor: int, kv_bytes_per_chip: int, dtype=jnp.bfloat16) -> dict:
+    """The compiler's price of one chip's share of a block draft (docs/performance.md): the drafter's
+    layers and the LM head at the block's R x G rows (`read_once_seconds` over the drafter's layer
+    config), the Markov head's W2 at R rows once per slot (each slot's product needs the previous
+    slot's token, so the weight is read G times), and the drafter's context KV at the kernel byte
+    rate. -> read_once_seconds' dict plus "bytes" (what the draft must read, W2 G times)."""
+    rows = max(slots * gamma, TILE)
+    out = read_once_seconds(layer_cfg, device, rows=rows, tensor=tensor, kv_bytes_per_chip=kv_bytes_per_chip,
+                            dtype=dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    w2 = (markov_rank, layer_cfg.vocab_size // tensor)
+    if markov_rank:
+        out["products"]["markov_w2"] = gamma * _bare_seconds(device, max(slots, TILE), "markov_w2", w2, dtype)
+        out["weights"] += out["products"]["markov_w2"]
+        out["total"] = out["weights"] + out["kv"]
+    out["bytes"] = (weight_bytes_per_chip(layer_cfg, tensor, itemsize) + gamma * int(np.prod(w2)) * itemsize
+                    + kv_bytes_per_chip)
+    return out
+
+
+def context_read_once_seconds(layer_cfg: ModelConfig, features: int, device, *, rows: int, tensor: int,
+                              dtype=jnp.bfloat16) -> dict:
+    """The compiler's price of writing the drafter's context for `rows` verified tokens: the fused
+    feature projection [m H, H] split over `tensor` on its output (drafter/decode_weights.py) and
+    every drafter layer's k / v products. -> {"total": s, "products": {...}, "bytes": int}."""
+    h, kv = layer_cfg.hidden_size, max(layer_cfg.num_kv_heads // tensor, 1) * layer_cfg.head_dim
+    shapes = {"fc": ((features * h, h // tensor), 1), "k_proj": ((h, kv), layer_cfg.num_layers),
+              "v_proj": ((h, kv), layer_cfg.num_layers)}
+    rows = max(rows, TILE)
+    products = {n: m * _bare_seconds(device, rows, n, shape, dtype) for n, (shape, m) in shapes.items()}
+    nbytes = sum(int(np.prod(shape)) * m for shape, m in shapes.values()) * jnp.dtype(dtype).itemsize
+    return {"total": sum(products.values()), "products": products, "bytes": nbytes}

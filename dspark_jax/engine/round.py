@@ -279,9 +279,11 @@ def _decoding(spec: Spec, st: DecodeState):
     return filling, st.active & ~filling
 
 
-def _bucket(spec: Spec, st: DecodeState, act, lengths, filling):
+def _bucket(spec: Spec, st: DecodeState, act, lengths, filling, table=None):
     """(chunk, tokens it takes per row, bucket index): the verification's tokens, with prompt
-    chunks of prefilling slots filling what the largest bucket leaves."""
+    chunks of prefilling slots filling what the largest bucket leaves. With a cost `table`, the
+    compiled bucket it prices cheapest among those that hold them (`prefix.holding_cost`); buckets
+    it does not price (chunk-only) only when no priced one holds them."""
     n_tok = jnp.sum(jnp.where(act, 1 + lengths, 0))
     chunk = take = None
     if spec.prefill_chunk:
@@ -289,6 +291,12 @@ def _bucket(spec: Spec, st: DecodeState, act, lengths, filling):
         n_tok = n_tok + jnp.sum(take)
     buckets = jnp.asarray(spec.buckets, jnp.int32)
     b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1).astype(jnp.int32)
+    if table is not None and len(spec.buckets) > 1:
+        priced = jnp.asarray(table.buckets, jnp.int32)
+        at = jnp.minimum(jnp.searchsorted(priced, buckets, side="left"), priced.shape[0] - 1)
+        t = jnp.where(priced[at] == buckets, jnp.asarray(table.t_verify, jnp.float32)[at], jnp.inf)
+        t = jnp.where(buckets >= n_tok, t, jnp.inf)
+        b_idx = jnp.where(jnp.isfinite(jnp.min(t)), jnp.argmin(t), b_idx).astype(jnp.int32)
     return chunk, take, b_idx
 
 
@@ -353,7 +361,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     _, verify_keys = row_round_keys(st.keys, st.rounds)
     samp = ctl.sampling
     lengths = jnp.zeros((r,), jnp.int32)
-    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
+    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
     toks, valid = st.anchor[:, None], act[:, None]
     path = sampling_path(*samp, spec.tcfg.vocab_size)
     # the drafter reads the target's features of the verified positions, or of prompt chunks
@@ -404,7 +412,7 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
     since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl)
 
-    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling)
+    chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
     widths = spec.widths
     w_idx = _width_index(widths, act, lengths)
     toks = jnp.concatenate([st.anchor[:, None], drafts], axis=1)  # [R, G+1]

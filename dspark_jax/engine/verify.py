@@ -59,7 +59,7 @@ class Chunk(NamedTuple):
 
 
 # the largest multi-column view packed in place (tokens); one-column views always are
-IN_PLACE_MAX_TOKENS = 256
+IN_PLACE_MAX_TOKENS = 4096
 
 
 class VerifyOut(NamedTuple):

@@ -10,12 +10,22 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["TpuSlice", "parse_slice", "slice_names", "HBM_GIB", "PEAK_BF16_TFLOPS"]
+__all__ = ["TpuSlice", "parse_slice", "slice_names", "HBM_GIB", "PEAK_BF16_TFLOPS", "HBM_GBPS", "ICI_GBPS",
+           "ICI_PORTS", "DATASHEET"]
 
 # HBM per chip (GiB), from Cloud TPU's system architecture pages
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v7x": 192.0}
 # peak dense bf16 TFLOP/s per chip, from Cloud TPU's system architecture pages
 PEAK_BF16_TFLOPS = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0, "v5p": 459.0, "v7x": 2307.0}
+# HBM bandwidth per chip (GB/s, 10^9 bytes), from the same pages (v4: "1200 GBps"; v5e: 819; v6e: 1638;
+# v5p: 2765; TPU7x: 7380)
+HBM_GBPS = {"v4": 1200.0, "v5e": 819.0, "v6e": 1638.0, "v5p": 2765.0, "v7x": 7380.0}
+# bidirectional inter-chip interconnect (ICI) bandwidth per chip (GB/s), summed over its ports, from the
+# same pages (v5e: 400; v6e: 800; v5p and TPU7x: 1200); v4 has no such figure there
+ICI_GBPS = {"v5e": 400.0, "v6e": 800.0, "v5p": 1200.0, "v7x": 1200.0}
+ICI_PORTS = {"v4": 6, "v5e": 4, "v6e": 4, "v5p": 6, "v7x": 6}
+DATASHEET = ("Cloud TPU system architecture pages (docs.cloud.google.com/tpu/docs/v5e, v6e, v5p, tpu7x), "
+             "read 2026-12-05")
 # topology-name prefix libtpu knows each generation by
 _TOPOLOGY_PREFIX = {"v4": "v4", "v5e": "v5e", "v6e": "v6e", "v5p": "v5p", "v7x": "tpu7x"}
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "tpu7x": "v7x", "v6": "v6e"}
@@ -48,6 +58,11 @@ class TpuSlice:
     def hbm_gib(self) -> float:
         """HBM of one chip."""
         return HBM_GIB[self.generation]
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Datasheet HBM bandwidth of one chip (`HBM_GBPS`)."""
+        return HBM_GBPS[self.generation] * 1e9
 
     @property
     def peak_tflops(self) -> float:

@@ -70,6 +70,8 @@ class ProgramCost:
     loops: tuple[tuple[str, int], ...]  # (body computation, trip count) of every while loop
     unknown_loops: tuple[str, ...]  # loops whose trip count is not a constant (counted once)
     kernels: int = 0  # Pallas calls as the program runs, priced from their declared cost estimate
+    kernel_cycles: int = 0  # the part of `cycles` priced from kernels' declared cost estimates
+    collective_seconds: float = 0.0  # the collectives under a stated model (parallel/collectives.py), not in `seconds`
 
 
 def _split(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -113,16 +115,19 @@ def _result_bytes(type_text: str) -> int:
                for t, dims in _ARRAY.findall(type_text))
 
 
-def hlo_cycles(hlo: str, kernel_cycles=None) -> dict:
-    """{"cycles", "once_cycles", "collectives", "collective_bytes", "kernels", "loops",
-    "unknown_loops"} over the computations the entry runs (a fusion is priced by its instruction,
-    not entered). `kernel_cycles(flops, transcendentals, bytes) -> cycles` prices a kernel call
-    from its declared cost estimate; without it such calls count 0 cycles (and are still counted)."""
+def hlo_cycles(hlo: str, kernel_cycles=None, collective_seconds=None) -> dict:
+    """{"cycles", "once_cycles", "collectives", "collective_bytes", "kernels", "kernel_cycles",
+    "collective_seconds", "loops", "unknown_loops"} over the computations the entry runs (a fusion is
+    priced by its instruction, not entered). `kernel_cycles(flops, transcendentals, bytes) -> cycles`
+    prices a kernel call from its declared cost estimate; without it such calls count 0 cycles (and
+    are still counted). `collective_seconds(op, result bytes, instruction line) -> seconds` prices
+    each collective as it runs (kept apart from the cycles)."""
     comps, entry = _split(hlo)
     loops, unknown = [], []
-    memo: dict[str, np.ndarray] = {}  # per computation: (cycles, once, collectives, coll. bytes, kernels)
-    zero = lambda: np.zeros(5, np.int64)
-    per_run = np.array([1, 0, 1, 1, 1])  # what a loop's trip count multiplies (not the once-counted cycles)
+    # per computation: (cycles, once, collectives, coll. bytes, kernels, kernel cycles, collective ns)
+    memo: dict[str, np.ndarray] = {}
+    zero = lambda: np.zeros(7, np.int64)
+    per_run = np.array([1, 0, 1, 1, 1, 1, 1])  # what a loop's trip count multiplies (not the once-counted cycles)
 
     def cost(name: str) -> np.ndarray:
         if name in memo:
@@ -141,9 +146,12 @@ def hlo_cycles(hlo: str, kernel_cycles=None) -> dict:
                 flops, transcendentals, nbytes = (int(x) for x in k.groups())
                 kc = int(round(kernel_cycles(flops, transcendentals, nbytes))) if kernel_cycles else 0
                 total[:2] += kc
-                total[4] += 1
+                total[4:6] += (1, kc)
             if op in _COLLECTIVES:
-                total[2:4] += (1, _result_bytes(type_text))
+                nbytes = _result_bytes(type_text)
+                total[2:4] += (1, nbytes)
+                if collective_seconds is not None:
+                    total[6] += int(round(1e9 * collective_seconds(op, nbytes, line)))
             if op == "while":
                 body, cond = _ATTR["body"].search(line), _ATTR["condition"].search(line)
                 n = _trip_count(comps.get(cond.group(1), [])) if cond else None
@@ -169,9 +177,10 @@ def hlo_cycles(hlo: str, kernel_cycles=None) -> dict:
         memo[name] = total
         return total
 
-    cycles, once, n_coll, coll_bytes, kernels = (int(x) for x in cost(entry))
+    cycles, once, n_coll, coll_bytes, kernels, k_cycles, coll_ns = (int(x) for x in cost(entry))
     return {"cycles": cycles, "once_cycles": once, "collectives": n_coll, "collective_bytes": coll_bytes,
-            "kernels": kernels, "loops": loops, "unknown_loops": unknown}
+            "kernels": kernels, "kernel_cycles": k_cycles, "collective_seconds": coll_ns * 1e-9, "loops": loops,
+            "unknown_loops": unknown}
 
 
 def _analysis(compiled) -> dict:
@@ -237,14 +246,16 @@ def kernel_pricer(hlo: str, device, clock: float):
     return lambda f, t, b: clock * max(f / rf, b / rb, t / rt)
 
 
-def program_cost(compiled, device) -> ProgramCost:
-    """The estimate of one program compiled for `device`'s chip; see the module doc."""
+def program_cost(compiled, device, collective_seconds=None) -> ProgramCost:
+    """The estimate of one program compiled for `device`'s chip; see the module doc.
+    `collective_seconds`: a model pricing each collective (parallel/collectives.py), reported apart."""
     ca = _analysis(compiled)
     clock = chip_clock_hz(device)
     hlo = compiled.as_text()
-    h = hlo_cycles(hlo, kernel_pricer(hlo, device, clock))
+    h = hlo_cycles(hlo, kernel_pricer(hlo, device, clock), collective_seconds)
     return ProgramCost(seconds=h["cycles"] / clock, cycles=h["cycles"], once_cycles=h["once_cycles"], clock_hz=clock,
                        optimal_seconds=float(ca.get("optimal_seconds", float("nan"))),
                        flops=float(ca.get("flops", 0.0)), bytes_accessed=float(ca.get("bytes accessed", 0.0)),
                        collectives=h["collectives"], collective_bytes=h["collective_bytes"], kernels=h["kernels"],
+                       kernel_cycles=h["kernel_cycles"], collective_seconds=h["collective_seconds"],
                        loops=tuple(h["loops"]), unknown_loops=tuple(h["unknown_loops"]))

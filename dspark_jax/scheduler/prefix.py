@@ -107,10 +107,17 @@ def bucket_index(B, table: CostTable):
     return jnp.minimum(idx, nb - 1).astype(jnp.int32)
 
 
+def holding_cost(table: CostTable):
+    """Seconds to verify in each bucket's place: the cheapest bucket at least as large (the engine
+    verifies a round's tokens in the cheapest compiled bucket that holds them, engine/round.py;
+    on a TPU a larger bucket can be priced cheaper, e.g. one packed in place)."""
+    return jax.lax.cummin(jnp.asarray(table.t_verify, jnp.float32), axis=0, reverse=True)
+
+
 def verify_time(B, table: CostTable, cost: str = "interp"):
     b = jnp.asarray(B, jnp.float32)
     bk = table.buckets.astype(jnp.float32)
-    tv = jnp.asarray(table.t_verify, jnp.float32)
+    tv = holding_cost(table)
     if cost == "interp":
         t = jnp.interp(b, bk, tv)
     elif cost == "step":

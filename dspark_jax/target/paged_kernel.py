@@ -231,12 +231,14 @@ def _tiling(rows: int, nkv: int, m: int, page_size: int, max_pages: int) -> tupl
 
 
 def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, q_prep=None, *, interpret: bool, dense: bool,
-           out_dtype=jnp.float32):
+           out_dtype=jnp.float32, token_rows: int | None = None):
     """The kernel on one shard: q [R, T, Nq, D], layer [1]. Paged: pool [L, P, Nkv, ps, D], table
     [R, M] page ids. Dense: cache [L, R', Nkv, S, D] read in blocks of `DENSE_BLOCK` positions as
     if they were pages, table [R] the cache row of each query row. `own`: an `OwnKeys` block
     [R, W] taken into the softmax after the cache's keys. `q_prep` (`QueryPrep`): q is raw, the
-    kernel prepares each query block once. `out_dtype`: the output's (the log-sum-exp is float32)."""
+    kernel prepares each query block once. `out_dtype`: the output's (the log-sum-exp is float32).
+    `token_rows`: the first rows that hold tokens (the rest read no key, one block each), for the
+    cost the kernel declares."""
     r, t, nq, d = q.shape
     nkv = k_pool.shape[2]
     if dense:
@@ -298,9 +300,15 @@ def _local(layer, q, k_pool, v_pool, table, kv_len, q_start, own=None, q_prep=No
                                scale=1.0 / math.sqrt(d), mask_values=mask_values, own_width=width,
                                own_causal=own is not None and own.causal, own_whole=whole, prep=len(prep_args),
                                eps=q_prep.eps if q_prep is not None else 0.0)
-    keys = r * nkv * padded * steps * pages * ps  # an upper bound: kv_len is known at run time only
+    # the declared cost: every row holding tokens reads its cache's whole length (an upper bound:
+    # kv_len is known at run time only), once for each of its query blocks; a row holding none reads
+    # one step's blocks (the grid's later steps repeat them, not fetched again)
+    tok = r if token_rows is None else min(r, token_rows)
+    q_blocks = padded // block_rows
+    keys = tok * nkv * padded * steps * pages * ps
     keys += r * nkv * padded * (r * width if whole else width)  # the own keys each query block scores
-    read = 2 * r * steps * pages * nkv * ps * d * k_pool.dtype.itemsize
+    block = 2 * pages * nkv * ps * d * k_pool.dtype.itemsize
+    read = q_blocks * block * (tok * steps + (r - tok))
     read += sum(x.size * x.dtype.itemsize for x in own_args + prep_args)
     prep_flops = 12 * r * nkv * padded * d if q_prep is not None else 0  # norm and rotation, once per block
     cost = pl.CostEstimate(flops=4 * keys * d + prep_flops, transcendentals=keys,
@@ -372,7 +380,7 @@ def dense_attention_lse(q, k_all, v_all, kv_len, q_start, *, layer, rows=None, o
         if gpu:
             return gpu_cache_attention_lse(layer, q, k, v, table, kv_len, q_start, interpret=interpret, dense=True)
         return _local(layer, q, k, v, table, kv_len, q_start, own, q_prep, interpret=interpret, dense=True,
-                      out_dtype=out_dtype)
+                      out_dtype=out_dtype, token_rows=k.shape[1] if rows is None else None)
 
     table = jnp.zeros(q.shape[:1], jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
     if gpu:

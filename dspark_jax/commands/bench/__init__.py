@@ -26,6 +26,8 @@ SUBCOMMANDS = {
                                   "bytes / bandwidth, FLOPs / matmul rate"),
     "step": _here("step", "the target-only decode step on a TPU slice against its read-once price, and where its "
                           "time goes (predicted)"),
+    "round": _here("round", "the draft, the round at every bucket and the skipped round on a TPU slice against their "
+                            "read-once price, HBM floor and collectives (predicted)"),
     "tpu-memory": _here("tpu_memory", "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice "
                                       "(resumable)"),
     "tpu-predict": _here("tpu_predict", "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU "
