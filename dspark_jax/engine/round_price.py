@@ -77,6 +77,11 @@ class RoundPrices:
     skip: Priced | None
 
     @property
+    def programs(self) -> list[Priced]:
+        """The step, the draft, the rounds by bucket, the skipped round (those priced)."""
+        return [p for p in (self.step, self.draft, *self.rounds.values(), self.skip) if p is not None]
+
+    @property
     def full(self) -> Priced:
         return self.rounds[self.full_bucket]
 

@@ -50,7 +50,7 @@ def _row(p) -> str:
 
 def _lines(rp, top: int) -> list[str]:
     out = [f"{rp.slots} slots (ms, one chip; x = compiler / floor):", HEADER, _row(rp.step)]
-    out += [_row(p) for p in ([rp.draft] if rp.draft else []) + list(rp.rounds.values()) + ([rp.skip] if rp.skip else [])]
+    out += [_row(p) for p in rp.programs[1:]]
     out.append("  " + ", ".join(f"{k} {v:.2f}" for k, v in rp.summary().items()))
     for p in ([rp.draft] if rp.draft else []) + [rp.full]:
         out.append(f"  where the {p.name}'s time goes:")
