@@ -14,7 +14,7 @@ __all__ = ["prev_embed", "confidence_logits"]
 
 def prev_embed(params: dict, tokens, dtype=None):
     """W1[x]: the Markov embedding of previous tokens, [...] -> [..., r]."""
-    e = jnp.take(params["markov_w1"], tokens, axis=0)
+    e = jnp.take(params["markov_w1"], tokens, axis=0, mode="clip")  # token ids are in range: no fill mask
     return e if dtype is None else e.astype(dtype)
 
 

@@ -7,7 +7,10 @@ their bytes, as a target step is. Two layouts of the parameters cost it more tha
   stack and XLA:TPU copies the slice before the products read it. Split once per engine, the
   layers are a tuple of per-layer dicts and the backbone runs them unrolled
   (`drafter.backbone`), each product reading its weight in place; where the engine keeps the scan
-  (XLA:CPU, `target.kernels.per_layer_decode`) they stay stacked;
+  (XLA:CPU, `target.kernels.per_layer_decode`) they stay stacked. Split, each layer's q / k / v
+  and gate / up are merged as the target's are (target/merged.py: XLA:TPU copied the input-major
+  q weight into [N, H] every draft otherwise), and k / v are also kept apart for the context's
+  products (`update_context` projects the fused features with them alone: 2 x H x D a KV head);
 - the fused feature projection `fc` [m H, H] replicated (its output axis is `embed`, split over
   `fsdp` for training and whole on a tensor-parallel mesh): every chip read all of it for the
   context of every verified token. For decoding its output is split over `tensor` like the
@@ -25,29 +28,43 @@ import jax
 from jax.sharding import NamedSharding
 
 from dspark_jax.parallel.sharding import logical_to_pspec
-from dspark_jax.target.decode_weights import per_layer_sharding, unstack_layers
+from dspark_jax.target.config import ModelConfig
+from dspark_jax.target.decode_weights import abstract_layer_arrays, merged_layers, per_layer_sharding, unstack_layers
 
 __all__ = ["FC_DECODE_AXES", "drafter_decode_arrays", "abstract_drafter_arrays"]
 
 FC_DECODE_AXES = ("fused", "ctx_out")
+W1_DECODE_AXES = (None, "rank")
 
 
 def _fc_sharding(fc, mesh):
     return NamedSharding(mesh, logical_to_pspec(FC_DECODE_AXES, fc.shape, mesh))
 
 
-def drafter_decode_arrays(arrays: dict, per_layer: bool, mesh=None) -> dict:
-    """`Drafter.arrays()` -> the decode layout (module docstring): layers per layer where
-    `per_layer`, `fc` split over `mesh`'s tensor axis. Eager: the split copies the layers once."""
+def _w1_sharding(w1, mesh):
+    return NamedSharding(mesh, logical_to_pspec(W1_DECODE_AXES, w1.shape, mesh))
+
+
+def _with_context_kv(merged: tuple[dict, ...], layers: tuple[dict, ...]) -> tuple[dict, ...]:
+    return tuple({**m, "k_proj": p["k_proj"], "v_proj": p["v_proj"]} for m, p in zip(merged, layers))
+
+
+def drafter_decode_arrays(arrays: dict, cfg: ModelConfig, per_layer: bool, mesh=None) -> dict:
+    """`Drafter.arrays()` of a drafter with layer config `cfg` -> the decode layout (module
+    docstring): layers per layer and merged where `per_layer`, `fc` split over `mesh`'s tensor
+    axis. Eager: the split copies the layers once."""
     out = dict(arrays)
     if per_layer and isinstance(out.get("layers"), dict):
-        out["layers"] = unstack_layers(out["layers"])
+        layers = unstack_layers(out["layers"])
+        out["layers"] = _with_context_kv(merged_layers(layers, cfg), layers)
     if mesh is not None and "fc" in out:
         out["fc"] = jax.device_put(out["fc"], _fc_sharding(out["fc"], mesh))
+    if mesh is not None and "markov_w1" in out:
+        out["markov_w1"] = jax.device_put(out["markov_w1"], _w1_sharding(out["markov_w1"], mesh))
     return out
 
 
-def abstract_drafter_arrays(arrays: dict, shardings: dict, mesh, per_layer: bool) -> dict:
+def abstract_drafter_arrays(arrays: dict, shardings: dict, mesh, per_layer: bool, cfg: ModelConfig) -> dict:
     """The shapes of `Drafter.arrays()` (`jax.eval_shape`) with their parameters' `shardings` (the
     same tree), as `drafter_decode_arrays` lays them out on `mesh`: what an ahead-of-time compile
     of the engine's programs takes as the drafter's weights."""
@@ -55,12 +72,16 @@ def abstract_drafter_arrays(arrays: dict, shardings: dict, mesh, per_layer: bool
     out = {k: sds(a, shardings[k]) for k, a in arrays.items() if k != "layers"}
     if "fc" in out:
         out["fc"] = sds(arrays["fc"], _fc_sharding(arrays["fc"], mesh))
+    if "markov_w1" in out:
+        out["markov_w1"] = sds(arrays["markov_w1"], _w1_sharding(arrays["markov_w1"], mesh))
     layers, lsh = arrays.get("layers"), shardings.get("layers")
     if layers is not None:
         if per_layer:
             n = {a.shape[0] for a in layers.values()}.pop()
-            out["layers"] = tuple({k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=per_layer_sharding(lsh[k]))
-                                   for k, a in layers.items()} for _ in range(n))
+            one = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=per_layer_sharding(lsh[k]))
+                   for k, a in layers.items()}
+            merged = abstract_layer_arrays(cfg, one, mesh)
+            out["layers"] = _with_context_kv((merged,) * n, (one,) * n)
         else:
             out["layers"] = {k: sds(a, lsh[k]) for k, a in layers.items()}
     return out

@@ -74,11 +74,12 @@ def init_state(params: dict, lead_shape, dtype):
 
 
 def step_bias(params: dict, state, h_j, prev_j):
-    """One slot: (state, h_j [...,H], prev token [...]) -> (state', B_j [...,V] float32)."""
+    """One slot: (state, h_j [...,H] (None for the heads that do not read it: none, vanilla), prev
+    token [...]) -> (state', B_j [...,V] float32)."""
     kind = head_type(params)
     if kind is None:
-        return state, jnp.zeros((*h_j.shape[:-1], params["lm_head"].shape[1]), jnp.float32)
-    e = prev_embed(params, prev_j, h_j.dtype)
+        return state, jnp.zeros((*jnp.shape(prev_j), params["lm_head"].shape[1]), jnp.float32)
+    e = prev_embed(params, prev_j, None if h_j is None else h_j.dtype)
     if kind == "vanilla":
         return state, project_bias(params, e)
     if kind == "gated":
@@ -136,60 +137,75 @@ def sample_block(key, params: dict, h, anchor, sampling: SamplingParams = Sampli
     When every row is greedy, each slot takes its argmax with no noise drawn and q is the tokens'
     one-hot (what `sampling_probs` gives a greedy row), built once after the scan. `greedy`
     (default `sampling.all_greedy`): True or False when known as the program is traced (only that
-    head is in the program); otherwise both are and `lax.cond` picks at run time.
+    head is in the program); otherwise both are and `lax.cond` picks at run time. The scan carries
+    only what the next slot needs; the confidences (which read the sampled tokens, not feed them)
+    are computed for the whole block after it.
     """
     r, g = h.shape[:2]
     u = constrain(base_logits(params, h), (None, None, "act_vocab"))
     v = u.shape[-1]
     greedy = all_greedy(sampling) if greedy is None else greedy
-    s0 = init_state(params, (r,), h.dtype)
-    carry0 = (anchor.astype(jnp.int32), s0)
-    slots = (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0))
 
     def argmax_head(_):
-        toks, z = _argmax_scan(params, u, h, anchor)
-        return toks, constrain(jax.nn.one_hot(toks, v, dtype=jnp.float32), (None, None, "act_vocab")), z
+        toks = _argmax_scan(params, u, h, anchor)
+        return toks, constrain(jax.nn.one_hot(toks, v, dtype=jnp.float32), (None, None, "act_vocab"))
 
     def sampling_head(_):
         # the noise drawn before the scan: the scan body keeps only the V-wide softmax and one argmax
         noise = constrain(_block_noise(key, r, g, v), (None, None, "act_vocab"))
 
-        def body(carry, xs):
-            prev, s = carry
-            u_j, h_j, noise_j = xs
-            s, b_j = step_bias(params, s, h_j, prev)
+        def draw(u_j, b_j, noise_j):
             # the V-wide work split as the LM head's output is (over tensor), never gathered whole
-            logits = constrain(u_j + b_j, (None, "act_vocab"))
-            q_j = constrain(probs_from_params(logits, sampling, path), (None, "act_vocab"))
-            tok = sample_with_noise(q_j, noise_j)
-            return (tok, s), (tok, q_j, confidence_logits(params, h_j, prev))
+            q_j = constrain(probs_from_params(constrain(u_j + b_j, (None, "act_vocab")), sampling, path),
+                            (None, "act_vocab"))
+            return sample_with_noise(q_j, noise_j), q_j
 
-        _, (toks, q, z) = jax.lax.scan(body, carry0, (*slots, noise))
-        return toks.T, jnp.moveaxis(q, 0, 1), z.T
+        toks, q = _head_scan(params, u, h, anchor, draw, noise)
+        return toks, jnp.moveaxis(q, 0, 1)
 
     if greedy is None:
         every_row = jnp.all(jnp.asarray(sampling.temperature, jnp.float32) <= 0.0)
-        return jax.lax.cond(every_row, argmax_head, sampling_head, None)
-    return argmax_head(None) if greedy else sampling_head(None)
+        toks, q = jax.lax.cond(every_row, argmax_head, sampling_head, None)
+    else:
+        toks, q = argmax_head(None) if greedy else sampling_head(None)
+    return toks, q, block_confidence(params, h, anchor, toks)
+
+
+def block_confidence(params: dict, h, anchor, toks):
+    """z [R, G]: slot j's confidence from h_j and its previous token (the anchor, then the drafts)."""
+    prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), toks[:, :-1]], axis=1)
+    return confidence_logits(params, h, prev)
+
+
+def _head_scan(params: dict, u, h, anchor, draw, *extra):
+    """The sequential head over the G slots: slot j's bias B_j from the previous slot's token, then
+    `draw(u_j, b_j, *extra_j) -> (token [R], output)` -> (tokens [R, G], outputs stacked on [G, ...]).
+    h rides in the scan only for the heads that read it (gated, rnn)."""
+    with_h = head_type(params) in ("gated", "rnn")
+
+    def body(carry, xs):
+        prev, s = carry
+        u_j, *rest = xs
+        h_j, rest = (rest[0], rest[1:]) if with_h else (None, rest)
+        s, b_j = step_bias(params, s, h_j, prev)
+        tok, out = draw(u_j, b_j, *rest)
+        return (tok.astype(jnp.int32), s), (tok.astype(jnp.int32), out)
+
+    s0 = init_state(params, (h.shape[0],), h.dtype)
+    slots = (jnp.moveaxis(u, 1, 0), *((jnp.moveaxis(h, 1, 0),) if with_h else ()), *extra)
+    _, (toks, outs) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), slots)
+    return toks.T, outs
 
 
 def _argmax_scan(params: dict, u, h, anchor):
     """Each slot's argmax of U_j + B_j left to right, B_j from the previous slot's own token:
-    u [R, G, V] (the LM head's logits), h [R, G, H] -> tokens [R, G] int32, z [R, G]."""
-
-    def body(carry, xs):
-        prev, s = carry
-        u_j, h_j = xs
-        s, b_j = step_bias(params, s, h_j, prev)
-        tok = first_argmax(constrain(u_j + b_j, (None, "act_vocab"))).astype(jnp.int32)
-        return (tok, s), (tok, confidence_logits(params, h_j, prev))
-
-    s0 = init_state(params, (h.shape[0],), h.dtype)
-    _, (toks, z) = jax.lax.scan(body, (anchor.astype(jnp.int32), s0), (jnp.moveaxis(u, 1, 0), jnp.moveaxis(h, 1, 0)))
-    return toks.T, z.T
+    u [R, G, V] (the LM head's logits), h [R, G, H] -> tokens [R, G] int32."""
+    argmax = lambda u_j, b_j: (first_argmax(constrain(u_j + b_j, (None, "act_vocab"))), None)
+    return _head_scan(params, u, h, anchor, argmax)[0]
 
 
 def greedy_block(params: dict, h, anchor):
     """`sample_block` at temperature 0 (each slot's argmax, previous slots' own tokens feeding the
     head) without what sampling needs: no noise, no distributions. -> tokens [R, G] int32, z [R, G]."""
-    return _argmax_scan(params, base_logits(params, h), h, anchor)
+    toks = _argmax_scan(params, base_logits(params, h), h, anchor)
+    return toks, block_confidence(params, h, anchor, toks)

@@ -126,7 +126,7 @@ class Engine:
         # the target's weights one array per layer: what every compiled program reads (each once)
         self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh), release=cfg.release_target_layers)
         self.dp = {} if drafter is None else drafter.arrays() if not self.kind.decode_layout else \
-            drafter_decode_arrays(drafter.arrays(), per_layer_decode(mesh), mesh)
+            drafter_decode_arrays(drafter.arrays(), shape.cfg, per_layer_decode(mesh), mesh)
         state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)

@@ -111,7 +111,7 @@ def _abstract_drafter(eng: Engine, dg, dparams, dfrozen, dp_sh, dfz_sh, mesh):
         out_sh = jax.jit(arrays, in_shardings=(dp_sh, dfz_sh)).lower(dparams, dfrozen).compile().output_shardings
     if not eng.kind.decode_layout:
         return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out_sh)
-    return abstract_drafter_arrays(shapes, out_sh, mesh, per_layer_decode(mesh))
+    return abstract_drafter_arrays(shapes, out_sh, mesh, per_layer_decode(mesh), eng.spec.draft.cfg)
 
 
 def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", drafter: bool = True,

@@ -29,7 +29,8 @@ from dspark_jax.target.config import ModelConfig
 from dspark_jax.target.merged import MERGED_AXES, MergeChoice, merge_choice, merge_gate_up, merge_qkv
 from dspark_jax.target.transformer import layer_param_shapes
 
-__all__ = ["unstack_layers", "decode_arrays", "per_layer_sharding", "abstract_decode_arrays", "merge_projections"]
+__all__ = ["unstack_layers", "decode_arrays", "per_layer_sharding", "abstract_decode_arrays", "merge_projections",
+           "merged_layers", "abstract_layer_arrays"]
 
 
 def per_layer_sharding(sharding):
@@ -71,7 +72,7 @@ def unstack_layers(layers: dict, release: bool = False) -> tuple[dict, ...]:
     return tuple({k: split[k][i] for k in layers} for i in range(n))
 
 
-def _merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ...]:
+def merged_layers(layers: tuple[dict, ...], cfg: ModelConfig) -> tuple[dict, ...]:
     """`merge_projections` of each per-layer dict, each merged weight split over the mesh as its
     parts are (traced, as an abstract engine is built: for the mesh it is traced under)."""
     first = layers[0]["down_proj"]
@@ -109,7 +110,7 @@ def decode_arrays(model, dtype=None, per_layer: bool = True, release: bool = Fal
     layers = unstack_layers(arrays.pop("layers"), release=release)
     if release:
         model.layers.release()  # where `arrays(dtype)` cast copies, the parameters themselves
-    return {**arrays, "layers": _merged_layers(layers, model.cfg)}
+    return {**arrays, "layers": merged_layers(layers, model.cfg)}
 
 
 def _axes(cfg: ModelConfig) -> tuple[dict, dict]:
@@ -132,6 +133,15 @@ def abstract_decode_arrays(cfg: ModelConfig, arrays: dict, mesh, per_layer: bool
     if not per_layer:
         return {**out, "layers": {k: sds(a, ("layers", *layer[k])) for k, a in arrays["layers"].items()}}
     one = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in arrays["layers"].items()}
-    merged = jax.eval_shape(lambda p: merge_projections(p, cfg, merge_choice(cfg, mesh)), one)
-    out["layers"] = tuple({k: sds(a, layer[k]) for k, a in merged.items()} for _ in range(cfg.num_layers))
+    out["layers"] = (abstract_layer_arrays(cfg, one, mesh),) * cfg.num_layers
     return out
+
+
+def abstract_layer_arrays(cfg: ModelConfig, one: dict, mesh) -> dict:
+    """One layer's weights (shapes `one`, {name: [...]}) merged as `merged_layers` merges them on
+    `mesh`, as ShapeDtypeStructs with the rules table's shardings."""
+    _, layer = _axes(cfg)
+    merged = jax.eval_shape(lambda p: merge_projections(p, cfg, merge_choice(cfg, mesh)), one)
+    return {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, logical_to_pspec(layer[k], a.shape,
+                                                                                                      mesh)))
+            for k, a in merged.items()}
