@@ -77,6 +77,7 @@ def _versus(args, ap) -> int:
     """--vs-target-only: scheduled DSpark / target-only for every table and profile named."""
     from dspark_jax.calibration.profiles import parse_profile, profile_traces
     from dspark_jax.calibration.sts import fit_sts
+    from dspark_jax.engine.predict import with_collectives
     from dspark_jax.scheduler.costs import load_cost_file, with_overhead
     from dspark_jax.scheduler.simulate import priced_concurrency, ratio_rows_markdown, versus_target_only
 
@@ -88,6 +89,8 @@ def _versus(args, ap) -> int:
     rows, notes = [], {}
     for path in _cost_paths(args.costs):
         cost = load_cost_file(path)
+        if args.with_collectives:
+            cost = with_collectives(cost)
         if args.overhead_ms:
             cost = with_overhead(cost, args.overhead_ms / 1e3, "--overhead-ms")
         gamma = int((cost.get("engine") or {}).get("gamma") or 7)
@@ -154,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--overhead-ms", type=float, default=0.0,
                     help="added to every round (host overhead a predicted table does not hold: "
                          "docs/tpu_predictions.md)")
+    ap.add_argument("--with-collectives", action="store_true",
+                    help="--vs-target-only: a predicted table's programs with their collectives added, as "
+                         "parallel/collectives.py prices them (the compiler prices none)")
     ap.add_argument("--expect-topology", default=None, help="refuse a table made for another slice")
     ap.add_argument("--expect-target", default=None, help="refuse a table made for another target preset")
     ap.add_argument("--mtp-accept", type=float, default=0.85,

@@ -32,11 +32,13 @@ from dspark_jax.engine.buckets import tiled
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.plan import AbstractEngine, abstract_engine, plan_mesh
 from dspark_jax.engine.round import draft_part, round_step
+from dspark_jax.parallel.collectives import collective_pricer
+from dspark_jax.parallel.slices import tpu_generation
 from dspark_jax.parallel.tpu_cost import ProgramCost, program_cost
 from dspark_jax.scheduler.costs import PREDICTED_ON, SKIPPED_ROUND, bucket_plan
 from dspark_jax.target.kernels import row_tile
 
-__all__ = ["predict_table", "reprice", "libtpu_version"]
+__all__ = ["predict_table", "reprice", "with_collectives", "libtpu_version"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,16 @@ def _round_compiled(ab: AbstractEngine, bucket: int, ctl, width: int | None = No
         return lowered.compile()
 
 
+def _collectives(ab: AbstractEngine):
+    """parallel/collectives.py's price for the abstract engine's slice (None off TPU or without a figure)."""
+    device = ab.mesh.devices.flat[0]
+    if device.platform != "tpu":
+        return None
+    return collective_pricer(tpu_generation(device.device_kind), ab.mesh.shape.get("tensor", 1))
+
+
 def _round_cost(ab: AbstractEngine, bucket: int, ctl, width: int | None = None, skip: bool = False) -> ProgramCost:
-    return program_cost(_round_compiled(ab, bucket, ctl, width, skip), ab.mesh.devices.flat[0])
+    return program_cost(_round_compiled(ab, bucket, ctl, width, skip), ab.mesh.devices.flat[0], _collectives(ab))
 
 
 def _draft_compiled(ab: AbstractEngine, ctl):
@@ -93,7 +103,7 @@ def _draft_compiled(ab: AbstractEngine, ctl):
 
 
 def _draft_cost(ab: AbstractEngine, ctl) -> ProgramCost:
-    return program_cost(_draft_compiled(ab, ctl), ab.mesh.devices.flat[0])
+    return program_cost(_draft_compiled(ab, ctl), ab.mesh.devices.flat[0], _collectives(ab))
 
 
 def _derive_times(d: dict) -> dict:
@@ -112,6 +122,18 @@ def _derive_times(d: dict) -> dict:
         out["t_draft_by_kind"] = {kind: {**v, "t_draft_by_requests": [t[f"draft[{kind}]"]]}
                                   for kind, v in d["t_draft_by_kind"].items()}
     return out
+
+
+def with_collectives(d: dict) -> dict:
+    """A predicted table's times with each program's collectives added as parallel/collectives.py
+    prices them (`collective_seconds`, recorded beside the compiler's `seconds`)."""
+    missing = [n for n, p in d["programs"].items() if "collective_seconds" not in p]
+    if missing:
+        raise ValueError(f"programs {', '.join(missing)} were predicted before collectives were priced: predict the "
+                         "table again (python -m dspark_jax costs predict ...)")
+    progs = {n: {**p, "seconds": p["seconds"] + p["collective_seconds"]} for n, p in d["programs"].items()}
+    return {**_derive_times({**d, "programs": progs}),
+            "provenance": d.get("provenance", "") + "; collectives added (parallel/collectives.py's stated model)"}
 
 
 def reprice(d: dict, clock_hz: float) -> dict:

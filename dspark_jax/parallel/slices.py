@@ -11,7 +11,7 @@ import dataclasses
 import re
 
 __all__ = ["TpuSlice", "parse_slice", "slice_names", "HBM_GIB", "PEAK_BF16_TFLOPS", "HBM_GBPS", "ICI_GBPS",
-           "ICI_PORTS", "DATASHEET"]
+           "ICI_PORTS", "DATASHEET", "tpu_generation"]
 
 # HBM per chip (GiB), from Cloud TPU's system architecture pages
 HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v6e": 32.0, "v5p": 95.0, "v7x": 192.0}
@@ -68,6 +68,19 @@ class TpuSlice:
     def peak_tflops(self) -> float:
         """Peak dense bf16 TFLOP/s of one chip."""
         return PEAK_BF16_TFLOPS[self.generation]
+
+
+# the device kind a libtpu device reports -> its generation
+_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+                 "TPU v5": "v5p", "TPU v5p": "v5p", "TPU7x": "v7x", "TPU v7x": "v7x"}
+
+
+def tpu_generation(device_kind: str) -> str:
+    """"v6e" for "TPU v6 lite" (a device's `device_kind`), and so on; ValueError for others."""
+    if device_kind not in _DEVICE_KINDS:
+        raise ValueError(f"device kind {device_kind!r} is not a Cloud TPU generation this table knows "
+                         f"({', '.join(sorted(set(_DEVICE_KINDS.values())))})")
+    return _DEVICE_KINDS[device_kind]
 
 
 def slice_names() -> list[str]:

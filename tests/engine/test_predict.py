@@ -101,6 +101,24 @@ def test_reprice_rederives_every_time_from_the_cycles(predicted):
     assert reprice(predicted, clock)["t_verify"] == pytest.approx(predicted["t_verify"])
 
 
+def test_with_collectives_adds_each_programs_collectives(predicted):
+    """mesh 2 x 1 x 2 on v6e-4: tensor-parallel pairs, every program records its collectives'
+    stated price beside the compiler's seconds, and the table's times gain exactly them."""
+    from dspark_jax.engine.predict import with_collectives
+
+    progs = predicted["programs"]
+    assert all(p["collective_seconds"] > 0 for p in progs.values()), {n: p["collectives"] for n, p in progs.items()}
+    more = with_collectives(predicted)
+    assert more["t_draft"] == pytest.approx(predicted["t_draft"] + progs["draft"]["collective_seconds"])
+    assert more["t_target_step"] == pytest.approx(predicted["t_target_step"]
+                                                  + progs["target_only@R"]["collective_seconds"])
+    assert "collectives added" in more["provenance"]
+    old = {**predicted, "programs": {n: {k: v for k, v in p.items() if k != "collective_seconds"}
+                                     for n, p in progs.items()}}
+    with pytest.raises(ValueError, match="predict the table again"):
+        with_collectives(old)
+
+
 def test_show_labels_a_predicted_table(predicted, tmp_path, capsys):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(predicted))
