@@ -27,12 +27,12 @@ def test_default_under_the_user_cache_and_explicit_dir(monkeypatch, tmp_path):
     assert compile_cache.compile_cache_dir() == tmp_path / "mine"
 
 
-def test_unwritable_dir_leaves_the_cache_off(monkeypatch, tmp_path, caplog):
+def test_unwritable_dir_leaves_the_cache_off(monkeypatch, tmp_path, dspark_caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv(compile_cache.COMPILE_CACHE_ENV, str(blocker / "xla"))
     assert compile_cache.enable_compile_cache() is None
-    assert "compilation cache off" in caplog.text and compile_cache.COMPILE_CACHE_ENV in caplog.text
+    assert "compilation cache off" in dspark_caplog.text and compile_cache.COMPILE_CACHE_ENV in dspark_caplog.text
 
 
 def test_no_compile_cache_flag(monkeypatch, capsys):
