@@ -19,6 +19,8 @@ Absolute times carry that uncertainty; ratios of programs compiled for one chip 
 K-flatness) do not depend on it. Collectives carry no cycle estimate: they are counted
 (`collectives`, weighted like the rest) and left to the caller's overhead model, as are host
 overhead and launch latency. A loop whose bound is not a constant is counted once and listed in `unknown_loops`.
+An asynchronous `call-start` on another execution thread (TPU7x's SparseCores run its all-reduces
+so) adds its collectives to the count but not its cycles, which overlap the caller's.
 
 A Pallas (Mosaic) kernel's call carries no cycle estimate, only the `pl.CostEstimate` it declares.
 The cost model prices such a call as the slowest of its three declared amounts at the chip's rates,
@@ -174,6 +176,12 @@ def hlo_cycles(hlo: str, kernel_cycles=None, collective_seconds=None) -> dict:
                 callee = _ATTR["to_apply"].search(line) or _ATTR["calls"].search(line)
                 if callee:
                     total += cost(callee.group(1))
+            elif op == "call-start" and (callee := _ATTR["to_apply"].search(line)):
+                # an asynchronous call on another execution thread (TPU7x runs the all-reduces on its
+                # SparseCores so): its collectives count, its cycles overlap the caller's and do not
+                sub = cost(callee.group(1))
+                total[2:4] += sub[2:4]
+                total[6] += sub[6]
         memo[name] = total
         return total
 

@@ -145,3 +145,19 @@ def test_a_pallas_kernel_in_a_layer_scan_is_priced_by_its_estimate_times_the_lay
     assert 1.4e12 < bytes_per_s < 1.8e12
     assert c.kernels == 12
     assert 12 * declared / bytes_per_s <= c.seconds < 12 * declared / bytes_per_s + 20e-6  # + the loop's own few cycles
+
+
+def test_a_sparsecore_call_counts_its_collectives_not_its_cycles():
+    """TPU7x runs its all-reduces on the SparseCores: `call-start` on another execution thread. Its
+    collectives are counted (and priced by a given model); its cycles overlap the caller's."""
+    sc = ('%sc (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n'
+          '  ROOT %ar2 = f32[8]{0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add, '
+          'backend_config={"estimated_cycles":"500"}\n}\n')
+    start = ('  %cs = ((f32[8]{0}), f32[8]{0}) call-start(%pre), async_execution_thread="sparsecore", '
+             'to_apply=%sc\n')
+    text = HLO.replace("ENTRY %main", sc + "ENTRY %main").replace("  %t = (s32[], f32[8]{0}) tuple(%zero, %pre)",
+                                                                  start + "  %t = (s32[], f32[8]{0}) tuple(%zero, %pre)")
+    base, h = hlo_cycles(HLO), hlo_cycles(text, collective_seconds=lambda op, nbytes, line: 1e-6)
+    assert h["collectives"] == base["collectives"] + 1 == 37
+    assert h["cycles"] == base["cycles"]  # the SparseCore's 500 cycles are not the TensorCore's
+    assert h["collective_seconds"] == pytest.approx(37e-6)
