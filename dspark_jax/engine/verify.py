@@ -60,8 +60,9 @@ class Chunk(NamedTuple):
 
 # the largest multi-column view packed in place (tokens); one-column views always are. Since the
 # kernel prepares the queries itself, in place is priced cheaper at every bucket up to 64 x 8 on
-# v6e-8 (a 64-slot Qwen3-8B round 8.10 -> 6.91 ms, docs/performance.md item 14)
-IN_PLACE_MAX_TOKENS = 4096
+# v6e-8 (a 64-slot Qwen3-8B round 8.10 -> 6.91 ms), dearer at 128 x 8 on v7x-8 (9.58 -> 11.57 ms;
+# docs/performance.md item 16)
+IN_PLACE_MAX_TOKENS = 512
 
 
 class VerifyOut(NamedTuple):
