@@ -155,8 +155,8 @@ def test_a_sparsecore_call_counts_its_collectives_not_its_cycles():
           'backend_config={"estimated_cycles":"500"}\n}\n')
     start = ('  %cs = ((f32[8]{0}), f32[8]{0}) call-start(%pre), async_execution_thread="sparsecore", '
              'to_apply=%sc\n')
-    text = HLO.replace("ENTRY %main", sc + "ENTRY %main").replace("  %t = (s32[], f32[8]{0}) tuple(%zero, %pre)",
-                                                                  start + "  %t = (s32[], f32[8]{0}) tuple(%zero, %pre)")
+    anchor = "  %t = (s32[], f32[8]{0}) tuple(%zero, %pre)"
+    text = HLO.replace("ENTRY %main", sc + "ENTRY %main").replace(anchor, start + anchor)
     base, h = hlo_cycles(HLO), hlo_cycles(text, collective_seconds=lambda op, nbytes, line: 1e-6)
     assert h["collectives"] == base["collectives"] + 1 == 37
     assert h["cycles"] == base["cycles"]  # the SparseCore's 500 cycles are not the TensorCore's
