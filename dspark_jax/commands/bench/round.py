@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from dspark_jax.cli import parse_mesh_shape, report_user_errors
+from dspark_jax.cli import report_user_errors
+from dspark_jax.commands.bench.step import slice_setup
 
 PROG = "python -m dspark_jax bench round"
 
@@ -69,16 +70,12 @@ def _doc(rp) -> dict:
 @report_user_errors
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from dspark_jax.config import served_config
     from dspark_jax.engine.predict import libtpu_version
     from dspark_jax.engine.round_price import price_rounds
     from dspark_jax.parallel.collectives import HOP_LATENCY_S
-    from dspark_jax.parallel.slices import DATASHEET, HBM_GBPS, parse_slice
-    from dspark_jax.parallel.topology import slice_devices
+    from dspark_jax.parallel.slices import DATASHEET, HBM_GBPS
 
-    slc = parse_slice(args.topology)
-    mesh_shape = parse_mesh_shape(args.mesh, len(slice_devices(slc)))
-    cfg = served_config(args.preset, args.dtype)
+    slc, mesh_shape, cfg = slice_setup(args)
     print(f"# {args.preset} on {slc.name}, mesh {mesh_shape}, {args.dtype}, context {args.context}, greedy; "
           f"predicted (XLA:TPU cost model, libtpu {libtpu_version()})\n"
           f"# HBM floor at the datasheet's {HBM_GBPS[slc.generation]:g} GB/s ({DATASHEET}); collectives: "

@@ -48,17 +48,23 @@ def _lines(price) -> list[str]:
     return out
 
 
-@report_user_errors
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def slice_setup(args):
+    """(slice, mesh shape, served config) of a TPU-pricing command's --topology, --mesh, preset and
+    --dtype (`bench step`, `bench round`)."""
     from dspark_jax.config import served_config
-    from dspark_jax.engine.step_price import price_target_step
     from dspark_jax.parallel.slices import parse_slice
     from dspark_jax.parallel.topology import slice_devices
 
     slc = parse_slice(args.topology)
-    mesh_shape = parse_mesh_shape(args.mesh, len(slice_devices(slc)))
-    cfg = served_config(args.preset, args.dtype)
+    return slc, parse_mesh_shape(args.mesh, len(slice_devices(slc))), served_config(args.preset, args.dtype)
+
+
+@report_user_errors
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from dspark_jax.engine.step_price import price_target_step
+
+    slc, mesh_shape, cfg = slice_setup(args)
     print(f"# {args.preset} target-only step on {slc.name}, mesh {mesh_shape}, {args.dtype}, context {args.context}, "
           f"weight layouts {args.weight_layouts}; predicted (XLA:TPU cost model)")
     doc = []
