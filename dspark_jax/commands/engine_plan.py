@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                          "needs libtpu (pip install -e '.[aot]'), no TPU")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (default: the drafter's block)")
     ap.add_argument("--policy", default="fixed", choices=ENGINE_POLICIES,
-                    help="fixed gamma, or the production scheduler with its skip rule (compiles the cond and the "
+                    help="fixed gamma, or the production scheduler with its skip rule (compiles the rounds and the "
                          "bucket switch it adds)")
     ap.add_argument("--target-only", action="store_true", help="the engine without a drafter")
     ap.add_argument("--hbm-gib", type=float, default=None,

@@ -16,12 +16,15 @@ their bytes, as a target step is. Two layouts of the parameters cost it more tha
   context of every verified token. For decoding its output is split over `tensor` like the
   heads (`ctx_out` in the rules table); the RMS norm after it and the context's k / v products
   gather the small [rows, H] result;
+- the Markov head's W1 [V, rank] split over the vocabulary: each step of the sequential head
+  gathers one row per slot (the previous token's), and from a vocabulary-split table that gather
+  is a masked lookup on every chip plus an all-reduce, inside the scan, once per slot. Whole on
+  every chip (V x rank is small: 78 MB in bf16 for Qwen3-8B's drafter, a fifth of one of its layers) each
+  step's gather is one slice.
 
-Nothing else changes: the embedding, the LM head and the Markov head keep their (vocabulary-split)
-layout. (The Markov W1 whole on every chip made each head step's gather one slice, but libtpu
-0.0.42.1 aborts compiling the scheduled round so: "Check failed: preferred_offset->offset ==
-required_assignment..." in memory-space assignment.) `abstract_drafter_arrays` gives the same
-layout as ShapeDtypeStructs for compiling ahead of time (engine/plan.py).
+Nothing else changes: the embedding, the LM head and W2 keep their (vocabulary-split)
+layout. `abstract_drafter_arrays` gives the same layout as ShapeDtypeStructs for compiling ahead
+of time (engine/plan.py).
 """
 
 from __future__ import annotations
@@ -36,10 +39,15 @@ from dspark_jax.target.decode_weights import abstract_layer_arrays, merged_layer
 __all__ = ["FC_DECODE_AXES", "drafter_decode_arrays", "abstract_drafter_arrays"]
 
 FC_DECODE_AXES = ("fused", "ctx_out")
+W1_DECODE_AXES = (None, "rank")
 
 
 def _fc_sharding(fc, mesh):
     return NamedSharding(mesh, logical_to_pspec(FC_DECODE_AXES, fc.shape, mesh))
+
+
+def _w1_sharding(w1, mesh):
+    return NamedSharding(mesh, logical_to_pspec(W1_DECODE_AXES, w1.shape, mesh))
 
 
 def _with_context_kv(merged: tuple[dict, ...], layers: tuple[dict, ...]) -> tuple[dict, ...]:
@@ -56,6 +64,8 @@ def drafter_decode_arrays(arrays: dict, cfg: ModelConfig, per_layer: bool, mesh=
         out["layers"] = _with_context_kv(merged_layers(layers, cfg), layers)
     if mesh is not None and "fc" in out:
         out["fc"] = jax.device_put(out["fc"], _fc_sharding(out["fc"], mesh))
+    if mesh is not None and "markov_w1" in out:
+        out["markov_w1"] = jax.device_put(out["markov_w1"], _w1_sharding(out["markov_w1"], mesh))
     return out
 
 
@@ -67,6 +77,8 @@ def abstract_drafter_arrays(arrays: dict, shardings: dict, mesh, per_layer: bool
     out = {k: sds(a, shardings[k]) for k, a in arrays.items() if k != "layers"}
     if "fc" in out:
         out["fc"] = sds(arrays["fc"], _fc_sharding(arrays["fc"], mesh))
+    if "markov_w1" in out:
+        out["markov_w1"] = sds(arrays["markov_w1"], _w1_sharding(arrays["markov_w1"], mesh))
     layers, lsh = arrays.get("layers"), shardings.get("layers")
     if layers is not None:
         if per_layer:

@@ -452,11 +452,13 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     `skip_drafting="always"` (cost predictions) compiles `plain_round` alone: the price of a
     skipped round.
 
-    Under a skip rule the rounds sit in one program, and each writes the caches in place: the
-    plain round (for the "known" rule's settled rounds, the one that leaves the drafter as it is)
-    as a `lax.while_loop` of zero or one iteration, then the drafting round under a `lax.cond`
-    whose other branch passes the state through. (A `lax.cond` whose two branches both wrote the
-    caches made XLA copy each cache whole: tests/engine/test_in_place.py.)"""
+    Under a skip rule the rounds sit in one program, and each writes the caches in place: each
+    round (the plain round; for the "known" rule's settled rounds, the one that leaves the drafter
+    as it is; the drafting round) is a `lax.while_loop` of zero or one iteration. (A `lax.cond`
+    whose two branches both wrote the caches made XLA copy each cache whole:
+    tests/engine/test_in_place.py; one whose other branch passed the state through made libtpu's
+    memory-space assignment abort compiling a Qwen3-8B-shaped round for v6e-8:
+    tests/engine/test_tpu_compile.py.)"""
     if not spec.G or spec.skip_drafting == "always":
         return plain_round(spec, target_params, drafter_params, st, ctl)
     if not spec.skip_drafting:
@@ -465,20 +467,22 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     _, act = _decoding(spec, st)
     pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
 
-    def plain(keep_drafter):
+    def at_most_once(when, one_round, st, out):
         def body(c):
             s, _, n = c
-            return (*plain_round(spec, target_params, drafter_params, s, ctl, keep_drafter), n + 1)
+            return (*one_round(s), n + 1)
 
-        return body
+        st, out, _ = jax.lax.while_loop(lambda c: when & (c[2] < 1), body, (st, out, jnp.int32(0)))
+        return st, out
 
     zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
     out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb)
-    st, out, _ = jax.lax.while_loop(lambda c: ~pays & ~settled & (c[2] < 1), plain(True), (st, out, jnp.int32(0)))
+    st, out = at_most_once(~pays & ~settled, lambda s: plain_round(spec, target_params, drafter_params, s, ctl, True),
+                           st, out)
     if spec.skip_drafting == "known":
-        st, out, _ = jax.lax.while_loop(lambda c: settled & (c[2] < 1), plain(False), (st, out, jnp.int32(0)))
-    return jax.lax.cond(pays, lambda s, o: drafting_round(spec, target_params, drafter_params, s, ctl),
-                        lambda s, o: (s, o), st, out)
+        st, out = at_most_once(settled, lambda s: plain_round(spec, target_params, drafter_params, s, ctl, False),
+                               st, out)
+    return at_most_once(pays, lambda s: drafting_round(spec, target_params, drafter_params, s, ctl), st, out)
 
 
 def run_rounds(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, max_rounds, stop_on_free):

@@ -51,7 +51,7 @@ def test_laid_out_for_a_slice():
                          drafter_in_target_dtype=True)
     dt = ab.dt
     assert dt["fc"].sharding.spec == P(None, "tensor")
-    assert dt["markov_w1"].sharding.spec[0] == "tensor"  # vocabulary-split (whole: libtpu aborts, decode_weights.py)
+    assert all(x is None for x in dt["markov_w1"].sharding.spec)  # whole on every chip
     assert dt["markov_w2"].sharding.spec == P(None, "tensor")
     assert isinstance(dt["layers"], tuple) and len(dt["layers"]) == 2
     assert dt["layers"][0]["qkv_proj"].sharding.spec[0] == "tensor"
