@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # XLA:CPU compiles the suite's many small programs with LLVM's optimiser off and with its older
@@ -25,6 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # commands turn on JAX's persistent compilation cache (io/compile_cache.py); the tests run commands
 # in process and keep it off for the reason below (tests/io/test_compile_cache.py turns it on)
 os.environ.setdefault("DSPARK_JAX_COMPILE_CACHE", "off")
+# engines that measure their own cost table (engine/own_costs.py) keep it for this run only
+os.environ.setdefault("DSPARK_JAX_COST_TABLES", tempfile.mkdtemp(prefix="dspark_cost_tables_"))
 
 import jax
 import pytest

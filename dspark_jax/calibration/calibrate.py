@@ -21,6 +21,7 @@ and the engine reads them with :func:`load_temperatures` (``Engine.generate(...,
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,9 @@ from dspark_jax.calibration.traces import (
 )
 
 __all__ = ["STS_FILE", "CalibrationMissingError", "make_grid", "split_by_request", "calibrate_traces",
-           "save_temperatures", "load_temperatures", "reliability_diagram", "report_table"]
+           "save_temperatures", "load_temperatures", "stored_temperatures", "reliability_diagram", "report_table"]
+
+log = logging.getLogger(__name__)
 
 STS_FILE = "sts.json"
 FORMAT = "dspark_sts/1"
@@ -103,6 +106,20 @@ def save_temperatures(drafter_dir, sampling, result: dict) -> Path:
     data["settings"][sampling_key(sampling)] = result
     path.write_text(json.dumps(data, indent=1))
     return path
+
+
+def stored_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.ndarray | None:
+    """`load_temperatures` where the drafter has them; None (logged) where it has none for
+    `sampling` (or there is no drafter directory): a default, not a requirement."""
+    if drafter_dir is None:
+        return None
+    try:
+        t = load_temperatures(drafter_dir, sampling, gamma)
+    except CalibrationMissingError as e:
+        log.info("no stored STS temperatures used: %s", e)
+        return None
+    log.info("STS temperatures stored with the drafter for %s: %s", sampling_key(sampling), np.round(t, 3).tolist())
+    return t
 
 
 def load_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.ndarray:

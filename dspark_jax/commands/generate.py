@@ -39,9 +39,14 @@ def parse_args(argv=None):
                     help="default: the drafter's kind, or ar without a drafter")
     ap.add_argument("--prompts", default=None, help="prompts jsonl (default: stdin, one message per line)")
     ap.add_argument("--gamma", type=int, default=None, help="verification length (<= the drafter's block size)")
-    ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"),
-                    help="verification-length policy: fixed gamma, a static confidence threshold, or the prefix "
-                         "scheduler (Algorithm 1 / static-shape / production; need --costs)")
+    ap.add_argument("--policy", default="auto",
+                    choices=("auto", "fixed", "threshold", "early_stop", "static", "production"),
+                    help="verification-length policy. auto (default): the drafter kind's choice (DSpark with its "
+                         "confidence head: production with the 'known' skip rule; others: fixed, drafting skipped "
+                         "where even perfect drafts would not pay); fixed gamma; a static confidence threshold; "
+                         "or the prefix scheduler (Algorithm 1 / static-shape / production). Scheduling prices "
+                         "rounds with --costs, else with a table the engine measures on its own programs (kept "
+                         "in the user cache: the next run with the same shapes reads it back)")
     ap.add_argument("--threshold", type=float, default=0.0, help="static confidence threshold (--policy threshold)")
     ap.add_argument("--costs", default=None,
                     help="cost table JSON from `python -m dspark_jax costs measure` (its buckets become the engine's)")
@@ -49,16 +54,20 @@ def parse_args(argv=None):
                     help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
     ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
                     help="price of B tokens between buckets (default: the policy's own)")
-    ap.add_argument("--skip-drafting", nargs="?", const="known", default=None, choices=("known", "best_case"),
-                    help="skip the drafter in rounds where the cost table says no speculation pays: 'known' "
-                         "(default) on the last known survivals, probing every 8 rounds; 'best_case' only when "
-                         "even perfect drafts would not pay")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto", choices=("known", "best_case"),
+                    help="with an explicit --policy: skip the drafter in rounds where the cost table says no "
+                         "speculation pays: 'known' (without a value) on the last known survivals, probing every "
+                         "8 rounds; 'best_case' only when even perfect drafts would not pay. --policy auto "
+                         "chooses its own")
     ap.add_argument("--probe-every", type=int, default=8,
                     help="--skip-drafting known: rounds skipped before drafting again to refresh the survivals")
     ap.add_argument("--probe-max", type=int, default=64,
                     help="--skip-drafting known: that interval doubles up to this while drafting does not pay")
-    ap.add_argument("--calibrated", action="store_true",
-                    help="use the STS temperatures stored with the drafter (python -m dspark_jax calibrate)")
+    ap.add_argument("--calibrated", action="store_const", const=True, default="auto",
+                    help="require the STS temperatures stored with the drafter for this sampling (python -m "
+                         "dspark_jax calibrate). Default: used where the drafter has them")
+    ap.add_argument("--no-sts", dest="calibrated", action="store_const", const=False,
+                    help="no STS temperatures, even where the drafter has them")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -70,7 +79,9 @@ def parse_args(argv=None):
     add_prefill_chunk_argument(ap, None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loop", default="host", choices=("host", "while"))
-    ap.add_argument("--traces", default=None, help="write per-round traces (.jsonl or .npz)")
+    ap.add_argument("--traces", default=None,
+                    help="write per-round traces (.jsonl or .npz); with --policy auto every round then verifies "
+                         "all drafts (the traces calibrate reads)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
     return ap.parse_args(argv)
 
@@ -93,22 +104,18 @@ def scheduling_inputs(args, sampling):
     """(cost table or None, STS temperatures or None) from --costs / --calibrated, checked before
     any model is loaded: a table from another backend and missing temperatures fail here."""
 
-    from dspark_jax.calibration.calibrate import load_temperatures
+    from dspark_jax.calibration.calibrate import load_temperatures, stored_temperatures
     from dspark_jax.parallel.platform import platform
     from dspark_jax.scheduler.costs import load_cost_table
 
-    scheduled = args.policy in ("early_stop", "static", "production")
-    if scheduled and not args.costs:
-        raise ValueError(f"--policy {args.policy} needs --costs TABLE.json (measure one with "
-                         "`python -m dspark_jax costs measure`, or pass a table shaped like your accelerator's)")
-    if args.skip_drafting and not args.costs:
-        raise ValueError("--skip-drafting needs --costs TABLE.json: the table decides when drafting pays")
     table = load_cost_table(args.costs, expect_backend=platform()) if args.costs else None
     sts = None
-    if args.calibrated:
+    if args.calibrated is True:
         if not args.drafter:
             raise ValueError("--calibrated needs --drafter DIR (the STS temperatures are stored with the drafter)")
         sts = load_temperatures(args.drafter, sampling)
+    elif args.calibrated == "auto" and args.drafter and args.drafter != "none":
+        sts = stored_temperatures(args.drafter, sampling)
     return table, sts
 
 
@@ -130,13 +137,15 @@ def main(argv=None) -> int:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         convs = read_prompts(args.prompts)
         table, sts = scheduling_inputs(args, sampling)
+        # traces for calibration verify every draft (calibrate reads full-gamma rounds)
+        policy = "fixed" if args.traces and args.policy == "auto" else args.policy
         mesh = parse_mesh(args.mesh)
         target, drafter, mode = load_models(resolve_target_dir(args.target), args.drafter, args.mode, args.dtype, mesh)
         res, ids, texts = engine_texts.generate_texts(
             target, drafter, convs, max_new_tokens=args.max_new_tokens, batch=args.batch, max_len=args.max_len,
-            gamma=args.gamma, policy=args.policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
+            gamma=args.gamma, policy=policy, threshold=args.threshold, sampling=sampling, seed=args.seed,
             loop=args.loop, traces=bool(args.traces), table=table, sts=sts, theta=args.theta, cost=args.cost_model,
-            skip_drafting=args.skip_drafting or False, probe_every=args.probe_every, probe_max=args.probe_max,
+            skip_drafting=args.skip_drafting, probe_every=args.probe_every, probe_max=args.probe_max,
             mesh=mesh, kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk))
     except (ValueError, FileNotFoundError, TargetMismatchError, EngineError, CostTableError,
             CalibrationMissingError) as e:
@@ -152,7 +161,8 @@ def main(argv=None) -> int:
             print(f"=== request {i} ===\n{text}\n--- {json.dumps(stats)}")
     if args.traces and res.traces is not None:
         engine_texts.save_run_traces(Path(args.traces), res.traces, mode, sampling)
-    print(json.dumps({"mode": mode, "requests": len(res.results), "tau": round(res.tau, 3),
+    print(json.dumps({"mode": mode, "policy": res.extra.get("policy"), "cost_table": res.extra.get("cost_table"),
+                      "requests": len(res.results), "tau": round(res.tau, 3),
                       "tokens_per_s": round(res.tokens_per_s, 1), "seconds": round(res.seconds, 2),
                       "round_calls": res.round_calls}), file=sys.stderr if args.json else sys.stdout)
     return 0

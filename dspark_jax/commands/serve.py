@@ -27,6 +27,10 @@ from dspark_jax.cli import (
 from dspark_jax.serve.defaults import API_KEY_ENV, DEFAULT_DRAFTER, SERVE_PREFILL_CHUNK
 
 
+def _temperature(value: str):
+    return value if value == "auto" else float(value)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dspark_jax serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -38,16 +42,27 @@ def parse_args(argv=None):
                     help=f"drafter directory; 'none' = target-only. Default: a drafter trained for this very target "
                          f"(its recorded fingerprint matches): {DEFAULT_DRAFTER} for the embedded target, "
                          "DIR/drafter or a 'drafter' directory beside DIR for --target DIR; else target-only")
-    ap.add_argument("--policy", default="fixed", choices=("fixed", "threshold", "early_stop", "static", "production"))
+    ap.add_argument("--policy", default="auto", choices=("auto", "fixed", "threshold", "early_stop", "static",
+                                                          "production"),
+                    help="verification lengths. auto (default): the drafter kind's choice: a DSpark drafter with "
+                         "its confidence head runs the production scheduler with the 'known' skip rule, others a "
+                         "fixed length with drafting skipped where even perfect drafts would not pay; both on a "
+                         "cost table the engine measures at start-up (kept in the user cache: a restart reads "
+                         "it back). fixed: every round verifies gamma drafts")
     ap.add_argument("--threshold", type=float, default=0.0, help="--policy threshold: confidence threshold")
     ap.add_argument("--costs", default=None,
-                    help="cost table JSON (python -m dspark_jax costs measure); its buckets become the engine's")
-    ap.add_argument("--calibrated", nargs="?", type=float, const=1.0, default=None, metavar="T",
-                    help="use the drafter's stored STS temperatures fitted at sampling temperature T (default 1; "
-                         "the fit for the temperature most requests use: one set serves the whole batch)")
-    ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
-                    help="scheduled policies: skip the drafter in rounds where the cost table says speculation "
-                         "does not pay (python -m dspark_jax generate --help)")
+                    help="cost table JSON (python -m dspark_jax costs measure) instead of the engine's own; its "
+                         "buckets become the engine's")
+    ap.add_argument("--calibrated", nargs="?", type=_temperature, const=1.0, default="auto", metavar="T",
+                    help="use the drafter's stored STS temperatures fitted at sampling temperature T (1 without "
+                         "a value; the fit for the temperature most requests use: one set serves the whole "
+                         "batch). Default: the fit at temperature 1 where the drafter has one")
+    ap.add_argument("--no-sts", dest="calibrated", action="store_const", const=None,
+                    help="no STS temperatures, even where the drafter has them")
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto", choices=("known", "best_case"),
+                    help="with an explicit --policy: skip the drafter in rounds where the cost table says "
+                         "speculation does not pay (python -m dspark_jax generate --help); --policy auto "
+                         "chooses its own")
     ap.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
     ap.add_argument("--max-len", type=int, default=1024, help="context per slot: prompt + completion (default 1024)")
     add_kv_pages_argument(ap)
@@ -87,7 +102,7 @@ def startup_line(served, access, host, port) -> str:
     kv += f", prefill chunks of {eng.prefill_chunk}" if eng.prefill_chunk else ""
     drafter = f"drafter {about['drafter']} ({about['drafter_why']})" if about["drafter"] else about["drafter_why"]
     return (f"[serve] model '{served.model}' ({eng.mode}, {eng.R} slots x {eng.S} tokens{kv}); {drafter}; "
-            f"policy {about['policy']}; cost table {about['costs'] or 'none'}; limits: body {lim.max_body_bytes} "
+            f"policy {about['policy']}; cost table {about['costs']}; limits: body {lim.max_body_bytes} "
             f"bytes, prompt {lim.max_prompt_chars} chars, {lim.max_messages} messages; read timeouts "
             f"{lim.header_timeout:g} s headers, {lim.body_timeout:g} s body; "
             f"API key {'required' if access.api_key else 'off'}; "

@@ -90,6 +90,7 @@ class Round:
     accepted: np.ndarray | None = None  # [R] on the host, when the batcher streams (host loop)
     lengths: np.ndarray | None = None  # [R] verification lengths chosen
     decoded: np.ndarray | None = None  # [R] slots that decoded (not still forwarding their prompt)
+    drafted: bool | None = None  # the drafter ran (False: the round skipped drafting)
 
 
 class Batcher:
@@ -194,9 +195,11 @@ class Batcher:
                 return
         want.update(n_gen=st.n_gen, out=st.out, finish=st.finish, rounds=st.rounds, acc=st.acc_sum)
         if self.stream and rnd.record is not None:
-            want.update(accepted=rnd.record.accepted, lengths=rnd.record.lengths, decoded=rnd.record.active)
+            want.update(accepted=rnd.record.accepted, lengths=rnd.record.lengths, decoded=rnd.record.active,
+                        drafted=rnd.record.drafted)
         got = jax.device_get(want)
         rnd.accepted, rnd.lengths, rnd.decoded = got.get("accepted"), got.get("lengths"), got.get("decoded")
+        rnd.drafted = None if "drafted" not in got else bool(got["drafted"])
         now, ended = time.perf_counter(), []
         for s in busy:
             job = self.slots[s]

@@ -1,7 +1,7 @@
 """The engine's settings: one frozen, typed value, checked once when it is made.
 
-    config = EngineConfig(num_slots=8, max_len=512, policy="production", skip_drafting="known")
-    engine = Engine(target, drafter, config, table=table)
+    engine = Engine(target, drafter, EngineConfig(num_slots=8, max_len=512))  # the kind's scheduling, own table
+    config = EngineConfig(num_slots=8, max_len=512, policy="fixed")            # every round verifies gamma drafts
 
 What needs the models (the drafter's block size, whether it has a confidence head, whether a cost
 table prices the buckets) is checked by the `Engine` that uses the config; everything a value alone
@@ -18,7 +18,9 @@ from dspark_jax.engine.errors import EngineConfigError
 from dspark_jax.engine.policy import get_policy
 from dspark_jax.target.paged_kernel import PAGED_ATTENTION_IMPLS
 
-__all__ = ["EngineConfig", "EngineConfigError", "SKIP_RULES"]
+__all__ = ["AUTO", "EngineConfig", "EngineConfigError", "SKIP_RULES"]
+
+AUTO = "auto"  # policy / skip_drafting: the drafter kind's default (`DrafterKind.default_scheduling`)
 
 # accepted `skip_drafting` values -> the rule the compiled round applies (None: always draft)
 SKIP_RULES = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
@@ -36,14 +38,22 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None
     # prompt-length buckets, one compiled prefill each; None = 16, 32, ... up to max_len
     prefill_buckets: tuple[int, ...] | None = None
-    # verification lengths: "fixed", "threshold", a scheduler ("early_stop", "static", "production") or a function
-    policy: str | Callable = "fixed"
+    # verification lengths: "auto" (the drafter kind's default: `DrafterKind.default_scheduling`),
+    # "fixed", "threshold", a scheduler ("early_stop", "static", "production") or a function
+    policy: str | Callable = "auto"
     # what a scheduler maximises: "sps" (tau * SPS(B), the paper's) or "latency" (tau / round time)
     theta: str = "latency"
     # how a scheduler prices B tokens: "interp" / "step"; None = the policy's own default
     cost: str | None = None
-    # skip the whole draft when it cannot pay: None, "best_case" or "known" (True = "known")
-    skip_drafting: str | bool | None = None
+    # skip the whole draft when it cannot pay: None, "best_case" or "known" (True = "known");
+    # "auto": the kind's default with policy "auto", else None
+    skip_drafting: str | bool | None = "auto"
+    # a scheduled engine given no cost table measures its own on its compiled programs, read back
+    # from the user cache when an engine of the same key measured it (engine/own_costs.py);
+    # False: it needs table=
+    own_costs: bool = True
+    # timed calls per bucket when it measures (after one untimed; the median)
+    own_costs_repeats: int = 3
     # "known" rule: rounds between probes that refresh the survivals ...
     probe_every: int = 8
     # ... doubled while fresh survivals say no, up to this
@@ -92,12 +102,13 @@ class EngineConfig:
                 raise EngineConfigError(f"EngineConfig.{name} must be positive token counts, got {value!r}; "
                                         "or None for the defaults")
         try:
-            get_policy(self.policy, self.theta, self.cost)
+            get_policy("fixed" if self.policy == AUTO else self.policy, self.theta, self.cost)
         except ValueError as e:
             raise EngineConfigError(f"EngineConfig: {e}") from None
-        if self.skip_drafting not in SKIP_RULES:
-            raise EngineConfigError(f"EngineConfig.skip_drafting={self.skip_drafting!r}: use None, 'best_case' or "
-                                    "'known' (True = 'known')")
+        if self.skip_drafting != AUTO and self.skip_drafting not in SKIP_RULES:
+            raise EngineConfigError(f"EngineConfig.skip_drafting={self.skip_drafting!r}: use 'auto', None, "
+                                    "'best_case' or 'known' (True = 'known')")
+        _at_least("own_costs_repeats", self.own_costs_repeats, 1, "one timed call a bucket at least")
         if not (_is_int(self.probe_every) and _is_int(self.probe_max) and 1 <= self.probe_every <= self.probe_max):
             raise EngineConfigError(f"EngineConfig needs 1 <= probe_every <= probe_max, got {self.probe_every} and "
                                     f"{self.probe_max}")
@@ -117,8 +128,21 @@ class EngineConfig:
 
     @property
     def skip_rule(self) -> str | None:
-        """The skip rule by its one name: None, "best_case" or "known"."""
-        return SKIP_RULES[self.skip_drafting]
+        """The skip rule the config names, by its one name: None, "best_case" or "known" ("auto":
+        None here; the drafter kind decides, `scheduling`)."""
+        return SKIP_RULES[None if self.skip_drafting == AUTO else self.skip_drafting]
+
+    def scheduling(self, kind, drafter) -> tuple[str | Callable, str | None]:
+        """(policy, skip rule by its one name: None, "best_case" or "known") for a drafter of
+        `kind` (None: target-only): "auto" takes the kind's `default_scheduling`; an explicit
+        policy with skip_drafting "auto" skips nothing."""
+        if kind is None:
+            return ("fixed" if self.policy == AUTO else self.policy), None
+        policy, skip = self.policy, self.skip_drafting
+        if policy == AUTO:
+            policy, default_skip = kind.default_scheduling(drafter)
+            skip = default_skip if skip == AUTO else skip
+        return policy, SKIP_RULES[None if skip == AUTO else skip]
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with `changes` (checked like a new config)."""

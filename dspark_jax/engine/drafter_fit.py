@@ -25,10 +25,11 @@ def draft_shape(kind, drafter, target, gamma, layer_ids):
         raise EngineError(str(e)) from None
 
 
-def check_confidence_head(drafter, config: EngineConfig, G: int, skip_rule, mode: str) -> None:
+def check_confidence_head(drafter, config: EngineConfig, G: int, skip_rule, mode: str, policy=None) -> None:
     """A scheduler, the threshold policy and the "known" skip rule read survivals from the
-    drafter's confidence head: refuse those settings for a drafter without one."""
-    policy = config.policy
+    drafter's confidence head: refuse those settings for a drafter without one. `policy`: the
+    resolved one (default the config's)."""
+    policy = config.policy if policy is None else policy
     reads = G > 0 and (policy in (*SCHEDULED, "threshold") or skip_rule == "known")
     if reads and not getattr(getattr(drafter, "dcfg", None), "confidence_head", False):
         what = f"policy {policy!r}" if policy != "fixed" else f"skip_drafting={config.skip_drafting!r}"

@@ -14,6 +14,8 @@ batching (which request runs in which slot) is the Batcher's (engine/batcher.py)
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from dspark_jax.decoding import rejection
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.drafter import registry
 from dspark_jax.drafter.decode_weights import drafter_decode_arrays
-from dspark_jax.engine import batcher, rows
+from dspark_jax.engine import batcher, own_costs, rows
 from dspark_jax.engine.buckets import (
     bucket_for,
     default_buckets,
@@ -48,13 +50,15 @@ from dspark_jax.engine.requests import (
 from dspark_jax.engine.results import GenerateResult, RequestResult
 from dspark_jax.engine.slot_pages import SlotPages
 from dspark_jax.engine.spec import Spec
-from dspark_jax.engine.state import Control, DecodeState
+from dspark_jax.engine.state import PIN_POLICY, PIN_SKIP, Control, DecodeState
 from dspark_jax.parallel.sharding import shard_model
 from dspark_jax.scheduler import prefix
 from dspark_jax.target.decode_weights import decode_arrays
 from dspark_jax.target.kernels import per_layer_decode, row_tile
 from dspark_jax.target.paged_kernel import resolve_impl
 from dspark_jax.target.paged_kv import pages_per_slot
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "EngineConfigError", "InvalidRequest", "RequestResult",
            "GenerateResult", "default_buckets", "with_chunk_room", "decode_shardings", "measure_accepted_length",
@@ -109,19 +113,22 @@ class Engine:
         self.paged_attention = cfg.paged_attention
         self.gamma = G if cfg.gamma is None else int(cfg.gamma)
         self.prefill_buckets = tuple(sorted(cfg.prefill_buckets or prefill_buckets(S)))
-        self.policy_name = cfg.policy if isinstance(cfg.policy, str) else getattr(cfg.policy, "__name__", "custom")
-        skip_rule = cfg.skip_rule if G > 0 else None
-        self.needs_table = G > 0 and (cfg.policy in SCHEDULED or skip_rule is not None)
-        check_confidence_head(drafter, cfg, G, skip_rule, self.mode)
+        policy, skip_rule = cfg.scheduling(self.kind, drafter)
+        skip_rule = skip_rule if G > 0 else None
+        self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+        self.needs_table = G > 0 and (policy in SCHEDULED or skip_rule is not None)
+        check_confidence_head(drafter, cfg, G, skip_rule, self.mode, policy)
         self.spec = Spec(kind=self.kind, draft=shape, tcfg=tmodel.cfg, buckets=self.buckets, max_len=S,
-                         policy=get_policy(cfg.policy, cfg.theta, cfg.cost), verify=verify, skip_drafting=skip_rule,
+                         policy=get_policy(policy, cfg.theta, cfg.cost), verify=verify, skip_drafting=skip_rule,
                          theta=cfg.theta, probe_every=int(cfg.probe_every), probe_max=int(cfg.probe_max),
                          prefill_chunk=int(chunk), prefill_rows=min(int(cfg.prefill_rows), R) if chunk else 0,
                          prefill_tokens=int(cfg.prefill_tokens),
-                         verify_widths=(1, G + 1) if G and (skip_rule is not None or cfg.policy != "fixed") else ())
+                         verify_widths=(1, G + 1) if G and (skip_rule is not None or policy != "fixed") else ())
         self.table = None if table is None else self._checked_table(table)
-        # policies that never read a table still need one in the compiled round's signature
-        self._unread_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
+        self.own_table = None  # the table this engine measured or read back (engine/own_costs.py)
+        # policies that never read a table still need one in the compiled round's signature; a
+        # round timed with it lands in the smallest bucket that holds its tokens
+        self.unpriced_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
         # the target's weights one array per layer: what every compiled program reads (each once)
         self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh), release=cfg.release_target_layers)
@@ -201,12 +208,16 @@ class Engine:
         return t if self.mesh is None else jax.device_put(t, self._state_sh.cache.page_table)
 
     def control(self, sampling: SamplingParams | None = None, gamma: int | None = None, threshold: float = 0.0,
-                stop_ids=(), sts=None, table=None, default_k: int | None = None) -> Control:
-        """The traced settings of a call, every slot alike (`start` writes per-request rows)."""
+                stop_ids=(), sts=None, table=None, default_k: int | None = None, pin: int = PIN_POLICY) -> Control:
+        """The traced settings of a call, every slot alike (`start` writes per-request rows).
+        `pin` (for timing rounds, engine/own_costs.py): `PIN_POLICY`, a verification length
+        every active slot drafts and verifies, or `PIN_SKIP` (a skipped round)."""
         g = self.gamma if gamma is None else int(gamma)
         if g > self.G or g < 0:
             raise EngineError(f"gamma {g} is outside this engine's compiled range 0..{self.G} (the block size it was "
                               f"built with); build the Engine with a larger gamma / drafter block")
+        if not (pin in (PIN_POLICY, PIN_SKIP) or 0 <= pin <= self.G):
+            raise EngineError(f"pin {pin} is neither PIN_POLICY, PIN_SKIP nor a verification length 0..{self.G}")
         # host arrays put on the device: no eager jnp op, each of which compiles a program per shape
         s = SamplingParams(*jax.device_put([np.full((self.R,), v, dt) for v, dt in
                                             zip(sampling or SamplingParams(), (np.float32, np.int32, np.float32))]))
@@ -216,17 +227,44 @@ class Engine:
         if sts.shape != (Gs,):
             raise EngineError(f"sts temperatures need {Gs} values, got {sts.shape[0]}")
         table = self._checked_table(table) if table is not None else self.table
+        if table is None and self.needs_table and self.config.own_costs:
+            table = self.measure_own_table().table
         if table is None:
             if self.needs_table:
                 raise EngineError(f"policy {self.policy_name!r}"
                                   f"{' with skip_drafting' if self.spec.skip_drafting else ''} prices verification "
                                   "with a measured cost table and none was given: pass table= (to the Engine or "
-                                  "this call; measure one with `python -m dspark_jax costs measure`)")
-            table = self._unread_table
-        gamma, threshold, default_k = jax.device_put((np.int32(g), np.float32(threshold), np.int32(
-            self.R * g if default_k is None else int(default_k))))
+                                  "this call; measure one with `python -m dspark_jax costs measure`), or leave "
+                                  "EngineConfig.own_costs on")
+            table = self.unpriced_table
+        gamma, threshold, default_k, pin = jax.device_put((np.int32(g), np.float32(threshold), np.int32(
+            self.R * g if default_k is None else int(default_k)), np.int32(pin)))
         return Control(sampling=s, gamma=gamma, threshold=threshold, sts=sts, table=table, default_k=default_k,
-                       stop_ids=stops)
+                       stop_ids=stops, pin=pin)
+
+    @property
+    def scheduling(self) -> str:
+        """The policy and skip rule in words, e.g. "production, skip rule known"."""
+        skip = self.spec.skip_drafting
+        return f"{self.policy_name}, {'skip rule ' + skip if skip else 'no skip rule'}"
+
+    @property
+    def table_source(self) -> str:
+        """Which cost table the rounds price with: "given", "own (measured)", "own (read back)",
+        what `own_costs` will do (before it ran) or "none" (the policy reads none)."""
+        if self.table is not None and self.own_table is None:
+            return "given"
+        if self.own_table is not None:
+            return f"own ({self.own_table.source})"
+        return own_costs.planned(self) if self.needs_table and self.config.own_costs else "none"
+
+    def measure_own_table(self, reuse: bool = True):
+        """This engine's own cost table (engine/own_costs.py: read back from the user cache, or
+        timed now on its compiled programs), kept as its table -> `OwnTable`."""
+        self.own_table = own_costs.own_table(self, repeats=self.config.own_costs_repeats, reuse=reuse)
+        self.table = self.own_table.table
+        log.info("%s", self.own_table.describe())
+        return self.own_table
 
     def _checked_table(self, table):
         """The table must price every bucket the scheduler may choose and nothing beyond the
@@ -323,7 +361,8 @@ def measure_accepted_length(target, drafter, prompts, *, max_new_tokens: int = 6
     G = draft_shape(_kind_of(drafter), drafter, target, gamma, layer_ids).G
     S = max_len or (max(len(p) for p in prompts) + max_new_tokens + G + 2)
     R = min(num_slots, len(prompts))
-    config = EngineConfig(num_slots=R, max_len=S, gamma=gamma, layer_ids=layer_ids, buckets=(R * (G + 1),))
+    config = EngineConfig(num_slots=R, max_len=S, gamma=gamma, layer_ids=layer_ids, buckets=(R * (G + 1),),
+                          policy="fixed")
     res = Engine(target, drafter, config).generate(prompts, max_new_tokens=max_new_tokens, seed=seed,
                                                    sampling=sampling or SamplingParams(1.0, 0, 1.0), stop_ids=stop_ids)
     return res.tau

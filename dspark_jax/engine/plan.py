@@ -134,7 +134,9 @@ def abstract_engine(cfg, mesh, config: EngineConfig, policy: str = "fixed", draf
     box = {}
 
     def build(ts, dp, dfz, table=None):  # the Engine's static parts, built on abstract models (nothing allocated)
-        kw = {} if table is None else dict(policy="production", skip_drafting="known")
+        # without a table the fixed-length engine (an "auto" engine would measure its own table)
+        kw = dict(policy="production", skip_drafting="known") if table is not None else \
+            dict(policy="fixed") if config.policy == "auto" else {}
         d = nnx.merge(dg, dp, dfz) if drafter else None
         box["eng"] = Engine(nnx.merge(tg, ts), d, dataclasses.replace(config, **kw), table=table)
         return 0

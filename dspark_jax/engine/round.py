@@ -392,7 +392,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
         new = new._replace(dcache=dcache, last=last, a_hist=jnp.stack([st.a_hist[0], st.a_hist[0]]),
                            since_draft=since.astype(jnp.int32))
     z = jnp.zeros((r, spec.Gs), jnp.float32)
-    return new, RoundOut(z, lengths, acc_kept, n_keep, act, b_idx, cut)
+    return new, RoundOut(z, lengths, acc_kept, n_keep, act, b_idx, cut, jnp.bool_(False))
 
 
 def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
@@ -409,6 +409,7 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     a = prefix.prefix_survival(z, ctl.sts[:G])
     stale_valid = (st.step >= 2) & _known(st.a_hist[1], act)
     lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
+    lengths = jnp.where(ctl.pin >= 0, ctl.pin, lengths)  # a timed round's verification length
     lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
     since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl)
 
@@ -442,7 +443,8 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
     new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
                       since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit)
-    return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut)
+    return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut,
+                         jnp.bool_(True))
 
 
 def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
@@ -466,6 +468,8 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     r = st.anchor.shape[0]
     _, act = _decoding(spec, st)
     pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
+    pays = jnp.where(ctl.pin == -1, pays, ctl.pin >= 0)  # a timed round drafts or skips as pinned
+    settled = settled & (ctl.pin == -1)
 
     def at_most_once(when, one_round, st, out):
         def body(c):
@@ -476,7 +480,7 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
         return st, out
 
     zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
-    out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb)
+    out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb, jnp.bool_(False))
     st, out = at_most_once(~pays & ~settled, lambda s: plain_round(spec, target_params, drafter_params, s, ctl, True),
                            st, out)
     if spec.skip_drafting == "known":

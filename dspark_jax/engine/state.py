@@ -58,6 +58,10 @@ class DecodeState(NamedTuple):
     prompt: jax.Array  # [R, S] int32 its prompt, read by chunked prefill ([R, 1] when the engine has none)
 
 
+PIN_POLICY = -1  # Control.pin: the round's policy and skip rule decide
+PIN_SKIP = -2  # Control.pin: the round skips drafting (the plain round, drafter context kept)
+
+
 class Control(NamedTuple):
     """Traced settings of a call: changing them does not recompile."""
 
@@ -68,6 +72,9 @@ class Control(NamedTuple):
     table: Any  # scheduler.CostTable
     default_k: jax.Array  # int32: production scheduler capacity for its first two rounds
     stop_ids: jax.Array  # [R, K] int32 per slot (-1 = none)
+    # int32, for timing the round (engine/own_costs.py): -1 the policy and skip rule decide; g >= 0
+    # every active slot drafts and verifies g drafts; PIN_SKIP: the round skips drafting
+    pin: jax.Array
 
 
 class RoundOut(NamedTuple):
@@ -80,3 +87,4 @@ class RoundOut(NamedTuple):
     active: jax.Array  # [R] slot was active in this round
     bucket: jax.Array  # scalar: bucket index used
     cut: jax.Array  # [R] bool: a stop token or max_new discarded verified tokens this round
+    drafted: jax.Array  # scalar bool: the drafter ran this round (False: a skip rule skipped it, or target-only)

@@ -4,6 +4,7 @@ saved for calibration."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dspark_jax.calibration.traces import from_engine, save_traces
@@ -13,10 +14,12 @@ from dspark_jax.text.chat import render_prompt
 
 __all__ = ["generate_texts", "save_run_traces"]
 
+log = logging.getLogger(__name__)
+
 
 def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_len=None, gamma=None,
-                   policy="fixed", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
-                   sts=None, theta="latency", cost=None, skip_drafting=False, probe_every=8, probe_max=64, mesh=None,
+                   policy="auto", threshold=0.0, sampling=None, seed=0, loop="host", traces=False, table=None,
+                   sts=None, theta="latency", cost=None, skip_drafting="auto", probe_every=8, probe_max=64, mesh=None,
                    kv_pages=None, prefill_chunk=None):
     """Render, encode, generate; returns (GenerateResult, prompt ids, completion texts).
 
@@ -29,8 +32,10 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
                           cost=cost, skip_drafting=skip_drafting, probe_every=probe_every, probe_max=probe_max,
                           kv_pages=kv_pages, prefill_chunk=prefill_chunk)
     eng = Engine(target, drafter, config, table=table, mesh=mesh)
+    log.info("policy %s; cost table %s", eng.scheduling, eng.table_source)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
+    res.extra.update(policy=eng.scheduling, cost_table=eng.table_source)
     texts = [tok.decode([t for t in r.tokens if t not in tok.stop_ids]) for r in res.results]
     return res, ids, texts
 

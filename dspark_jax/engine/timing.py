@@ -8,10 +8,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.engine.state import PIN_SKIP
 from dspark_jax.scheduler.costs import MeasureError, bucket_plan, measure_table, time_stat
 
 __all__ = ["verify_gamma_policy", "prefilled_state", "engine_draft_timer", "engine_round_timer", "measure_engine",
-           "draft_time"]
+           "draft_time", "engine_skip_timer"]
 
 
 def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
@@ -51,7 +52,7 @@ def engine_draft_timer(engine, sampling=None, **state):
     if not engine.G:
         return lambda: 0.0
 
-    st, ctl = prefilled_state(engine, engine.R, **state), engine.control(sampling)
+    st, ctl = prefilled_state(engine, engine.R, **state), engine.control(sampling, table=engine.unpriced_table)
 
     def draft_fn() -> float:
         t0 = time.perf_counter()
@@ -61,16 +62,17 @@ def engine_draft_timer(engine, sampling=None, **state):
     return draft_fn
 
 
-def engine_round_timer(engine, sampling=None, **state):
+def engine_round_timer(engine, sampling=None, buckets=None, **state):
     """``(round_fn, plan, used)``: ``round_fn(bucket) -> seconds`` (one call) times the engine's
     compiled round (`Engine.step`, all buckets in one program) on a state with k active slots and
-    fixed verify length g from `bucket_plan`, so the round runs its own `lax.switch` branch for
-    that bucket. Each call starts from a fresh copy of the state (the round donates it; copying
-    is not timed). ``used[bucket]`` records `RoundOut.bucket` of every call; a round that lands
-    elsewhere raises MeasureError (the engine must be built with `verify_gamma_policy`). `state`:
-    `prefilled_state`'s prompt / fill for the timed states."""
+    verify length g from `bucket_plan` pinned (`Control.pin`: whatever the engine's policy and
+    skip rule), so the round runs its own `lax.switch` branch for that bucket. Each call starts
+    from a fresh copy of the state (the round donates it; copying is not timed).
+    ``used[bucket]`` records `RoundOut.bucket` of every call; a round that lands elsewhere raises
+    MeasureError. `state`: `prefilled_state`'s prompt / fill for the timed states."""
 
-    plan = bucket_plan(engine.priced_buckets, engine.R, engine.G)  # chunk-only buckets are never priced
+    # chunk-only buckets are never priced; `buckets`: a subset of the priced ones
+    plan = bucket_plan(engine.priced_buckets if buckets is None else buckets, engine.R, engine.G)
     states, ctls, used = {}, {}, {}
 
     def round_fn(bucket: int) -> float:
@@ -78,7 +80,7 @@ def engine_round_timer(engine, sampling=None, **state):
         if k not in states:
             states[k] = prefilled_state(engine, k, **state)
         if g not in ctls:
-            ctls[g] = engine.control(sampling, gamma=g)
+            ctls[g] = engine.control(sampling, gamma=g, pin=g, table=engine.unpriced_table)
         s = jax.block_until_ready(jax.tree.map(jnp.copy, states[k]))
         t0 = time.perf_counter()
         out = jax.block_until_ready(engine.step(s, ctls[g]))
@@ -87,27 +89,49 @@ def engine_round_timer(engine, sampling=None, **state):
         used.setdefault(bucket, []).append(got)
         if got != engine.buckets.index(bucket):
             raise MeasureError(f"the round timed for bucket {bucket} ({k} active slots x (1 + {g}) tokens) ran in "
-                               f"bucket {engine.buckets[got]}: the engine's policy {engine.policy_name!r} does not "
-                               "verify ctl.gamma drafts per active slot; build the Engine with "
-                               "policy=dspark_jax.scheduler.costs.verify_gamma_policy")
+                               f"bucket {engine.buckets[got]}")
         return dt
 
     return round_fn, plan, used
 
 
+def engine_skip_timer(engine, sampling=None, **state):
+    """``skip_fn() -> seconds`` (one call): the engine's compiled round with every slot decoding
+    and drafting skipped (`Control.pin` = `PIN_SKIP`: the plain round a skip rule runs), from a
+    fresh copy of the state each call. Only an engine with a skip rule compiles that round."""
+    st = prefilled_state(engine, engine.R, **state)
+    ctl = engine.control(sampling, pin=PIN_SKIP, table=engine.unpriced_table)
+
+    def skip_fn() -> float:
+        s = jax.block_until_ready(jax.tree.map(jnp.copy, st))
+        t0 = time.perf_counter()
+        jax.block_until_ready(engine.step(s, ctl))
+        return time.perf_counter() - t0
+
+    return skip_fn
+
+
 def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None,
-                   log=None) -> dict:
-    """Cost table of ``engine`` (built with ``policy=verify_gamma_policy``) measured on its compiled
-    round: `measure_table` over `engine_round_timer` and `engine_draft_timer`, plus the plan
-    (active slots, verify length, tokens per bucket) and the bucket index every timed round used."""
+                   log=None, buckets=None) -> dict:
+    """Cost table of ``engine`` measured on its compiled round (whatever its policy: each timed
+    round's length is pinned): `measure_table` over `engine_round_timer` and `engine_draft_timer`,
+    plus the plan (active slots, verify length, tokens per bucket), the bucket index every timed
+    round used and, for an engine with a skip rule, ``t_skip``: its round that skips drafting.
+    `buckets`: the priced buckets to time (default all)."""
     if warmup < 1 or repeats < 1:
         raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
-    round_fn, plan, used = engine_round_timer(engine, sampling)
-    res = measure_table(round_fn, engine.priced_buckets, engine_draft_timer(engine, sampling),
+    buckets = engine.priced_buckets if buckets is None else tuple(buckets)
+    round_fn, plan, used = engine_round_timer(engine, sampling, buckets)
+    res = measure_table(round_fn, buckets, engine_draft_timer(engine, sampling),
                         repeats=repeats, warmup=warmup, stat=stat, log=log)
     res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
                    for b, (k, g) in sorted(plan.items())]
     res["buckets_used"] = {b: used[b] for b in res["buckets"]}
+    if engine.G and engine.spec.skip_drafting is not None:
+        skip = engine_skip_timer(engine, sampling)
+        res["t_skip"] = time_stat([skip() for _ in range(warmup + repeats)][warmup:], stat)
+        if log:
+            log(f"round that skips drafting: {1e3 * res['t_skip']:.3f} ms")
     return res
 
 

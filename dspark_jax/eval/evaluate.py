@@ -134,7 +134,8 @@ def evaluate_drafter(target, drafter, prompts, *, max_new_tokens, sampling, seed
     if max_prompt_len:
         prompts = [p[-max_prompt_len:] for p in prompts]
     S = max(len(p) for p in prompts) + max_new_tokens + G + 2
-    eng = Engine(target, drafter, EngineConfig(num_slots=min(num_slots, len(prompts)), max_len=S), mesh=mesh)
+    config = EngineConfig(num_slots=min(num_slots, len(prompts)), max_len=S, policy="fixed")  # tau at fixed length
+    eng = Engine(target, drafter, config, mesh=mesh)
     res = eng.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids,
                        traces=True)
     acc = np.asarray([r.accepted for r in res.results])

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -222,11 +223,14 @@ def save_cost_file(path, buckets, t_verify, t_draft, *, backend: str, device_kin
 
 
 def write_checked(path, d: dict) -> Path:
-    """Check a cost dict as loading will, then write it as JSON (parents created)."""
+    """Check a cost dict as loading will, then write it as JSON (parents created), whole or not
+    at all: written beside and renamed, so a reader never sees half a table."""
     _check(d, str(path))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(d, indent=1))
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(json.dumps(d, indent=1))
+    os.replace(part, path)
     return path
 
 

@@ -58,7 +58,12 @@ class EngineLoop:
         self._stop = threading.Event()
         self.ready = threading.Event()
         self._warmup = warmup
-        self._control = engine.control(SamplingParams(), threshold=threshold, sts=sts, table=table)
+        self._control_args = dict(threshold=threshold, sts=sts, table=table)
+        # an engine that measures its own cost table does so on the loop thread, before its
+        # warm-up (/health says "starting" meanwhile; without warm-up, for the first request);
+        # any other builds its controls now, so that a bad setting fails here
+        measures = table is None and engine.table is None and engine.needs_table and engine.config.own_costs
+        self._control = None if measures else engine.control(SamplingParams(), **self._control_args)
         self._batcher: Batcher | None = None  # made on the loop thread (it owns the decode state)
         self._joining: list[Request] = []  # taken from the queue, being started
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -66,6 +71,7 @@ class EngineLoop:
         self.failed_requests = 0
         self.rounds = 0  # rounds completed
         self.warmup_seconds: float | None = None
+        self.costs_seconds = 0.0  # spent taking the engine's own cost table (measured or read back)
 
     # ---------------------------------------------------------------- any thread
     def start(self) -> EngineLoop:
@@ -122,6 +128,16 @@ class EngineLoop:
     def _run(self):
         failures = 0
         try:
+            if self._control is None and not self._warmup:  # the table is taken for the first request
+                self.ready.set()
+                while not (self._waiting or self._stop.is_set()):
+                    self._stop.wait(0.02)
+                if self._stop.is_set():
+                    return
+            if self._control is None:
+                t0 = time.perf_counter()
+                self._control = self.engine.control(SamplingParams(), **self._control_args)
+                self.costs_seconds = time.perf_counter() - t0
             self._batcher = Batcher(self.engine, self._control, stream=True)
             if self._warmup:
                 t0 = time.perf_counter()
@@ -241,7 +257,8 @@ class EngineLoop:
         b = self._batcher
         if self.metrics is not None and self.ready.is_set():  # slots still forwarding their prompt decoded nothing
             self.metrics.round(rnd.seconds, rnd.accepted, rnd.lengths,
-                               [i >= 0 and bool(rnd.decoded[s]) for s, i in enumerate(rnd.ids)], self.engine.G)
+                               [i >= 0 and bool(rnd.decoded[s]) for s, i in enumerate(rnd.ids)], self.engine.G,
+                               rnd.drafted)
         for u in rnd.updates:
             try:
                 reason = self._advance(u.job, u.slot, u)

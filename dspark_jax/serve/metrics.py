@@ -30,9 +30,17 @@ class ServerMetrics:
                                          registry=r, buckets=tuple(range(1, max(gamma, 1) + 2)))
         self.verified = Counter("dspark_verified_drafts", "drafts verified, by position", ["position"], registry=r)
         self.accepted = Counter("dspark_accepted_drafts", "drafts accepted, by position", ["position"], registry=r)
+        self.rounds = Counter("dspark_rounds", "engine rounds by the longest verification length a slot got "
+                              "(0: none verified a draft)", ["verified_length"], registry=r)
+        self.skipped_rounds = Counter("dspark_skipped_rounds", "rounds that skipped drafting (the skip rule)",
+                                      registry=r)
 
-    def round(self, seconds: float, accepted, lengths, in_use, gamma: int) -> None:
+    def round(self, seconds: float, accepted, lengths, in_use, gamma: int, drafted: bool | None = None) -> None:
         self.round_seconds.observe(seconds)
+        used = [int(lengths[s]) for s, u in enumerate(in_use) if u]
+        self.rounds.labels(str(max(used, default=0))).inc()
+        if drafted is False and gamma:
+            self.skipped_rounds.inc()
         for s, used in enumerate(in_use):
             if not used:
                 continue

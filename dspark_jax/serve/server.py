@@ -11,9 +11,10 @@ from pathlib import Path
 
 import jax
 
-from dspark_jax.calibration.calibrate import load_temperatures
+from dspark_jax.calibration.calibrate import load_temperatures, stored_temperatures
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.engine.config import AUTO
 from dspark_jax.scheduler.costs import load_cost_table
 from dspark_jax.serve.app import make_app
 from dspark_jax.serve.defaults import SERVE_PREFILL_CHUNK
@@ -26,22 +27,25 @@ from dspark_jax.serve.served import Access, Limits, Served
 @dataclass
 class ServerConfig:
     """Everything `build` needs besides the model directories (the `serve` command's flags).
-    `calibrated`: the STS fit at that sampling temperature (None: no STS). `prefill_chunk`:
+    `policy` / `skip_drafting` "auto": the drafter kind's scheduling (engine/config.py), on a cost
+    table the engine measures itself unless `costs` names one. `calibrated`: the STS fit at that
+    sampling temperature; "auto": the drafter's stored fit at temperature 1 when it has one;
+    None: no STS. `prefill_chunk`:
     joining requests' prompts ride in the rounds (None / 0: whole prefills). `warmup`: compile
     the engine's programs before /health says "ok". `header_timeout` / `body_timeout`: seconds
     a client may take to send a request's headers / its body (serve/timeouts.py)."""
 
-    policy: str = "fixed"
+    policy: str = "auto"
     threshold: float = 0.0
     costs: str | None = None
-    calibrated: float | None = None
+    calibrated: float | str | None = "auto"
     slots: int = 8
     max_len: int = 1024
     max_queue: int = 64
     model_name: str | None = None
     dtype: str = "float32"
     mesh: object = None
-    skip_drafting: bool | str = False
+    skip_drafting: bool | str | None = "auto"
     kv_pages: tuple[int, int] | None = None
     prefill_chunk: int | None = SERVE_PREFILL_CHUNK
     warmup: bool = False
@@ -77,15 +81,16 @@ def build(target=None, drafter=None, config: ServerConfig | None = None, **field
     cfg = dataclasses.replace(config or ServerConfig(), **fields)
     cfg.check()
     models = load_served_models(target, drafter, cfg.dtype, cfg.mesh)
-    if cfg.calibrated is not None and models.drafter_dir is None:
+    if cfg.calibrated not in (None, AUTO) and models.drafter_dir is None:
         raise ValueError("--calibrated reads the drafter's STS temperatures: it needs a drafter")
     tok = models.target.require_tokenizer()
     max_len = min(int(cfg.max_len), models.target.cfg.max_position_embeddings)
     loop, metrics = _start_loop(models, cfg, max_len)
     served = Served(loop, tok, models.target.chat_template, cfg.model_name or Path(str(models.target.path)).name,
                     metrics, cfg.limits(max_len))
-    served.about = {"drafter": models.drafter_dir, "drafter_why": models.why, "policy": loop.engine.policy_name,
-                    "costs": cfg.costs}
+    eng = loop.engine
+    served.about = {"drafter": models.drafter_dir, "drafter_why": models.why, "policy": eng.scheduling,
+                    "costs": f"given: {cfg.costs}" if cfg.costs else eng.table_source}
     return make_app(served, cfg.access()), served
 
 
@@ -94,7 +99,9 @@ def _start_loop(models: ServedModels, cfg: ServerConfig, max_len: int) -> tuple[
     lt = models.target
     table = load_cost_table(cfg.costs, expect_backend=jax.default_backend()) if cfg.costs else None
     sts = None
-    if cfg.calibrated is not None:
+    if cfg.calibrated == AUTO:
+        sts = stored_temperatures(models.drafter_dir, SamplingParams(1.0, 0, 1.0))
+    elif cfg.calibrated is not None:
         sts = load_temperatures(models.drafter_dir, SamplingParams(float(cfg.calibrated), 0, 1.0))
     config = EngineConfig(num_slots=cfg.slots, max_len=max_len, policy=cfg.policy, skip_drafting=cfg.skip_drafting,
                           kv_pages=cfg.kv_pages, prefill_chunk=cfg.prefill_chunk or None,

@@ -38,7 +38,7 @@ def micro_shapes():
     from dspark_jax.engine.plan import abstract_engine, plan_mesh
 
     cfg = from_cli(["micro"])
-    one = abstract_engine(cfg, plan_mesh((1, 1, 1)), EngineConfig(num_slots=2, max_len=64))
+    one = abstract_engine(cfg, plan_mesh((1, 1, 1)), EngineConfig(policy="fixed", num_slots=2, max_len=64))
     return _shapes(one), cfg
 
 
@@ -79,7 +79,8 @@ def test_one_chip_of_a_two_by_two_mesh(micro_shapes):
     from dspark_jax.engine.plan import abstract_engine, plan_mesh
 
     _, cfg = micro_shapes
-    m = _shapes(abstract_engine(cfg, plan_mesh((2, 1, 2), "v6e-4"), EngineConfig(num_slots=2, max_len=64)))
+    m = _shapes(abstract_engine(cfg, plan_mesh((2, 1, 2), "v6e-4"), EngineConfig(policy="fixed",
+                                                                                 num_slots=2, max_len=64)))
     assert m.kv == (KV, KV / 4) and m.data_frac == 0.5
     step = rm.target_step(m, 2, 30)
     assert step.chip_bytes == (4 * (2 * (LAYER_PRODUCTS // 2 + LAYER_NORMS) + 64 + LM_HEAD // 2)
@@ -98,7 +99,7 @@ def test_bf16_drafter_counted_in_its_compute_dtype(micro_shapes):
 
     _, cfg = micro_shapes
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="bfloat16"))
-    m = _shapes(abstract_engine(cfg, plan_mesh((1, 1, 1)), EngineConfig(num_slots=2, max_len=64),
+    m = _shapes(abstract_engine(cfg, plan_mesh((1, 1, 1)), EngineConfig(policy="fixed", num_slots=2, max_len=64),
                                 drafter_in_target_dtype=True))
     assert m.drafter["lm_head"].nbytes == 2 * LM_HEAD and m.drafter["embed"].row_bytes == 2 * 64
     assert m.target["lm_head"].nbytes == 2 * LM_HEAD and m.kv == (KV / 2, KV / 2)

@@ -43,5 +43,7 @@ def test_skip_drafting_reaches_the_server_and_only_scheduled_configurations():
     from dspark_jax.engine.policy import SCHEDULED
 
     assert parse_args(["--skip-drafting"]).skip_drafting == "known"
-    assert parse_args([]).skip_drafting is False
+    args = parse_args([])  # by default the drafter kind's scheduling, STS where the drafter has them
+    assert (args.policy, args.skip_drafting, args.calibrated) == ("auto", "auto", "auto")
+    assert parse_args(["--no-sts"]).calibrated is None and parse_args(["--calibrated"]).calibrated == 1.0
     assert set(SCHEDULED_POLICIES) == set(SCHEDULED)

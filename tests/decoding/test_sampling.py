@@ -118,7 +118,7 @@ def test_engine_draft_keeps_one_sampling_branch():
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
     for kind in ("dspark", "mtp1"):
-        config = EngineConfig(num_slots=2, max_len=16, **({"gamma": 1} if kind == "mtp1" else {}))
+        config = EngineConfig(policy="fixed", num_slots=2, max_len=16, **({"gamma": 1} if kind == "mtp1" else {}))
         eng = Engine(target, tiny_drafter(kind, target, gamma=2), config)
         st = eng.init_state()
         samp = eng.control().sampling  # traced, as the compiled round takes it: one switch over the paths

@@ -47,7 +47,7 @@ def test_laid_out_for_a_slice():
     cfg = from_cli(["configs/qwen3_8b_dspark.yaml", "target.model.num_layers=4", "drafter.target_layer_ids=[0,1,2]",
                     "drafter.num_layers=2"])
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype="bfloat16"))
-    ab = abstract_engine(cfg, plan_mesh((1, 1, 8), "v6e-8"), EngineConfig(num_slots=8, max_len=256),
+    ab = abstract_engine(cfg, plan_mesh((1, 1, 8), "v6e-8"), EngineConfig(policy="fixed", num_slots=8, max_len=256),
                          drafter_in_target_dtype=True)
     dt = ab.dt
     assert dt["fc"].sharding.spec == P(None, "tensor")

@@ -70,9 +70,9 @@ def test_a_fifth_kind_is_one_adapter_and_one_registration(target, tmp_path, monk
     assert registry.kind_of(d) is repeat
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 5)]
-    plain = Engine(target, None, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(16,)))
+    plain = Engine(target, None, EngineConfig(policy="fixed", num_slots=3, max_len=40, prefill_buckets=(16,)))
     want = [r.tokens for r in plain.generate(prompts, max_new_tokens=12, sampling=GREEDY).results]
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(16,)))
+    eng = Engine(target, d, EngineConfig(policy="fixed", num_slots=3, max_len=40, prefill_buckets=(16,)))
     assert eng.spec.kind is repeat
     res = eng.generate(prompts, max_new_tokens=12, sampling=GREEDY)
     assert [r.tokens for r in res.results] == want  # lossless through the unchanged round

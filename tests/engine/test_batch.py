@@ -18,7 +18,8 @@ SAMPLED = SamplingParams(1.0, 0, 1.0)
 
 @pytest.fixture(scope="module")
 def engine(target):
-    return Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(num_slots=3, max_len=40, buckets=(12,),
+    return Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(policy="fixed",
+                                                                                num_slots=3, max_len=40, buckets=(12,),
                                                                                 prefill_buckets=(20,)))
 
 
@@ -62,14 +63,15 @@ def test_drafter_for_another_target(target):
     other = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), seed=9)
     d = tiny_drafter("dspark", other, gamma=3)
     with pytest.raises(TargetMismatchError, match="different target"):
-        Engine(target, d, EngineConfig(num_slots=2, max_len=32))
+        Engine(target, d, EngineConfig(policy="fixed", num_slots=2, max_len=32))
 
 
 def test_gamma_above_compiled_max(engine, target):
     with pytest.raises(EngineError, match="gamma 5 is outside this engine's compiled range 0..3"):
         engine.generate([[1, 2]], max_new_tokens=4, gamma=5)
     with pytest.raises(EngineError, match="exceeds the drafter's block size 3"):
-        Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(num_slots=2, max_len=32, gamma=4))
+        Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(policy="fixed",
+                                                                             num_slots=2, max_len=32, gamma=4))
 
 
 def test_prompt_longer_than_context(engine):
@@ -95,7 +97,7 @@ def test_engine_draft_is_the_rounds_draft():
     from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
-    eng = Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(num_slots=2, max_len=24,
+    eng = Engine(target, tiny_drafter("dspark", target, gamma=3), EngineConfig(policy="fixed", num_slots=2, max_len=24,
                                                                                prefill_buckets=(8,)))
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), 2)))
     st = eng.prefill_slots(eng.init_state(), [0, 1], [[1, 2, 3], [4, 5]], kd, [8, 8])

@@ -20,7 +20,8 @@ MAX_NEW = 9
 
 @pytest.fixture(scope="module")
 def engine(target):
-    config = EngineConfig(num_slots=2, max_len=40, buckets=(8,), prefill_buckets=(16,), kv_pages=(30, 4))
+    config = EngineConfig(policy="fixed",
+                          num_slots=2, max_len=40, buckets=(8,), prefill_buckets=(16,), kv_pages=(30, 4))
     return Engine(target, tiny_drafter("dspark", target, gamma=3), config)
 
 
@@ -99,7 +100,7 @@ def test_cancel_frees_the_slot_and_its_pages(engine, prompts):
 def test_the_head_of_the_queue_waits_for_pages_and_too_large_is_refused(target, prompts):
     """A pool that holds one request's reach: the second waits (nothing taken) until the first
     ends; a request larger than the whole pool is refused, not queued forever."""
-    config = EngineConfig(num_slots=2, max_len=40, buckets=(8,), prefill_buckets=(16,), kv_pages=(6, 4))
+    config = EngineConfig(policy="fixed", num_slots=2, max_len=40, buckets=(8,), prefill_buckets=(16,), kv_pages=(6, 4))
     eng = Engine(target, tiny_drafter("dspark", target, gamma=3), config)
     b = Batcher(eng, eng.control(SAMPLED))
     first, second = _jobs(prompts[:2])

@@ -29,7 +29,8 @@ def _engine(target, kind, **kw):
     d = tiny_drafter(kind, target, gamma=G)
     lk = dict(gamma=G, layer_ids=[0]) if kind == "eagle3" else {}
     g = 1 if kind == "mtp1" else G
-    config = EngineConfig(num_slots=2, max_len=64, buckets=(2, 2 * (g + 1)), prefill_buckets=(16, 64), **lk, **kw)
+    config = EngineConfig(num_slots=2, max_len=64, buckets=(2, 2 * (g + 1)), prefill_buckets=(16, 64), **lk,
+                          **{"policy": "fixed", **kw})
     return Engine(target, d, config)
 
 
@@ -118,7 +119,7 @@ def test_stop_cut_rounds_and_finish_reasons(target, prompts):
 
     # a slot whose context fills before max_new: ends early and says so
     short = Engine(target, tiny_drafter("dspark", target, gamma=G),
-                   EngineConfig(num_slots=2, max_len=24, prefill_buckets=(24,)))
+                   EngineConfig(policy="fixed", num_slots=2, max_len=24, prefill_buckets=(24,)))
     res = short.generate([prompts[2], prompts[0]], max_new_tokens=40, sampling=GREEDY)
     assert res.results[0].finish_reason == "context" and len(res.results[0].tokens) < 40
     assert res.results[1].finish_reason == "context"

@@ -1,4 +1,4 @@
-"""Chunked prefill (`EngineConfig(prefill_chunk=C)`): a request that joins while others decode has its
+"""Chunked prefill (`EngineConfig(policy="fixed", prefill_chunk=C)`): a request that joins while others decode has its
 prompt forwarded C tokens per round, packed beside the others' verification, instead of a
 prefill call that stalls them. Checked: the same tokens as whole prefills for every kind (dense
 and paged), the caches after chunks equal a whole prefill of the committed sequence, nobody
@@ -30,7 +30,7 @@ def _engine(target, kind, **kw):
     d = None if kind == "ar" else tiny_drafter(kind, target, gamma=G)
     lk = dict(gamma=G, layer_ids=[0]) if kind == "eagle3" else {}
     cfg = {k: kw.pop(k) for k in list(kw) if k != "table"}
-    return Engine(target, d, EngineConfig(max_len=64, **lk, **cfg), **kw)
+    return Engine(target, d, EngineConfig(policy="fixed", max_len=64, **lk, **cfg), **kw)
 
 
 # dflash is dspark's block kind with the heads off: the same cache and chunk code (not repeated here)

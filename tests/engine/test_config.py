@@ -40,7 +40,7 @@ def test_a_bad_field_is_one_error_naming_it(field, value, says):
 
 
 def test_config_is_frozen_normalised_and_replaced_with_a_check():
-    c = EngineConfig(num_slots=3, buckets=[12, 3], kv_pages=[8, 4], layer_ids=[0])
+    c = EngineConfig(policy="fixed", num_slots=3, buckets=[12, 3], kv_pages=[8, 4], layer_ids=[0])
     assert c.buckets == (12, 3) and c.kv_pages == (8, 4) and c.layer_ids == (0,)
     hash(c)  # usable as a key (tuples, not lists)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -50,20 +50,21 @@ def test_config_is_frozen_normalised_and_replaced_with_a_check():
         c.replace(num_slots=0)
     with pytest.raises(EngineConfigError, match="no field"):
         c.replace(slots=4)
-    assert EngineConfig(skip_drafting=True).skip_rule == "known" and EngineConfig().skip_rule is None
+    assert EngineConfig(policy="fixed",
+                        skip_drafting=True).skip_rule == "known" and EngineConfig(policy="fixed").skip_rule is None
 
 
 def test_the_engine_takes_a_config_and_checks_what_needs_the_models(target):
     with pytest.raises(EngineConfigError, match="takes an EngineConfig"):
         Engine(target, None, 4)
     with pytest.raises(EngineError, match="largest verification bucket 2 < num_slots"):
-        Engine(target, None, EngineConfig(num_slots=3, buckets=(2,)))
-    eng = Engine(target, None, EngineConfig(num_slots=2, max_len=20))
+        Engine(target, None, EngineConfig(policy="fixed", num_slots=3, buckets=(2,)))
+    eng = Engine(target, None, EngineConfig(policy="fixed", num_slots=2, max_len=20))
     assert eng.R == 2 and eng.S == 20 and eng.config.num_slots == 2
 
 
 def test_validate_request_names_the_field(target):
-    eng = Engine(target, None, EngineConfig(num_slots=2, max_len=20, kv_pages=(3, 4)))
+    eng = Engine(target, None, EngineConfig(policy="fixed", num_slots=2, max_len=20, kv_pages=(3, 4)))
     ok = eng.validate_request([1, 2, 3], 4, sampling=SamplingParams(0.5, 10 ** 6, 1.0))
     assert ok.prompt == [1, 2, 3] and ok.sampling.top_k == 16  # top_k clamped to the vocabulary
     cases = [

@@ -45,7 +45,8 @@ def qwen3_8b_short():
 
 def _engine(cfg, slots, cache_reads="auto"):
     mesh = plan_mesh((1, 1, 8), SLICE)
-    config = EngineConfig(num_slots=slots, max_len=CONTEXT, buckets=(slots,), paged_attention=cache_reads)
+    config = EngineConfig(policy="fixed",
+                          num_slots=slots, max_len=CONTEXT, buckets=(slots,), paged_attention=cache_reads)
     ab = abstract_engine(cfg, mesh, config, drafter=False)
     return ab, ab.eng.control(SamplingParams(0.0, 0, 1.0))
 
@@ -121,7 +122,8 @@ def test_no_weight_is_copied_on_v5p(qwen3_8b_short):
     (target/merged.py) no copy in the step has the shape of a chip's share of a weight, either way
     round. A change that brings back a per-step weight relayout fails here."""
     ab = abstract_engine(qwen3_8b_short, plan_mesh((1, 1, 4), "v5p-8"),
-                         EngineConfig(num_slots=SLOTS, max_len=CONTEXT, buckets=(SLOTS,)), drafter=False)
+                         EngineConfig(policy="fixed",
+                                      num_slots=SLOTS, max_len=CONTEXT, buckets=(SLOTS,)), drafter=False)
     hlo = _round_compiled(ab, SLOTS, ab.eng.control(SamplingParams(0.0, 0, 1.0))).as_text()
     weights = {shape for shape, _ in product_shapes(qwen3_8b_short.target.model, 4).values()}
     weights |= {s[:-2] + s[-2:][::-1] for s in weights}  # and their transposes
@@ -137,7 +139,7 @@ def test_draft_keeps_the_vocabulary_split(qwen3_8b_short):
     gamma steps (the one-hot of a greedy row, the distributions' transpose): the full Qwen3-8B
     draft was priced 7.42 ms, 1.90 ms split (docs/performance.md, item 13)."""
     mesh = plan_mesh((1, 1, 8), SLICE)
-    ab = abstract_engine(qwen3_8b_short, mesh, EngineConfig(num_slots=64, max_len=CONTEXT),
+    ab = abstract_engine(qwen3_8b_short, mesh, EngineConfig(policy="fixed", num_slots=64, max_len=CONTEXT),
                          drafter_in_target_dtype=True)
     ctl = ab.eng.control(SamplingParams(0.0, 0, 1.0))
     spec = ab.eng.spec

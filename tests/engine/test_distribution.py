@@ -64,7 +64,7 @@ def engine(target, drafter, verifier="exact"):
         elif verifier == "unfiltered_q":
             kw["kind"] = broken.UnfilteredQ()
         cfg = dict(gamma=G, layer_ids=(0,)) if type(drafter).__name__ == "Eagle3Drafter" else {}
-        config = EngineConfig(num_slots=N, max_len=len(PROMPT) + 2 + G + 2, buckets=(N * (G + 1),),
+        config = EngineConfig(policy="fixed", num_slots=N, max_len=len(PROMPT) + 2 + G + 2, buckets=(N * (G + 1),),
                               prefill_buckets=(len(PROMPT),), **cfg)
         _ENGINES[key] = Engine(target, drafter, config, **kw)
     eng = _ENGINES[key]

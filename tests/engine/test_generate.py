@@ -68,7 +68,8 @@ def test_generate_cli_kv_pages(dirs, capsys):
     than the dense caches; a pool too small for a request, or a malformed value, is one line."""
     root, _, _ = dirs
     base = ["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
-            str(root / "prompts.jsonl"), "--max-new-tokens", "8", "--batch", "2", "--json", "--temperature", "1"]
+            str(root / "prompts.jsonl"), "--max-new-tokens", "8", "--batch", "2", "--json", "--temperature", "1",
+            "--policy", "fixed"]  # (scheduled, each layout's own cost table could pick other lengths)
 
     def completions(extra):
         rc = main(base + extra)
@@ -113,7 +114,7 @@ def test_measure_accepted_length(dirs):
     assert 1.0 <= tau <= 4.0
     # its one full bucket gives what an engine with the scheduler's buckets gives
     S = max(map(len, prompts)) + 6 + d.gamma + 2
-    engine = Engine(t, d, EngineConfig(num_slots=2, max_len=S))
+    engine = Engine(t, d, EngineConfig(policy="fixed", num_slots=2, max_len=S))
     assert len(engine.buckets) > 1
     res = engine.generate(prompts, max_new_tokens=6, seed=0, sampling=SamplingParams(1.0, 0, 1.0))
     assert measure_accepted_length(t, d, prompts, max_new_tokens=6, num_slots=2) == res.tau
@@ -133,8 +134,9 @@ def test_generate_cli_scheduler_costs_and_sts(dirs, capsys):
     save_cost_file(table, [2, 4, 8], [1e-3, 1.1e-3, 3e-3], 2e-4, backend="cpu", device_kind="cpu", provenance="test")
     base = ["--target", str(root / "target"), "--drafter", str(drafter), "--prompts", str(root / "prompts.jsonl"),
             "--max-new-tokens", "6", "--batch", "2", "--json", "--temperature", "1.0"]
-    assert main(base + ["--policy", "production"]) == 2
-    assert "needs --costs" in capsys.readouterr().err
+    assert main(base) == 0  # by default: the production scheduler on a table the engine measured itself
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert summary["policy"] == "production, skip rule known" and summary["cost_table"] == "own (measured)"
     assert main(base + ["--policy", "production", "--costs", str(table), "--calibrated"]) == 2
     assert "no STS temperatures" in capsys.readouterr().err
     save_temperatures(drafter, {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperatures": [1.0, 0.5, 2.0]})

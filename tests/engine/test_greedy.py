@@ -29,7 +29,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(target, prompts):
-    eng = Engine(target, None, EngineConfig(num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
+    eng = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
     out = [r.tokens for r in res.results]
     for p, o in zip(prompts, out):  # cache-free check + margin guard
@@ -49,7 +50,8 @@ def test_greedy_equals_target(target, prompts, reference, kind):
     d = tiny_drafter(base, target, gamma=3, head_type="rnn" if kind == "dspark_rnn" else "vanilla")
     kw = dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}
     G = 1 if kind == "mtp1" else 3
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=(3 * (G + 1),), prefill_buckets=(20,), **kw))
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=(3 * (G + 1),), prefill_buckets=(20,),
+                                         policy="fixed", **kw))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
     assert [r.tokens for r in res.results] == reference
     # one dispatch per round: the host loop made exactly as many calls as rounds ran
@@ -61,7 +63,8 @@ def test_buckets_policies_and_loops_one_program(target, prompts, reference):
     """Several buckets, fixed / threshold gamma and sampling changes: one round program; the
     while loop gives the same tokens; accepted lengths are >= 1 and tau > 1 with real acceptance."""
     d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,)))  # default buckets (3, 6, 12)
+    eng = Engine(target, d, EngineConfig(policy="fixed",
+                                         num_slots=3, max_len=40, prefill_buckets=(20,)))  # default buckets (3, 6, 12)
     assert len(eng.buckets) == 3
     out = {}
     for gamma in (3, 1, 0):
@@ -100,7 +103,7 @@ def test_rounds_that_verify_no_drafts_take_the_one_column_view(target, prompts, 
     from dspark_jax.engine import round as round_mod
 
     d = tiny_drafter("dspark", target, gamma=3)
-    fixed = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,)))
+    fixed = Engine(target, d, EngineConfig(policy="fixed", num_slots=3, max_len=40, prefill_buckets=(20,)))
     eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, prefill_buckets=(20,), policy="threshold"))
     assert fixed.spec.widths == (4,) and eng.spec.widths == (1, 4)
     lengths = []

@@ -25,7 +25,8 @@ for kind in ("dspark", "eagle3", "mtp1", None):  # dflash shares dspark's code p
     out = {}
     for name, mesh, pages, chunk in (("one", None, None, None), ("mesh", make_mesh(4, 1, 2), None, None),
                                      ("chunked", make_mesh(4, 1, 2), (40, 4), 4)):
-        eng = Engine(target, d, EngineConfig(num_slots=4, max_len=48, kv_pages=pages, prefill_chunk=chunk), mesh=mesh)
+        eng = Engine(target, d, EngineConfig(policy="fixed",
+                                             num_slots=4, max_len=48, kv_pages=pages, prefill_chunk=chunk), mesh=mesh)
         g = eng.generate(prompts, max_new_tokens=12, sampling=SamplingParams(0.0, 0, 1.0), seed=1)
         out[name] = [r.tokens for r in g.results]
         if pages is not None:

@@ -195,14 +195,16 @@ def _run(eng, prompts, sampling, **kw):
 
 @pytest.fixture(scope="module")
 def dense_ar(target, prompts):
-    eng = Engine(target, None, EngineConfig(num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,)))
+    eng = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,)))
     return {"greedy": _run(eng, prompts, GREEDY), "sampled": _run(eng, prompts, SAMPLED)}
 
 
 def test_engine_paged_target_only(target, prompts, dense_ar):
     """16 pages of 4 tokens (the dense cache is R * S / 4 = 30 pages): the dense tokens, greedy
     and sampled, and every page back in the pool when the requests are done."""
-    eng = Engine(target, None, EngineConfig(num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(16,
+    eng = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(16,
                                                                                                                    4)))
     assert isinstance(eng.init_state().cache, PagedKVCache)
     assert _run(eng, prompts, GREEDY) == dense_ar["greedy"]
@@ -223,7 +225,7 @@ def test_engine_paged_dspark(target, prompts, dense_ar):
     d = tiny_drafter("dspark", target, gamma=3)
     kw = dict(num_slots=R, max_len=S, buckets=(R * 4,), prefill_buckets=(20,))
     dense = Engine(target, d, EngineConfig(**kw))
-    paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **kw))
+    paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **{"policy": "fixed", **kw}))
     assert _run(paged, prompts, GREEDY) == dense_ar["greedy"]
     assert paged.pages.peak <= 40 < R * S // 2 and paged.pages.pages_in_use == 0
     want = _run(dense, prompts, SAMPLED)
@@ -241,7 +243,7 @@ def test_engine_paged_recurrent_drafters(target, prompts, kind):
     kw = dict(num_slots=R, max_len=S, buckets=(R * (g + 1),), prefill_buckets=(20,),
               **(dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}))
     want = _run(Engine(target, d, EngineConfig(**kw)), prompts, SAMPLED)
-    paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **kw))
+    paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **{"policy": "fixed", **kw}))
     st = paged.init_state()
     assert isinstance(st.dcache, PagedKVCache) and st.dcache.k.shape[:2] == (1, 40) and st.dcache.page_size == 2
     assert _run(paged, prompts, SAMPLED) == want
@@ -252,7 +254,8 @@ def test_engine_waits_for_pages(target, prompts, dense_ar):
     """A pool that holds one or two requests' reach at a time, not three: requests wait for pages
     (first come, first served) instead of failing, and each still gets its dense tokens (a
     request's randomness does not depend on its batch)."""
-    eng = Engine(target, None, EngineConfig(num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(8,
+    eng = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(8,
                                                                                                                    4)))
     reach = [eng.pages_to_reserve(len(p), MAX_NEW) for p in prompts]
     assert max(reach) <= 8 < sum(sorted(reach)[:3])  # never 3 at once
@@ -265,15 +268,16 @@ def test_engine_waits_for_pages(target, prompts, dense_ar):
 def test_engine_out_of_pages(target, prompts):
     """A request larger than the whole pool fails before anything runs, saying what to change;
     the allocator itself refuses growth beyond the free pages (all or nothing)."""
-    eng = Engine(target, None, EngineConfig(num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(3,
+    eng = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=R, max_len=S, buckets=(R,), prefill_buckets=(20,), kv_pages=(3,
                                                                                                                    4)))
     with pytest.raises(OutOfPagesError, match="more than the whole pool of 3.*kv_pages=\\(num_pages, page_size\\)"):
         eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY)
     assert eng.round_calls == 0
     with pytest.raises(EngineError, match="kv_pages must be"):
-        Engine(target, None, EngineConfig(num_slots=R, max_len=S, kv_pages=4))
+        Engine(target, None, EngineConfig(policy="fixed", num_slots=R, max_len=S, kv_pages=4))
     with pytest.raises(EngineError, match="page_size >= 1"):
-        Engine(target, None, EngineConfig(num_slots=R, max_len=S, kv_pages=(4, 0)))
+        Engine(target, None, EngineConfig(policy="fixed", num_slots=R, max_len=S, kv_pages=(4, 0)))
 
 
 # ------------------------------------------------------------------ compiled memory, kernel contract
@@ -294,7 +298,8 @@ def test_round_memory_paged_vs_dense(target, kind):
     out = {}
     for kv in (None, (16, 16)):
         g = 0 if d is None else 3
-        eng = Engine(target, d, EngineConfig(num_slots=4, max_len=256, buckets=(4 * (g + 1),), prefill_buckets=(16,),
+        eng = Engine(target, d, EngineConfig(policy="fixed",
+                                             num_slots=4, max_len=256, buckets=(4 * (g + 1),), prefill_buckets=(16,),
                                              kv_pages=kv))
         st, ctl = eng.init_state(), eng.control()
         m = jax.jit(functools.partial(round_step, eng.spec), donate_argnums=(2,)).lower(

@@ -28,7 +28,8 @@ def setup():
     target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 17, 5, 2)]
-    ref = Engine(target, None, EngineConfig(num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
+    ref = Engine(target, None, EngineConfig(policy="fixed",
+                                            num_slots=3, max_len=40, buckets=(3,), prefill_buckets=(20,)))
     reference = [r.tokens for r in ref.generate(prompts, max_new_tokens=12, sampling=GREEDY).results]
     return target, prompts, reference
 
@@ -302,6 +303,7 @@ def test_scheduled_policies_refuse_to_guess(setup):
     target, prompts, _ = setup
     d = tiny_drafter("dspark", target, gamma=3)
     for kw in ({"policy": "early_stop"}, {"policy": "production"}, {"skip_drafting": "best_case"}):
+        kw = {"policy": "fixed", "own_costs": False, **kw}  # an engine that does not measure its own
         eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), **kw))
         with pytest.raises(EngineError, match="cost table and none was given.*costs measure"):
             eng.generate(prompts, max_new_tokens=4, sampling=GREEDY)
@@ -324,6 +326,6 @@ def test_scheduled_policies_refuse_to_guess(setup):
         lk = dict(layer_ids=[0]) if kind == "eagle3" else {}
         for kw in ({"policy": "early_stop"}, {"policy": "threshold"}, {"skip_drafting": "known"}):
             with pytest.raises(EngineError, match=f"confidence head, and this {kind} drafter has none"):
-                Engine(target, nc, EngineConfig(num_slots=3, max_len=40, **lk, **kw))
-        Engine(target, nc, EngineConfig(num_slots=3, max_len=40, skip_drafting="best_case",
+                Engine(target, nc, EngineConfig(num_slots=3, max_len=40, **lk, **{"policy": "fixed", **kw}))
+        Engine(target, nc, EngineConfig(policy="fixed", num_slots=3, max_len=40, skip_drafting="best_case",
                                         **lk))  # reads the table only

@@ -15,7 +15,7 @@ t = tiny_target(cfg, logit_scale=1.0)
 d = tiny_drafter("dspark", t, gamma=3)
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [3, 3, 3, 3]]
 def run(tt, dd):
-    eng = Engine(tt, dd, EngineConfig(num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,)))
+    eng = Engine(tt, dd, EngineConfig(policy="fixed", num_slots=4, max_len=32, buckets=(16,), prefill_buckets=(8,)))
     g = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(0.0, 0, 1.0))
     s = eng.generate(prompts, max_new_tokens=8, sampling=SamplingParams(1.0, 0, 1.0), seed=1)
     return [r.tokens for r in g.results], [r.tokens for r in s.results]

@@ -16,7 +16,7 @@ from dspark_jax.target.forward import forward
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
-CONFIG = EngineConfig(num_slots=2, max_len=32, buckets=(2,), prefill_buckets=(16,))
+CONFIG = EngineConfig(policy="fixed", num_slots=2, max_len=32, buckets=(2,), prefill_buckets=(16,))
 
 
 def test_second_engine_of_the_same_shapes_compiles_nothing(target):
@@ -29,7 +29,8 @@ def test_second_engine_of_the_same_shapes_compiles_nothing(target):
     res2 = second.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=SamplingParams(0.0, 0, 1.0))
     assert first._round._cache_size() == compiled  # the other model's weights are arguments
     assert [r.tokens for r in res1.results] != [r.tokens for r in res2.results]  # its own weights were read
-    longer = Engine(target, None, EngineConfig(num_slots=2, max_len=48, buckets=(2,), prefill_buckets=(16,)))
+    longer = Engine(target, None, EngineConfig(policy="fixed",
+                                               num_slots=2, max_len=48, buckets=(2,), prefill_buckets=(16,)))
     assert longer._round is not first._round
 
 
@@ -64,7 +65,7 @@ def test_engine_over_per_layer_weights_decodes_as_over_stacked(target, monkeypat
 
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
     drafter = tiny_drafter("dspark", target, gamma=3)
-    config = EngineConfig(num_slots=2, max_len=40, prefill_buckets=(16,))
+    config = EngineConfig(policy="fixed", num_slots=2, max_len=40, prefill_buckets=(16,))
 
     def tokens(per_layer, d, sampling):
         monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: per_layer)

@@ -27,7 +27,7 @@ def _run(target, drafter, sampling, monkeypatch, tpu: bool, slots: int = 1, max_
     monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: tpu)
     monkeypatch.setattr(backbone, "row_tile", lambda mesh=None: 8 if tpu else 1)
     monkeypatch.setattr(block, "row_tile", lambda mesh=None: 8 if tpu else 1)
-    eng = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=max_len, prefill_buckets=(16,),
+    eng = Engine(target, drafter, EngineConfig(policy="fixed", num_slots=slots, max_len=max_len, prefill_buckets=(16,),
                                                paged_attention="pallas"))
     assert isinstance(eng.dp["layers"], tuple) == tpu
     if tpu:
@@ -75,7 +75,8 @@ def test_round_verifies_in_the_cheapest_bucket_that_holds_it(target):
 
     drafter = tiny_drafter("dspark", target, gamma=3)
     buckets = (2, 4, 8)
-    eng = Engine(target, drafter, EngineConfig(num_slots=2, max_len=40, prefill_buckets=(16,), buckets=buckets))
+    eng = Engine(target, drafter, EngineConfig(policy="fixed",
+                                               num_slots=2, max_len=40, prefill_buckets=(16,), buckets=buckets))
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 2)))
     greedy = SamplingParams(0.0, 0, 1.0)
     runs = {}

@@ -47,7 +47,7 @@ def test_rounds_advance_past_the_kept_tokens_and_the_last_is_cut():
 def test_forced_rounds_are_the_engines_rounds(target, prompts, continuations, kind):
     d = tiny_drafter(kind, target, gamma=G)
     kw = dict(gamma=G, layer_ids=[0]) if kind == "eagle3" else {}
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=64, **kw))
+    eng = Engine(target, d, EngineConfig(policy="fixed", num_slots=3, max_len=64, **kw))
     res = eng.generate(prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, stop_ids=(7,), traces=True)
     assert [r.tokens for r in res.results] == continuations  # what greedy speculative decoding commits
     want = res.traces.arrays()
@@ -105,7 +105,7 @@ def test_expected_first_slot_acceptance_is_the_engines_rate_at_t1(target):
     prompt, rate = candidates[i], float(rates[i])
     assert 0.2 < rate < 0.8, rates  # a rate a wrong one cannot match by accident at 0 or 1
     n = 480
-    eng = Engine(target, d, EngineConfig(num_slots=8, max_len=32))
+    eng = Engine(target, d, EngineConfig(policy="fixed", num_slots=8, max_len=32))
     res = eng.generate([prompt] * n, max_new_tokens=G + 1, sampling=t1, stop_ids=(), seed=3, traces=True)
     tr = res.traces.arrays()
     first = np.asarray([tr["accepted"][(tr["request"] == r)][np.argmin(tr["round"][tr["request"] == r])]

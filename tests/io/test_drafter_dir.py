@@ -38,7 +38,7 @@ def test_legacy_drafter_loads_and_decodes_as_before(target, kind, tmp_path):
     assert set(ours) == set(stored)
     for k in stored:
         np.testing.assert_array_equal(ours[k], stored[k])
-    eng = Engine(target, d, EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,)))
+    eng = Engine(target, d, EngineConfig(policy="fixed", num_slots=2, max_len=32, prefill_buckets=(8,)))
     res = eng.generate(EXPECTED["prompts"], max_new_tokens=EXPECTED["max_new_tokens"],
                        sampling=SamplingParams(1.0, 0, 1.0), seed=EXPECTED["seed"], traces=True)
     assert [r.tokens for r in res.results] == want["tokens"]

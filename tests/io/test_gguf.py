@@ -271,7 +271,7 @@ def test_greedy_tokens_match_transformers_generate(hf_gguf, ours):
 
     tok, model = hf_gguf
     prompts = [list(_ids(tok, m)) for m in PROMPTS[:2]]
-    eng = Engine(ours.model, None, EngineConfig(num_slots=2, max_len=128, prefill_buckets=(64,)))
+    eng = Engine(ours.model, None, EngineConfig(policy="fixed", num_slots=2, max_len=128, prefill_buckets=(64,)))
     res = eng.generate(prompts, max_new_tokens=32, sampling=SamplingParams(0.0, 0, 1.0),
                        stop_ids=ours.tokenizer.stop_ids)
     for p, r in zip(prompts, res.results):

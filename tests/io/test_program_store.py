@@ -35,7 +35,8 @@ from dspark_jax.io.program_store import store_stats
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
 drafter = tiny_drafter("dspark", target, gamma=3)
-engine = Engine(target, drafter, EngineConfig(num_slots=2, max_len=32, buckets=(8,), prefill_buckets=(16,)))
+engine = Engine(target, drafter, EngineConfig(policy="fixed",
+                                              num_slots=2, max_len=32, buckets=(8,), prefill_buckets=(16,)))
 res = engine.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_new_tokens=6, sampling=SamplingParams(1.0, 0, 1.0),
                       seed=3)
 print(json.dumps({"tokens": [r.tokens for r in res.results], "stats": store_stats(), "traced": traced,

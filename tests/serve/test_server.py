@@ -39,7 +39,7 @@ def reference(embedded_tiny_dir):
 
     lt = load_target(embedded_tiny_dir)
     tok = lt.tokenizer
-    eng = Engine(lt.model, None, EngineConfig(num_slots=4, max_len=128))
+    eng = Engine(lt.model, None, EngineConfig(policy="fixed", num_slots=4, max_len=128))
     ids = [tok.encode(p) for p in PROMPTS]
     res = eng.generate(ids, max_new_tokens=12, sampling=SamplingParams(0.0, 0, 1.0), stop_ids=tok.stop_ids)
     return [tok.decode(r.tokens, skip_special_tokens=True) for r in res.results], [len(r.tokens) for r in res.results]

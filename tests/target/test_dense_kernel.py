@@ -143,7 +143,7 @@ def test_engine_over_the_dense_kernel_gives_the_reference_tokens():
     kw = dict(num_slots=2, max_len=24, buckets=(8,), prefill_buckets=(12,))
     tokens = {}
     for impl in ("reference", "pallas"):
-        eng = Engine(target, d, EngineConfig(paged_attention=impl, **kw))
+        eng = Engine(target, d, EngineConfig(paged_attention=impl, **{"policy": "fixed", **kw}))
         st = eng.init_state()
         assert st.cache.impl == impl and st.dcache.impl == impl
         tokens[impl] = [r.tokens for r in eng.generate(prompts, max_new_tokens=6, sampling=greedy).results]

@@ -222,10 +222,10 @@ def test_engine_verification_through_the_kernel():
                   **({"gamma": 3, "layer_ids": [0]} if kind == "eagle3" else {}))
         want = [r.tokens for r in Engine(target, d, EngineConfig(**kw)).generate(prompts, max_new_tokens=10,
                                                                                  sampling=greedy).results]
-        eng = Engine(target, d, EngineConfig(kv_pages=(24, 4), paged_attention="pallas", **kw))
+        eng = Engine(target, d, EngineConfig(kv_pages=(24, 4), paged_attention="pallas", **{"policy": "fixed", **kw}))
         st = eng.init_state()
         assert st.cache.impl == "pallas" and (kind is None or st.dcache.impl == "pallas")
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=10, sampling=greedy).results]
         assert got == want
     with pytest.raises(EngineError, match="not one of"):
-        EngineConfig(num_slots=2, max_len=40, kv_pages=(24, 4), paged_attention="flash")
+        EngineConfig(policy="fixed", num_slots=2, max_len=40, kv_pages=(24, 4), paged_attention="flash")

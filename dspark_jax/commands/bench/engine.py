@@ -164,7 +164,7 @@ def bench_loop(target, drafter, prompts, args, out):
 
     S = max(len(p) for p in prompts[:8]) + args.max_new_tokens + drafter.gamma + 2
     for name, d in (("ar", None), ("dspark", drafter)):
-        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S))
+        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S, policy="fixed"))
         r = {}
         for loop in ("host", "while"):
             eng.generate(prompts[:8], max_new_tokens=4, sampling=SamplingParams(1.0, 0, 1.0), loop=loop)  # compile
@@ -186,7 +186,8 @@ def bench_speed(target, drafter, prompts, args, out):
         ps = prompts[: max(R, 8)]
         S = max(len(p) for p in ps) + args.max_new_tokens + drafter.gamma + 2
         ar = Engine(target, None, EngineConfig(num_slots=R, max_len=S))
-        ds = Engine(target, drafter, EngineConfig(num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),)))
+        ds = Engine(target, drafter, EngineConfig(num_slots=R, max_len=S, buckets=(R * (drafter.gamma + 1),),
+                                                     policy="fixed"))
         engines = [(ar, {}), (ds, {})]
         table = args.tables.get(R)
         if table is not None:  # scheduled: the production policy + skip rule on the table measured for R slots
@@ -239,7 +240,7 @@ def bench_tau(target, drafters, prompts, args, out, stop_ids):
     for name, d in drafters.items():
         gamma = getattr(d, "gamma", None) or d.dcfg.gamma
         S = max(len(p) for p in prompts) + args.max_new_tokens + gamma + 2
-        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S))
+        eng = Engine(target, d, EngineConfig(num_slots=8, max_len=S, policy="fixed"))
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=SamplingParams(1.0, 0, 1.0),
                            loop="while", stop_ids=stop_ids, seed=args.seed)
         _, lo, hi = bootstrap_tau([r.accepted for r in res.results], [r.rounds for r in res.results])
@@ -269,7 +270,8 @@ def bench_head(target, prompts, args, out):
             ps = [prompts[i % len(prompts)] for i in range(R)]
             times = {}
             for name, d in (("markov", with_h), ("none", without)):
-                eng = Engine(target, d, EngineConfig(num_slots=R, max_len=S + G, buckets=(R * (G + 1),)))
+                config = EngineConfig(num_slots=R, max_len=S + G, buckets=(R * (G + 1),), policy="fixed")
+                eng = Engine(target, d, config)
                 st = _started(eng, ps, 16)
                 ctl = eng.control(sp)
                 rnd = jax.jit(lambda tp, dp, st, ctl, _e=eng: round_step(_e.spec, tp, dp, st, ctl)[1])
@@ -317,7 +319,7 @@ def bench_join(target, drafter, prompts, args, out):
     S = len(long) + max_new + drafter.gamma + 2
     res = {}
     for name, chunk in (("whole", None), ("chunked", args.prefill_chunk)):
-        eng = Engine(target, drafter, EngineConfig(num_slots=4, max_len=S, prefill_chunk=chunk))
+        eng = Engine(target, drafter, EngineConfig(num_slots=4, max_len=S, prefill_chunk=chunk, policy="fixed"))
         _join_once(eng, shorts, long, max_new, sp)  # compiles
         runs = np.asarray([_join_once(eng, shorts, long, max_new, sp) for _ in range(args.reps)])
         res[name] = {"stall_ms": 1e3 * float(np.median(runs[:, 0])),

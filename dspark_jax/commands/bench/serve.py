@@ -140,12 +140,17 @@ def parse_args(argv=None):
     ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR[@POLICY]",
                     help="a drafter configuration (repeat), with its own verification policy after @ (e.g. "
                          "dspark-sched=DIR@production); target-only always runs first")
-    ap.add_argument("--policy", default="fixed", help="verification policy of configurations without @POLICY")
-    ap.add_argument("--costs", default=None, help="cost table for scheduled policies")
+    ap.add_argument("--policy", default="auto",
+                    help="verification policy of configurations without @POLICY (default auto: the drafter kind's, "
+                         "as `serve` runs it)")
+    ap.add_argument("--costs", default=None,
+                    help="cost table for scheduled policies (default: each server measures its own)")
     ap.add_argument("--calibrated", action="store_true",
-                    help="scheduled configurations use the drafter's STS temperatures fitted at --temperature")
+                    help="scheduled configurations use the drafter's STS temperatures fitted at --temperature "
+                         "(default: auto configurations use a stored fit at temperature 1 where there is one)")
     ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
-                    help="scheduled configurations skip the drafter where the cost table says it does not pay")
+                    help="scheduled configurations with an explicit @POLICY skip the drafter where the cost table "
+                         "says it does not pay")
     ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -179,22 +184,27 @@ def main(argv=None) -> int:
     results: dict = {}
     peak_pages: dict = {}
     slots = args.slots or max(args.concurrency)
-    running, clients = [], {}  # every configuration's server is up at once: the levels alternate between them
+    # every configuration's server is up at once: the levels alternate between them
+    running, clients, about = [], {}, {}
     try:
         for name, drafter, policy in configs:
-            scheduled = policy in SCHEDULED_POLICIES
-            kw = {} if drafter == "none" else dict(policy=policy, costs=args.costs,
-                                                    calibrated=(args.temperature if args.calibrated and scheduled
-                                                                else None),
-                                                    skip_drafting=args.skip_drafting if scheduled else False)
+            scheduled = policy in SCHEDULED_POLICIES or policy == "auto"
+            kw = {} if drafter == "none" else dict(
+                policy=policy, costs=args.costs,
+                calibrated=(args.temperature if args.calibrated and scheduled
+                            else "auto" if policy == "auto" else None),
+                skip_drafting="auto" if policy == "auto" else args.skip_drafting if scheduled else False)
             app, served = build(args.target, drafter, slots=slots, max_len=args.max_len,
                                 max_queue=max(4 * slots, max(args.concurrency)),
                                 kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
             server, thread, port = serve_in_thread(app)
             running.append((name, served, server, thread))
+            about[name] = served.about["policy"]
             clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
             warm_up(clients[name], served, prompts, args.temperature)
             results[name] = []
+            print(f"[bench serve] {name}: policy {served.about['policy']}; "
+                  f"cost table {served.loop.engine.table_source}", flush=True)
         # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
         for c in args.concurrency:
             for name, served, _, _ in running:
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
                             for lv in levels))
     meta = {"command": "python -m dspark_jax bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
-            "configs": {name: {"drafter": d, "policy": pol,
+            "configs": {name: {"drafter": d, "policy": pol, "scheduling": about.get(name),
                                "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
                         for name, d, pol in configs},
             "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None}

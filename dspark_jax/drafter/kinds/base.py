@@ -45,6 +45,13 @@ class DrafterKind(ABC):
     has_reference_layout: bool = False  # `python -m dspark_jax convert` reads / writes it in DeepSpec's layout
     decode_layout: bool = False  # the engine lays its arrays out as drafter/decode_weights.py says
 
+    def default_scheduling(self, drafter) -> tuple[str, str]:
+        """(length policy, skip rule) an engine runs this drafter with when its config asks for
+        neither (`EngineConfig(policy="auto")`): fixed-length verification, drafting skipped in
+        rounds where the engine's cost table says even drafts all accepted could not beat plain
+        decoding. Kinds whose drafter has a confidence head schedule on it (BlockKind)."""
+        return "fixed", "best_case"
+
     def __hash__(self):
         return hash((type(self), self.name))
 

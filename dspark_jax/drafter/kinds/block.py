@@ -27,6 +27,13 @@ class BlockKind(DrafterKind):
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
 
+    def default_scheduling(self, drafter) -> tuple[str, str]:
+        """With a confidence head: the production scheduler on its survivals, and the "known" skip
+        rule (docs/scheduler.md); without one, the base kind's fixed length."""
+        if drafter.dcfg.confidence_head:
+            return "production", "known"
+        return super().default_scheduling(drafter)
+
     def build(self, target_cfg, dcfg, *, rngs, param_dtype, dtype, ttt_steps: int):
         return Drafter(target_cfg, dcfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
