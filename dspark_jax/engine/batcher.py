@@ -24,6 +24,7 @@ import numpy as np
 from dspark_jax.calibration.traces import Traces
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.errors import EngineError
+from dspark_jax.engine.live_costs import LiveTable
 from dspark_jax.engine.page_alloc import OutOfPagesError
 from dspark_jax.engine.requests import per_request, reach
 from dspark_jax.engine.results import GenerateResult, RequestResult
@@ -91,6 +92,7 @@ class Round:
     lengths: np.ndarray | None = None  # [R] verification lengths chosen
     decoded: np.ndarray | None = None  # [R] slots that decoded (not still forwarding their prompt)
     drafted: bool | None = None  # the drafter ran (False: the round skipped drafting)
+    bucket: int | None = None  # the compiled verification bucket it ran in (index)
 
 
 class Batcher:
@@ -99,6 +101,8 @@ class Batcher:
 
     def __init__(self, engine, control, *, stream: bool = True):
         self.engine, self.control, self.stream = engine, control, stream
+        # a streaming batcher (a server's) keeps the scheduler's cost table current with its rounds
+        self.live = LiveTable(control.table, engine.buckets) if stream and engine.needs_table else None
         self.slots: list[Job | None] = [None] * engine.R
         self.state = engine.init_state()
         self.calls = 0
@@ -184,6 +188,11 @@ class Batcher:
         self.calls += 1
         self._collect(rnd)
         rnd.seconds = time.perf_counter() - t0
+        if self.live is not None and rnd.bucket is not None:
+            self.live.observe(rnd.bucket, rnd.drafted, rnd.seconds)
+            table = self.live.refreshed()
+            if table is not None:
+                self.control = self.control._replace(table=table)
         return rnd
 
     def _collect(self, rnd: Round) -> None:
@@ -196,10 +205,11 @@ class Batcher:
         want.update(n_gen=st.n_gen, out=st.out, finish=st.finish, rounds=st.rounds, acc=st.acc_sum)
         if self.stream and rnd.record is not None:
             want.update(accepted=rnd.record.accepted, lengths=rnd.record.lengths, decoded=rnd.record.active,
-                        drafted=rnd.record.drafted)
+                        drafted=rnd.record.drafted, bucket=rnd.record.bucket)
         got = jax.device_get(want)
         rnd.accepted, rnd.lengths, rnd.decoded = got.get("accepted"), got.get("lengths"), got.get("decoded")
         rnd.drafted = None if "drafted" not in got else bool(got["drafted"])
+        rnd.bucket = None if "bucket" not in got else int(got["bucket"])
         now, ended = time.perf_counter(), []
         for s in busy:
             job = self.slots[s]

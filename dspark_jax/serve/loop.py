@@ -259,6 +259,8 @@ class EngineLoop:
             self.metrics.round(rnd.seconds, rnd.accepted, rnd.lengths,
                                [i >= 0 and bool(rnd.decoded[s]) for s, i in enumerate(rnd.ids)], self.engine.G,
                                rnd.drafted)
+            if b.live is not None:
+                self.metrics.cost_table(b.live)
         for u in rnd.updates:
             try:
                 reason = self._advance(u.job, u.slot, u)

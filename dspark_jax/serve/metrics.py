@@ -34,6 +34,16 @@ class ServerMetrics:
                               "(0: none verified a draft)", ["verified_length"], registry=r)
         self.skipped_rounds = Counter("dspark_skipped_rounds", "rounds that skipped drafting (the skip rule)",
                                       registry=r)
+        self.table_verify = Gauge("dspark_cost_table_verify_seconds", "the scheduler's price of verifying a "
+                                  "bucket: measured, then following the rounds' times", ["bucket"], registry=r)
+        self.table_updates = Gauge("dspark_cost_table_updates", "times the rounds moved the cost table",
+                                   registry=r)
+
+    def cost_table(self, live) -> None:
+        """The scheduler's table as the rounds keep it (engine/live_costs.py `LiveTable`)."""
+        for b, t in zip(live.priced, live.t_verify):
+            self.table_verify.labels(str(b)).set(float(t))
+        self.table_updates.set(live.updates)
 
     def round(self, seconds: float, accepted, lengths, in_use, gamma: int, drafted: bool | None = None) -> None:
         self.round_seconds.observe(seconds)

@@ -1,0 +1,85 @@
+"""A cost table that follows the load: the rounds a server runs anyway, timed as they run.
+
+A table measured at start-up (engine/own_costs.py) or by `costs measure` prices rounds on a quiet
+machine; a busy one (other processes, a hotter chip, the serving loop's own host work) runs them
+slower, and by different amounts per bucket. `LiveTable` keeps, per priced bucket, a running mean
+(exponential, weight `alpha` per round) of the wall time of the rounds that landed there, drafted
+and skipped apart, and every `every` rounds rebuilds the table from it: t_verify(b) = the drafted
+rounds' mean at b less the draft's time (which a round cannot separate from its verification, so
+it stays as measured), and the skipped rounds' price beyond t_verify (the table's `skip_extra`)
+from theirs. A bucket no round has landed in keeps its measured time. A round that takes more than
+`outlier` times what the table says (a compile, a pause) is left out. `changes` says what moved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from dspark_jax.scheduler.costs import FLOOR_S
+from dspark_jax.scheduler.prefix import CostTable, make_table
+
+__all__ = ["LiveTable"]
+
+log = logging.getLogger(__name__)
+
+
+class LiveTable:
+    """Running per-bucket round times over `table` (a CostTable) for an engine compiling `buckets`
+    (the compiled buckets, whose indices rounds report; chunk-only ones are not priced)."""
+
+    def __init__(self, table: CostTable, buckets, *, alpha: float = 0.1, every: int = 32, outlier: float = 10.0,
+                 moved: float = 0.05):
+        self.priced = [int(b) for b in np.asarray(table.buckets)]
+        self.t_verify = np.asarray(table.t_verify, np.float64).copy()
+        self.t_draft = float(np.asarray(table.t_draft))
+        self.skip_extra = 0.0 if table.skip_extra is None else float(np.asarray(table.skip_extra))
+        self.measured = self.t_verify.copy()  # what the table said before any round
+        self._index = {i: self.priced.index(int(b)) for i, b in enumerate(buckets) if int(b) in self.priced}
+        self.alpha, self.every, self.outlier, self.moved = float(alpha), int(every), float(outlier), float(moved)
+        n = len(self.priced)
+        self.drafted = np.full(n, np.nan)  # running mean of drafted rounds' seconds per bucket
+        self.skipped = np.full(n, np.nan)  # ... and of skipped rounds'
+        self.rounds = 0
+        self.updates = 0
+
+    def observe(self, bucket_index: int, drafted: bool, seconds: float) -> None:
+        """One round that landed in compiled bucket `bucket_index`, drafting or not, took `seconds`."""
+        i = self._index.get(int(bucket_index))
+        if i is None:
+            return
+        predicted = self.t_verify[i] + (self.t_draft if drafted else self.skip_extra)
+        if not seconds > 0 or seconds > self.outlier * predicted:
+            return
+        means = self.drafted if drafted else self.skipped
+        means[i] = seconds if np.isnan(means[i]) else (1 - self.alpha) * means[i] + self.alpha * seconds
+        self.rounds += 1
+
+    def refreshed(self) -> CostTable | None:
+        """Every `every` observed rounds, the table rebuilt from the running means when a price
+        moved by more than `moved` (relative); else None."""
+        if not self.rounds or self.rounds % self.every:
+            return None
+        t_verify = np.where(np.isnan(self.drafted), self.t_verify,
+                            np.maximum(self.drafted - self.t_draft, FLOOR_S))
+        seen = ~np.isnan(self.skipped)
+        skip_extra = float(np.mean(np.maximum(self.skipped[seen] - t_verify[seen], 0.0))) if seen.any() \
+            else self.skip_extra
+        old = np.append(self.t_verify, self.skip_extra + 1e-12)
+        new = np.append(t_verify, skip_extra + 1e-12)
+        if np.max(np.abs(new / old - 1.0)) <= self.moved:
+            return None
+        self.t_verify, self.skip_extra = t_verify, skip_extra
+        self.updates += 1
+        log.info("cost table follows the load (%d rounds): %s", self.rounds, self.changes())
+        return self.table()
+
+    def table(self) -> CostTable:
+        return make_table(self.priced, t_verify=self.t_verify, t_draft=self.t_draft, skip_extra=self.skip_extra)
+
+    def changes(self) -> str:
+        """Each bucket's price now against the one measured, e.g. "8: 1.20 -> 1.45 ms"."""
+        parts = [f"{b}: {1e3 * m:.3g} -> {1e3 * t:.3g} ms" for b, m, t in zip(self.priced, self.measured, self.t_verify)
+                 if abs(t / m - 1.0) > 1e-9]
+        return ", ".join(parts) or "unchanged"

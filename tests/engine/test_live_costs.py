@@ -1,0 +1,50 @@
+"""The cost table that follows the load (engine/live_costs.py): running means of the rounds' times
+per bucket rebuild the table, what the rounds never reach keeps its measured price, and outliers
+(a compile) are left out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_jax.engine.live_costs import LiveTable
+from dspark_jax.scheduler.prefix import make_table
+
+PRICED = (4, 8, 16)
+COMPILED = (4, 8, 16, 32)  # 32: a chunk-only bucket, never priced
+
+
+def _live(**kw):
+    table = make_table(PRICED, t_verify=[1e-3, 2e-3, 4e-3], t_draft=1e-3, skip_extra=5e-4, as_numpy=True)
+    return LiveTable(table, COMPILED, **kw)
+
+
+def test_a_busier_machine_moves_the_buckets_it_ran():
+    live = _live(alpha=0.5, every=8)
+    for _ in range(7):  # drafted rounds at bucket 8 take 2x what the table says (draft 1 + verify 2 ms -> 6 ms)
+        live.observe(1, True, 6e-3)
+        assert live.refreshed() is None  # not before `every` rounds
+    live.observe(1, True, 6e-3)
+    t = live.refreshed()
+    assert t is not None and live.updates == 1
+    np.testing.assert_allclose(np.asarray(t.t_verify), [1e-3, 5e-3, 4e-3], rtol=1e-6)  # the draft stays as measured
+    assert float(np.asarray(t.t_draft)) == pytest.approx(1e-3) and "8: 2 -> 5 ms" in live.changes()
+
+
+def test_skipped_rounds_price_plain_decoding_and_outliers_are_left_out():
+    live = _live(alpha=1.0, every=4)
+    live.observe(0, False, 5.0)  # a compile: far beyond the table's price, not counted
+    live.observe(3, True, 1e-3)  # the chunk-only bucket: not priced
+    assert live.rounds == 0
+    for _ in range(4):
+        live.observe(0, False, 3e-3)  # plain rounds at bucket 4: 1 ms verify + 2 ms beyond
+    t = live.refreshed()
+    assert float(np.asarray(t.skip_extra)) == pytest.approx(2e-3)
+    np.testing.assert_allclose(np.asarray(t.t_verify), [1e-3, 2e-3, 4e-3], rtol=1e-6)
+
+
+def test_a_table_within_its_noise_is_not_rebuilt():
+    live = _live(alpha=1.0, every=2)
+    live.observe(2, True, 5.1e-3)  # 4.1 ms verify against 4: 2.5 %, under the 5 % that counts as moved
+    live.observe(2, True, 5.1e-3)
+    assert live.refreshed() is None and live.updates == 0 and live.changes() == "unchanged"
