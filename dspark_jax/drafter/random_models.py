@@ -16,9 +16,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterSection
 from dspark_jax.drafter import registry
-from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.frozen import attach_target
-from dspark_jax.drafter.mtp import MTPDrafter
 from dspark_jax.parallel.sharding import create_model
 from dspark_jax.target import TargetModel
 from dspark_jax.target.config import ModelConfig
@@ -56,24 +54,16 @@ def random_drafter(kind: str, target: TargetModel, *, gamma: int = 3, seed: int 
     preset's drafter section, so `costs measure` times the drafter a run would train); `dtype`:
     the compute dtype (parameters stay float32, as a loaded drafter's do)."""
     cfg = target.cfg
-    if kind in ("dspark", "dflash"):
-        if dcfg is None:
-            dcfg = DrafterSection(kind=kind, num_layers=1, gamma=gamma, target_layer_ids=(0,), num_target_features=1,
-                                  markov_rank=8, head_type=head_type, mask_token_id=cfg.vocab_size - 1)
-        d = create_model(lambda: registry.build(cfg, dcfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
-        if d.markov_w1 is not None:
-            _scale(d.markov_w1, markov_scale)
-            _scale(d.markov_w2, markov_scale)
-        if d.conf_kernel is not None:
-            _scale(d.conf_kernel, 50.0)
-    elif kind == "eagle3":
-        d = create_model(lambda: Eagle3Drafter(cfg, 1, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
-    elif kind == "mtp1":
-        d = create_model(lambda: MTPDrafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
-    else:
-        raise ValueError(f"unknown drafter kind {kind!r}")
+    adapter = registry.get_kind(kind)
+    section = dcfg or adapter.random_section(cfg, gamma=gamma, head_type=head_type)
+    d = create_model(lambda: registry.build(cfg, section, rngs=nnx.Rngs(seed), dtype=dtype), mesh)
+    if getattr(d, "markov_w1", None) is not None:
+        _scale(d.markov_w1, markov_scale)
+        _scale(d.markov_w2, markov_scale)
+    if getattr(d, "conf_kernel", None) is not None:
+        _scale(d.conf_kernel, 50.0)
     attach_target(d, target)
-    stack = d.layers if kind in ("dspark", "dflash") else d.layer
+    stack = adapter.decoder_layers(d)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         _scale(getattr(stack, name), 10.0)
     # Softer base logits (the frozen head is the target's, scaled for peaked targets); negated when

@@ -419,19 +419,6 @@ def recorded_num_anchors(our_dir) -> int:
     return n
 
 
-def _refusal(kind: str) -> str:
-    if kind == "eagle3":
-        return ("ours is DeepSpec's Eagle3 variant (a Qwen3 layer with q/k norm over m fused target layers, full "
-                "vocabulary, no d2t map) and no vLLM / SGLang EAGLE-3 config contract for it was pinned down (their "
-                "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer "
-                "over 3 layers with a reduced vocabulary); "
-                "serve it with `python -m dspark_jax serve --drafter DIR`")
-    if kind == "mtp1":
-        return ("the engines' MTP paths load MTP layers shipped inside the target's own checkpoint for specific "
-                "model families, not a standalone module; serve it with `python -m dspark_jax serve --drafter DIR`")
-    return "serve it with `python -m dspark_jax serve --drafter DIR`"
-
-
 def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anchors: int | None = None,
                      mesh=None, log=None) -> Drafter:
     """Write `our_dir`'s drafter in the reference layout. `num_anchors` None: the run's
@@ -442,7 +429,7 @@ def export_reference(our_dir, ref_dir, target, dtype: str = "bfloat16", num_anch
     if not kind.has_reference_layout:
         raise ConversionError(f"{our_dir} holds a {kind.name} drafter, which has no DeepSpec reference layout; "
                               f"only {', '.join(k for k, a in registry.KINDS.items() if a.has_reference_layout)} "
-                              f"drafters export: {_refusal(kind.name)}")
+                              f"drafters export: {kind.reference_refusal}")
     if num_anchors is None:
         num_anchors = recorded_num_anchors(our_dir)
         log(f"num_anchors {num_anchors} (read from {Path(our_dir) / drafter_io.CONFIG_FILE})")

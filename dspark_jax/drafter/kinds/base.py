@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from dspark_jax.config.schema import DrafterSection
 from dspark_jax.decoding.sampling import first_argmax
 
 __all__ = ["DraftShape", "DrafterKind"]
@@ -44,6 +45,19 @@ class DrafterKind(ABC):
     supports_remat: bool = False  # `loss(..., remat=True)` recomputes the drafter layers
     has_reference_layout: bool = False  # `python -m dspark_jax convert` reads / writes it in DeepSpec's layout
     decode_layout: bool = False  # the engine lays its arrays out as drafter/decode_weights.py says
+    # what `python -m dspark_jax convert` answers for a kind without a reference layout
+    reference_refusal: str = "serve it with `python -m dspark_jax serve --drafter DIR`"
+
+    def random_section(self, target_cfg, *, gamma: int, head_type: str) -> DrafterSection:
+        """The drafter section of this kind's random model for `target_cfg` (drafter/random_models.py,
+        timing and tests): one layer over target layer 0, a rank-8 Markov head where the kind has
+        one; `resolve` makes it the kind's own."""
+        return DrafterSection(kind=self.name, num_layers=1, gamma=gamma, target_layer_ids=(0,), num_target_features=1,
+                              markov_rank=8, head_type=head_type, mask_token_id=target_cfg.vocab_size - 1)
+
+    def decoder_layers(self, drafter):
+        """The module holding the drafter's decoder-layer weights (q/k/v/o, gate/up/down)."""
+        return drafter.layer
 
     def default_scheduling(self, drafter) -> tuple[str, str]:
         """(length policy, skip rule) an engine runs this drafter with when its config asks for

@@ -27,6 +27,9 @@ class BlockKind(DrafterKind):
     def resolve(self, target_cfg, dcfg):
         return resolve_config(target_cfg, dataclasses.replace(dcfg, kind=self.name))
 
+    def decoder_layers(self, drafter):
+        return drafter.layers
+
     def default_scheduling(self, drafter) -> tuple[str, str]:
         """With a confidence head: the production scheduler on its survivals, and the "known" skip
         rule (docs/scheduler.md); without one, the base kind's fixed length."""

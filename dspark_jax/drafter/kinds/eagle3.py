@@ -23,6 +23,11 @@ DEFAULT_GAMMA = 7
 class Eagle3Kind(RecurrentKind):
     name = "eagle3"
     needs_target_logits = True
+    reference_refusal = (
+        "ours is DeepSpec's Eagle3 variant (a Qwen3 layer with q/k norm over m fused target layers, full "
+        "vocabulary, no d2t map) and no vLLM / SGLang EAGLE-3 config contract for it was pinned down (their "
+        "usual checkpoints, LlamaForCausalLMEagle3, are a Llama layer over 3 layers with a reduced vocabulary); "
+        "serve it with `python -m dspark_jax serve --drafter DIR`")
 
     def resolve(self, target_cfg, dcfg):
         ids = resolve_layer_ids(target_cfg, dcfg)

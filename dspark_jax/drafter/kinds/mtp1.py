@@ -15,6 +15,9 @@ from dspark_jax.drafter.kinds.recurrent import RecurrentKind, sample_rows
 class MTP1Kind(RecurrentKind):
     name = "mtp1"
     max_gamma = 1
+    reference_refusal = (
+        "the engines' MTP paths load MTP layers shipped inside the target's own checkpoint for specific model "
+        "families, not a standalone module; serve it with `python -m dspark_jax serve --drafter DIR`")
 
     def resolve(self, target_cfg, dcfg):
         return dataclasses.replace(dcfg, kind=self.name, target_layer_ids=(), num_target_features=0, num_layers=1,
