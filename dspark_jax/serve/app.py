@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_jax.serve import auth
+from dspark_jax.serve.connection import RefuseAmbiguousFraming
 from dspark_jax.serve.errors import ApiError, error
 from dspark_jax.serve.handler import Handler
 from dspark_jax.serve.served import Access, Served
@@ -31,14 +32,18 @@ def make_app(served: Served, access: Access | None = None, owns_loop: bool = Tru
         if owns_loop:
             served.loop.stop()
 
+    # redirect_slashes off: Starlette's redirect of "/v1/models/" is an absolute URL built from the
+    # client's Host header; such a path is a 404 naming the route instead (`_answer_errors`)
     app = FastAPI(title="dspark_jax", lifespan=lifespan, docs_url="/docs" if access.docs else None,
-                  redoc_url="/redoc" if access.docs else None, openapi_url="/openapi.json" if access.docs else None)
+                  redoc_url="/redoc" if access.docs else None, openapi_url="/openapi.json" if access.docs else None,
+                  redirect_slashes=False)
     if access.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
         # any request header: the official clients send their own (the OpenAI JS client x-stainless-*)
         app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins),
                            allow_methods=["GET", "HEAD", "POST"], allow_headers=["*"], max_age=600)
+    app.add_middleware(RefuseAmbiguousFraming)  # added last: outermost, before CORS or any route
     app.state.limits = served.limits  # the read timeouts, for the server that runs the app
     _answer_errors(app)
     key = access.api_key.encode() if access.api_key else None
@@ -66,12 +71,24 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            return error(404, _not_found(app, request.scope.get("path", "")))
         return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc):
         log.exception("unhandled error on %s", request.url.path)
         return error(500, f"internal error: {type(exc).__name__}")
+
+
+def _not_found(app: FastAPI, path: str) -> str:
+    """The 404 message for `path`: the route it names without its trailing slashes, if served."""
+    shown = path if len(path) <= 200 else path[:197] + "..."
+    message = f"no route at {shown}"
+    bare = path.rstrip("/")
+    if bare != path and any(getattr(r, "path", None) == bare for r in app.routes):
+        message += f": the route is '{bare}' (without a trailing slash)"
+    return message
 
 
 def _add_info_routes(app: FastAPI, served: Served, authorize) -> None:

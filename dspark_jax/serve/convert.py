@@ -111,6 +111,15 @@ def _chat_ids(served, req) -> list[int]:
     return _encode(served.tokenizer, text, "messages")
 
 
+def _representable(req, sampling: SamplingParams) -> None:
+    """A top_p in (0, 1] that the engine's float32 controls round to 0 (5e-324) is refused here,
+    with the value as sent: the engine would refuse the rounded value ("got 0.0")."""
+    if req.top_p is not None and not sampling.top_p > 0:
+        least = float(np.finfo(np.float32).smallest_subnormal)
+        raise BadRequest(f"top_p must be in (0, 1], got {req.top_p!r}, which the engine's float32 settings round to 0 "
+                         f"(the least they hold is {least:.3g})", "top_p")
+
+
 def prepare(served, raw: bytes, chat: bool) -> Prepared:
     """-> Prepared, or BadRequest naming the field."""
     body = parse_json(raw, served.limits.max_json_depth)
@@ -145,6 +154,7 @@ def prepare(served, raw: bytes, chat: bool) -> Prepared:
                                   names={"prompt": field, "max_new": name})
     except InvalidRequest as e:
         raise BadRequest(str(e), e.param) from None
+    _representable(req, ok.sampling)
     key = seed_key(fresh_seed() if req.seed is None else req.seed)
     return Prepared(ids=ok.prompt, max_new=ok.max_new, sampling=ok.sampling, stop=req.stop, seed=req.seed, key=key,
                     stream=bool(req.stream),

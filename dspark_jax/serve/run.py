@@ -1,6 +1,7 @@
-"""Running an app under uvicorn: with the read timeouts of its limits (serve/timeouts.py), on a
-thread for tests and notebooks (`serve_in_thread`), or in the foreground until a signal drains
-it or the engine gives up (`run_server`, what `python -m dspark_jax serve` exits with)."""
+"""Running an app under uvicorn: with the read timeouts of its limits (serve/timeouts.py) and the
+connection's edges (serve/connection.py: a body cut short, closing without resetting an answer),
+on a thread for tests and notebooks (`serve_in_thread`), or in the foreground until a signal
+drains it or the engine gives up (`run_server`, what `python -m dspark_jax serve` exits with)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import socket
 import threading
 import time
 
+from dspark_jax.serve.connection import http_protocol
 from dspark_jax.serve.served import Limits, Served
-from dspark_jax.serve.timeouts import timed_protocol
 
 log = logging.getLogger(__name__)
 
 
 def uvicorn_config(app, host, port, **uvicorn_kw):
     """uvicorn's configuration for `app`, with the read timeouts of its limits (`make_app` puts
-    them on `app.state.limits`; the defaults of `Limits` when absent)."""
+    them on `app.state.limits`; the defaults of `Limits` when absent) and the connection edges
+    (serve/connection.py)."""
     import uvicorn
 
     lim = getattr(getattr(app, "state", None), "limits", None) or Limits()
-    uvicorn_kw.setdefault("http", timed_protocol(lim.header_timeout, lim.body_timeout))
+    uvicorn_kw.setdefault("http", http_protocol(lim.header_timeout, lim.body_timeout))
     return uvicorn.Config(app, host=host, port=port, **uvicorn_kw)
 
 
