@@ -108,6 +108,16 @@ def _as_table(d: dict):
     return make_table(d["buckets"], t_verify=d["t_verify"], t_draft=d["t_draft"], skip_extra=skip_extra(d))
 
 
+def _timing_prompt(engine) -> int:
+    """Prompt tokens of each timed slot: about half the cache (`timing.prefilled_state`), or with
+    paged KV what leaves every slot room for a few rounds in the page pool."""
+    half = max(min(engine.S // 2 - engine.G, engine.S - engine.G - 2), 1)
+    if engine.pages is None:
+        return half
+    per_slot = engine.pages.num_pages * engine.pages.page_size // engine.R
+    return max(min(half, per_slot - 2 * engine.pages.page_size - 4 * (engine.G + 1)), 1)
+
+
 def _reachable(buckets, most: int) -> tuple[list[int], list[int]]:
     """(buckets a round of drafts alone lands in: those under `most` tokens and the first that
     holds it; the ones beyond, which only prompt chunks reach)."""
@@ -133,7 +143,8 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
             log.warning("own cost table %s is unreadable (%s): measuring again", path, e)
     t0 = time.perf_counter()
     timed, beyond = _reachable(engine.priced_buckets, engine.R * (engine.G + 1))
-    res = measure_engine(engine, repeats=repeats, warmup=1, stat="median", sampling=sampling, buckets=timed)
+    res = measure_engine(engine, repeats=repeats, warmup=1, stat="median", sampling=sampling, buckets=timed,
+                         state={"prompt": _timing_prompt(engine)})
     seconds = time.perf_counter() - t0
     extra = {} if "t_skip" not in res else {"t_skip": res["t_skip"]}
     # buckets beyond the largest that drafts alone fill (rounds there carry prompt chunks): priced

@@ -117,8 +117,14 @@ class EngineLoop:
 
     @property
     def control(self):
-        """The traced controls the rounds run with (STS temperatures, cost table, per-slot rows)."""
-        return self._control if self._batcher is None else self._batcher.control
+        """The traced controls the rounds run with (STS temperatures, cost table, per-slot rows);
+        before an engine that measures its own table has done so, its settings with the table
+        that prices nothing yet."""
+        if self._batcher is not None:
+            return self._batcher.control
+        if self._control is None:
+            return self.engine.control(SamplingParams(), **{**self._control_args, "table": self.engine.unpriced_table})
+        return self._control
 
     @property
     def slots_in_use(self) -> int:

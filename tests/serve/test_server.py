@@ -281,7 +281,8 @@ def test_calibrated_takes_the_fit_for_the_named_sampling_temperature(embedded_ti
     fits = {0.0: np.linspace(0.5, 0.9, G), 1.0: np.linspace(1.5, 2.5, G)}
     for t, temps in fits.items():
         save_temperatures(d, (t, 0, 1.0), {"temperatures": temps.tolist()})
-    for calibrated, want in ((0.0, fits[0.0]), (True, fits[1.0]), (1.0, fits[1.0]), (None, np.ones(G))):
+    for calibrated, want in ((0.0, fits[0.0]), (True, fits[1.0]), (1.0, fits[1.0]), (None, np.ones(G)),
+                             ("auto", fits[1.0])):  # by default: the fit at T = 1 where the drafter has one
         _, served = build(str(embedded_tiny_dir), str(d), slots=2, max_len=64, calibrated=calibrated)
         try:
             np.testing.assert_allclose(np.asarray(served.loop.control.sts), want, rtol=1e-6, err_msg=str(calibrated))
