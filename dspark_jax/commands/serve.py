@@ -3,6 +3,7 @@ continuous batching over the speculative engine.
 
     python -m dspark_jax serve                                   # embedded target (+ runs/dspark/drafter if trained)
     python -m dspark_jax serve --target DIR                      # DIR's own drafter (DIR/drafter or beside DIR) or none
+    python -m dspark_jax serve --target DIR --drafter DIR        # scheduled on a cost table it measures itself
     python -m dspark_jax serve --target DIR --drafter DIR --policy early_stop --costs TABLE.json --calibrated
     python -m dspark_jax serve --api-key KEY --cors-origins https://app.example --host 0.0.0.0
 
