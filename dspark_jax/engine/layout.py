@@ -55,7 +55,8 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
         rounds=zi(), acc_sum=zi(), n_gen=zi(), max_new=zi(),
         out=put(np.zeros((R, S), np.int32)), a_hist=put(np.full((2, R, spec.Gs), -1.0, np.float32)),
         step=put(np.int32(0)), since_draft=put(np.int32(0)), probe_gap=put(np.int32(spec.probe_every)),
-        probe_credit=put(np.float32(0.0)), finish=zi(), plen=zi(), joined=zi(),
+        probe_credit=put(np.float32(0.0)), calib_expected=put(np.float32(0.0)),
+        calib_accepted=put(np.float32(0.0)), finish=zi(), plen=zi(), joined=zi(),
         prompt=put(np.zeros((R, S if chunked else 1), np.int32)))
 
 

@@ -2,17 +2,19 @@
 
 A table measured at start-up (engine/own_costs.py) or by `costs measure` prices rounds on a quiet
 machine; a busy one (other processes, a hotter chip, the serving loop's own host work) runs them
-slower, and by different amounts per bucket. `LiveTable` keeps, per priced bucket, a running mean
-(exponential, weight `alpha` per round) of the wall time of the rounds that landed there, drafted
-and skipped apart, and every `every` rounds rebuilds the table from it: t_verify(b) = the drafted
-rounds' mean at b less the draft's time (which a round cannot separate from its verification, so
-it stays as measured), and the skipped rounds' price beyond t_verify (the table's `skip_extra`)
-from theirs. A bucket no round has landed in keeps its measured time. A round that takes more than
-`outlier` times what the table says (a compile, a pause) is left out. `changes` says what moved.
+slower, and by different amounts per bucket. `LiveTable` keeps, per priced bucket, the wall times
+of the last `window` rounds that landed there, drafted and skipped apart, and every `every` rounds
+rebuilds the table from their medians (once a bucket has `least` of them): t_verify(b) = the
+drafted rounds' median at b less the draft's time (which a round cannot separate from its
+verification, so it stays as measured), and the skipped rounds' price beyond t_verify (the
+table's `skip_extra`) from theirs. A bucket too few rounds landed in keeps its measured time. A
+round that takes more than `outlier` times what the table says (a compile, a pause) is left out.
+`changes` says what moved.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -29,18 +31,17 @@ class LiveTable:
     """Running per-bucket round times over `table` (a CostTable) for an engine compiling `buckets`
     (the compiled buckets, whose indices rounds report; chunk-only ones are not priced)."""
 
-    def __init__(self, table: CostTable, buckets, *, alpha: float = 0.1, every: int = 32, outlier: float = 10.0,
-                 moved: float = 0.05):
+    def __init__(self, table: CostTable, buckets, *, window: int = 16, least: int = 4, every: int = 32,
+                 outlier: float = 10.0, moved: float = 0.05):
         self.priced = [int(b) for b in np.asarray(table.buckets)]
         self.t_verify = np.asarray(table.t_verify, np.float64).copy()
         self.t_draft = float(np.asarray(table.t_draft))
         self.skip_extra = 0.0 if table.skip_extra is None else float(np.asarray(table.skip_extra))
         self.measured = self.t_verify.copy()  # what the table said before any round
         self._index = {i: self.priced.index(int(b)) for i, b in enumerate(buckets) if int(b) in self.priced}
-        self.alpha, self.every, self.outlier, self.moved = float(alpha), int(every), float(outlier), float(moved)
-        n = len(self.priced)
-        self.drafted = np.full(n, np.nan)  # running mean of drafted rounds' seconds per bucket
-        self.skipped = np.full(n, np.nan)  # ... and of skipped rounds'
+        self.least, self.every, self.outlier, self.moved = int(least), int(every), float(outlier), float(moved)
+        self.drafted = [collections.deque(maxlen=window) for _ in self.priced]  # drafted rounds' seconds
+        self.skipped = [collections.deque(maxlen=window) for _ in self.priced]  # ... and skipped rounds'
         self.rounds = 0
         self.updates = 0
 
@@ -52,19 +53,21 @@ class LiveTable:
         predicted = self.t_verify[i] + (self.t_draft if drafted else self.skip_extra)
         if not seconds > 0 or seconds > self.outlier * predicted:
             return
-        means = self.drafted if drafted else self.skipped
-        means[i] = seconds if np.isnan(means[i]) else (1 - self.alpha) * means[i] + self.alpha * seconds
+        (self.drafted if drafted else self.skipped)[i].append(float(seconds))
         self.rounds += 1
 
+    def _medians(self, times) -> np.ndarray:
+        return np.asarray([np.median(t) if len(t) >= self.least else np.nan for t in times])
+
     def refreshed(self) -> CostTable | None:
-        """Every `every` observed rounds, the table rebuilt from the running means when a price
+        """Every `every` observed rounds, the table rebuilt from the rounds' medians when a price
         moved by more than `moved` (relative); else None."""
         if not self.rounds or self.rounds % self.every:
             return None
-        t_verify = np.where(np.isnan(self.drafted), self.t_verify,
-                            np.maximum(self.drafted - self.t_draft, FLOOR_S))
-        seen = ~np.isnan(self.skipped)
-        skip_extra = float(np.mean(np.maximum(self.skipped[seen] - t_verify[seen], 0.0))) if seen.any() \
+        drafted, skipped = self._medians(self.drafted), self._medians(self.skipped)
+        t_verify = np.where(np.isnan(drafted), self.t_verify, np.maximum(drafted - self.t_draft, FLOOR_S))
+        seen = ~np.isnan(skipped)
+        skip_extra = float(np.mean(np.maximum(skipped[seen] - t_verify[seen], 0.0))) if seen.any() \
             else self.skip_extra
         old = np.append(self.t_verify, self.skip_extra + 1e-12)
         new = np.append(t_verify, skip_extra + 1e-12)

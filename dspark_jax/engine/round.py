@@ -196,11 +196,25 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
         return best, jnp.bool_(False)
     known = st.a_hist[0]
     settled = _settled(st, act)
-    v = _verdict(spec, known, act, ctl)
+    v = _verdict(spec, known * _calibration(st), act, ctl)
     funded = (v.low >= 0.0) | (st.probe_credit + v.low >= 0.0)
     probe = (st.since_draft + 1 >= st.probe_gap) & ~settled
     pays = best & (~_known(known, act) | (funded & (probe | v.pays)))
     return pays, ~pays & (~best | settled | ~funded)
+
+
+CALIBRATION_DECAY = 0.9  # weight of a drafted round's counts in the next one's (`_calibration`)
+
+
+def _calibration(st: DecodeState):
+    """The factor (<= 1) the skip rule scales survivals by: drafts accepted over drafts the
+    confidence head's survivals expected among those verified, decayed sums over the rounds that
+    drafted, with one draft of prior each (1 with no rounds yet). A head trained briefly, or not
+    calibrated (no STS fit), can promise several accepted drafts a round where none is accepted:
+    the skip rule would then keep drafting at a loss. The length policies read the head's own
+    survivals (the paper's scheduler). From past rounds only, it cannot bias the output
+    (docs/method.md §3)."""
+    return jnp.minimum((st.calib_accepted + 1.0) / (st.calib_expected + 1.0), 1.0)
 
 
 def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
@@ -411,7 +425,7 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
     lengths = jnp.where(ctl.pin >= 0, ctl.pin, lengths)  # a timed round's verification length
     lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
-    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl)
+    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a * _calibration(st), act, ctl)
 
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
     widths = spec.widths
@@ -441,7 +455,12 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     dcache, last = spec.kind.update(spec, drafter_params, dcache, st.last, vo.features, vo.hidden, st.pos, drafts,
                                     acc, act & ~done)
     dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
-    new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
+    verified = (jnp.arange(G)[None] < lengths[:, None]) & act[:, None]
+    expected = jnp.sum(jnp.where(verified, a, 0.0))
+    accepted = jnp.sum(jnp.where(act, acc, 0)).astype(jnp.float32)
+    new = st._replace(calib_expected=CALIBRATION_DECAY * st.calib_expected + expected,
+                      calib_accepted=CALIBRATION_DECAY * st.calib_accepted + accepted)
+    new = new._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
                       since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit)
     return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut,
                          jnp.bool_(True))

@@ -52,6 +52,10 @@ class DecodeState(NamedTuple):
     # scalar float32 seconds the rounds that drafted saved against plain decoding, as their own
     # survivals expect (`prefix.drafting_gain`, "known" skip rule): what funds rounds that may lose
     probe_credit: jax.Array
+    # scalar float32 decayed sums over the rounds that drafted: drafts the confidence head's
+    # survivals expected accepted among those verified, and drafts accepted (`round._calibration`)
+    calib_expected: jax.Array
+    calib_accepted: jax.Array
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
     plen: jax.Array  # [R] int32 prompt length of the slot's request
     joined: jax.Array  # [R] int32 `step` at which it joined (chunked prefill serves the earliest first)

@@ -1,5 +1,5 @@
-"""The cost table that follows the load (engine/live_costs.py): running means of the rounds' times
-per bucket rebuild the table, what the rounds never reach keeps its measured price, and outliers
+"""The cost table that follows the load (engine/live_costs.py): the medians of the rounds' recent
+times per bucket rebuild the table, what the rounds never reach keeps its measured price, and outliers
 (a compile) are left out."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def _live(**kw):
 
 
 def test_a_busier_machine_moves_the_buckets_it_ran():
-    live = _live(alpha=0.5, every=8)
-    for _ in range(7):  # drafted rounds at bucket 8 take 2x what the table says (draft 1 + verify 2 ms -> 6 ms)
+    live = _live(every=8)
+    live.observe(1, True, 25e-3)  # one slow round (under the outlier bound): the median ignores it
+    for _ in range(6):  # drafted rounds at bucket 8 take 2x what the table says (draft 1 + verify 2 ms -> 6 ms)
         live.observe(1, True, 6e-3)
         assert live.refreshed() is None  # not before `every` rounds
     live.observe(1, True, 6e-3)
@@ -32,7 +33,7 @@ def test_a_busier_machine_moves_the_buckets_it_ran():
 
 
 def test_skipped_rounds_price_plain_decoding_and_outliers_are_left_out():
-    live = _live(alpha=1.0, every=4)
+    live = _live(every=4)
     live.observe(0, False, 5.0)  # a compile: far beyond the table's price, not counted
     live.observe(3, True, 1e-3)  # the chunk-only bucket: not priced
     assert live.rounds == 0
@@ -44,7 +45,7 @@ def test_skipped_rounds_price_plain_decoding_and_outliers_are_left_out():
 
 
 def test_a_table_within_its_noise_is_not_rebuilt():
-    live = _live(alpha=1.0, every=2)
-    live.observe(2, True, 5.1e-3)  # 4.1 ms verify against 4: 2.5 %, under the 5 % that counts as moved
-    live.observe(2, True, 5.1e-3)
+    live = _live(every=4)
+    for _ in range(4):  # 4.1 ms verify against 4: 2.5 %, under the 5 % that counts as moved
+        live.observe(2, True, 5.1e-3)
     assert live.refreshed() is None and live.updates == 0 and live.changes() == "unchanged"
