@@ -116,7 +116,7 @@ def stored_temperatures(drafter_dir, sampling, gamma: int | None = None) -> np.n
     try:
         t = load_temperatures(drafter_dir, sampling, gamma)
     except CalibrationMissingError as e:
-        log.info("no stored STS temperatures used: %s", e)
+        log.debug("no stored STS temperatures used: %s", e)
         return None
     log.info("STS temperatures stored with the drafter for %s: %s", sampling_key(sampling), np.round(t, 3).tolist())
     return t

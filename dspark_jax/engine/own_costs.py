@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from dspark_jax import __version__
+import dspark_jax
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.timing import measure_engine
 from dspark_jax.io.cache import cache_root
@@ -72,7 +72,7 @@ def _arrays(tree) -> list:
 def table_key(engine, sampling: SamplingParams) -> dict:
     """Everything that decides the times of `engine`'s programs (see the module doc)."""
     cfg, mesh = engine.config, engine.mesh
-    return {"package": __version__, "backend": platform(mesh), "device_kind": device_kind(mesh),
+    return {"package": dspark_jax.__version__, "backend": platform(mesh), "device_kind": device_kind(mesh),
             "devices": len(jax.devices()) if mesh is None else int(mesh.devices.size),
             "mesh": None if mesh is None else dict(mesh.shape), "mode": engine.mode,
             "target": _arrays(engine.tp), "drafter": _arrays(engine.dp), "slots": engine.R, "max_len": engine.S,
@@ -111,7 +111,7 @@ def _as_table(d: dict):
 def _timing_prompt(engine) -> int:
     """Prompt tokens of each timed slot: about half the cache (`timing.prefilled_state`), or with
     paged KV what leaves every slot room for a few rounds in the page pool."""
-    half = max(min(engine.S // 2 - engine.G, engine.S - engine.G - 2), 1)
+    half = max(min(engine.S // 2 - engine.G, engine.S - engine.G - 2, engine.prefill_buckets[-1]), 1)
     if engine.pages is None:
         return half
     per_slot = engine.pages.num_pages * engine.pages.page_size // engine.R

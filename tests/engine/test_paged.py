@@ -224,7 +224,7 @@ def test_engine_paged_dspark(target, prompts, dense_ar):
     and while loop (which reserves each request's pages up front)."""
     d = tiny_drafter("dspark", target, gamma=3)
     kw = dict(num_slots=R, max_len=S, buckets=(R * 4,), prefill_buckets=(20,))
-    dense = Engine(target, d, EngineConfig(**kw))
+    dense = Engine(target, d, EngineConfig(**{"policy": "fixed", **kw}))
     paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **{"policy": "fixed", **kw}))
     assert _run(paged, prompts, GREEDY) == dense_ar["greedy"]
     assert paged.pages.peak <= 40 < R * S // 2 and paged.pages.pages_in_use == 0
@@ -242,7 +242,7 @@ def test_engine_paged_recurrent_drafters(target, prompts, kind):
     g = 1 if kind == "mtp1" else 3
     kw = dict(num_slots=R, max_len=S, buckets=(R * (g + 1),), prefill_buckets=(20,),
               **(dict(gamma=3, layer_ids=[0]) if kind == "eagle3" else {}))
-    want = _run(Engine(target, d, EngineConfig(**kw)), prompts, SAMPLED)
+    want = _run(Engine(target, d, EngineConfig(**{"policy": "fixed", **kw})), prompts, SAMPLED)
     paged = Engine(target, d, EngineConfig(kv_pages=(40, 2), **{"policy": "fixed", **kw}))
     st = paged.init_state()
     assert isinstance(st.dcache, PagedKVCache) and st.dcache.k.shape[:2] == (1, 40) and st.dcache.page_size == 2

@@ -27,8 +27,8 @@ def test_group_size_is_the_largest_divisor_within_the_budget():
 def engines(target):
     drafter = tiny_drafter("dspark", target)
     base = dict(num_slots=4, max_len=48, prefill_buckets=(16,))
-    whole = Engine(target, drafter, EngineConfig(**base))
-    grouped = Engine(target, drafter, EngineConfig(**base, prefill_tokens=32))  # 2 rows a group
+    whole = Engine(target, drafter, EngineConfig(policy="fixed", **base))
+    grouped = Engine(target, drafter, EngineConfig(policy="fixed", **base, prefill_tokens=32))  # 2 rows a group
     return whole, grouped
 
 

@@ -143,7 +143,7 @@ def test_a_round_where_every_slot_skips_is_the_target_only_round(setup):
     d = tiny_drafter("dspark", target, gamma=3)
     cfg = dict(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,))
     eng = Engine(target, d, EngineConfig(**cfg, policy="production", skip_drafting="known"))
-    plain = Engine(target, None, EngineConfig(**cfg))
+    plain = Engine(target, None, EngineConfig(policy="fixed", **cfg))
     never = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=50.0)  # drafting costs 50 steps
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 3)))
     for sampling in (SamplingParams(1.0, 0, 1.0), GREEDY):

@@ -218,11 +218,11 @@ def test_engine_verification_through_the_kernel():
         d = None if kind is None else tiny_drafter(kind, target, gamma=3)
         assert kind != "dspark" or d.dcfg.sliding_window is None  # (a window falls back to the gather)
         g = {None: 0, "mtp1": 1}.get(kind, 3)
-        kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,),
+        kw = dict(num_slots=2, max_len=40, buckets=(2 * (g + 1),), prefill_buckets=(20,), policy="fixed",
                   **({"gamma": 3, "layer_ids": [0]} if kind == "eagle3" else {}))
         want = [r.tokens for r in Engine(target, d, EngineConfig(**kw)).generate(prompts, max_new_tokens=10,
                                                                                  sampling=greedy).results]
-        eng = Engine(target, d, EngineConfig(kv_pages=(24, 4), paged_attention="pallas", **{"policy": "fixed", **kw}))
+        eng = Engine(target, d, EngineConfig(kv_pages=(24, 4), paged_attention="pallas", **kw))
         st = eng.init_state()
         assert st.cache.impl == "pallas" and (kind is None or st.dcache.impl == "pallas")
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=10, sampling=greedy).results]
