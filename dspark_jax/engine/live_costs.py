@@ -38,6 +38,7 @@ class LiveTable:
         self.t_draft = float(np.asarray(table.t_draft))
         self.skip_extra = 0.0 if table.skip_extra is None else float(np.asarray(table.skip_extra))
         self.measured = self.t_verify.copy()  # what the table said before any round
+        self.measured_skip_extra = self.skip_extra
         self._index = {i: self.priced.index(int(b)) for i, b in enumerate(buckets) if int(b) in self.priced}
         self.least, self.every, self.outlier, self.moved = int(least), int(every), float(outlier), float(moved)
         self.drafted = [collections.deque(maxlen=window) for _ in self.priced]  # drafted rounds' seconds
@@ -82,7 +83,11 @@ class LiveTable:
         return make_table(self.priced, t_verify=self.t_verify, t_draft=self.t_draft, skip_extra=self.skip_extra)
 
     def changes(self) -> str:
-        """Each bucket's price now against the one measured, e.g. "8: 1.20 -> 1.45 ms"."""
+        """Each price now against the one measured, e.g. "8: 1.20 -> 1.45 ms, skipped round's
+        extra: 0.5 -> 0.9 ms"."""
         parts = [f"{b}: {1e3 * m:.3g} -> {1e3 * t:.3g} ms" for b, m, t in zip(self.priced, self.measured, self.t_verify)
                  if abs(t / m - 1.0) > 1e-9]
+        if abs(self.skip_extra - self.measured_skip_extra) > 1e-12:
+            was, now = 1e3 * self.measured_skip_extra, 1e3 * self.skip_extra
+            parts.append(f"skipped round's extra: {was:.3g} -> {now:.3g} ms")
         return ", ".join(parts) or "unchanged"

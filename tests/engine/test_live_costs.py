@@ -41,6 +41,7 @@ def test_skipped_rounds_price_plain_decoding_and_outliers_are_left_out():
         live.observe(0, False, 3e-3)  # plain rounds at bucket 4: 1 ms verify + 2 ms beyond
     t = live.refreshed()
     assert float(np.asarray(t.skip_extra)) == pytest.approx(2e-3)
+    assert live.changes() == "skipped round's extra: 0.5 -> 2 ms"
     np.testing.assert_allclose(np.asarray(t.t_verify), [1e-3, 2e-3, 4e-3], rtol=1e-6)
 
 

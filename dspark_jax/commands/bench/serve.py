@@ -144,7 +144,8 @@ def parse_args(argv=None):
                     help="verification policy of configurations without @POLICY (default auto: the drafter kind's, "
                          "as `serve` runs it)")
     ap.add_argument("--costs", default=None,
-                    help="cost table for scheduled policies (default: each server measures its own)")
+                    help="cost table for configurations with an explicit scheduled @POLICY (auto ones, and "
+                         "scheduled ones without it, measure their own)")
     ap.add_argument("--calibrated", action="store_true",
                     help="scheduled configurations use the drafter's STS temperatures fitted at --temperature "
                          "(default: auto configurations use a stored fit at temperature 1 where there is one)")
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         for name, drafter, policy in configs:
             scheduled = policy in SCHEDULED_POLICIES or policy == "auto"
             kw = {} if drafter == "none" else dict(
-                policy=policy, costs=args.costs,
+                policy=policy, costs=args.costs if policy in SCHEDULED_POLICIES else None,
                 calibrated=(args.temperature if args.calibrated and scheduled
                             else "auto" if policy == "auto" else None),
                 skip_drafting="auto" if policy == "auto" else args.skip_drafting if scheduled else False)
