@@ -57,6 +57,22 @@ def dspark_caplog(caplog):
     lg.removeHandler(caplog.handler)
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_found():
+    """A command run in-process (`serve`'s `main`) configures logging for its process: a handler on
+    the test's captured stderr, closed when the test ends, and the package's loggers at INFO.
+    Restored after each test, so that a later test's log line neither lands on a closed stream
+    ("--- Logging error ---" in that test's stderr) nor depends on the tests before it."""
+    root, pkg = logging.getLogger(), logging.getLogger("dspark_jax")
+    handlers, levels = list(root.handlers), (root.level, pkg.level)
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(levels[0])
+    pkg.setLevel(levels[1])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module. One pytest process runs the whole

@@ -32,7 +32,7 @@ def generate_texts(target, drafter, convs, *, max_new_tokens=128, batch=8, max_l
                           cost=cost, skip_drafting=skip_drafting, probe_every=probe_every, probe_max=probe_max,
                           kv_pages=kv_pages, prefill_chunk=prefill_chunk)
     eng = Engine(target, drafter, config, table=table, mesh=mesh)
-    log.info("policy %s; cost table %s", eng.scheduling, eng.table_source)
+    log.debug("policy %s; cost table %s", eng.scheduling, eng.table_source)  # the summary prints them
     res = eng.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, threshold=threshold,
                        stop_ids=tok.stop_ids, traces=traces, loop=loop, sts=sts)
     res.extra.update(policy=eng.scheduling, cost_table=eng.table_source)
