@@ -227,7 +227,7 @@ class Engine:
         if sts.shape != (Gs,):
             raise EngineError(f"sts temperatures need {Gs} values, got {sts.shape[0]}")
         table = self._checked_table(table) if table is not None else self.table
-        if table is None and self.needs_table and self.config.own_costs:
+        if table is None and self.measures_own_table:
             table = self.measure_own_table().table
         if table is None:
             if self.needs_table:
@@ -243,6 +243,12 @@ class Engine:
                        stop_ids=stops, pin=pin)
 
     @property
+    def measures_own_table(self) -> bool:
+        """Whether building controls without a table will time this engine's programs (or read
+        its table back): it schedules, was given no table and `own_costs` is on."""
+        return self.table is None and self.needs_table and self.config.own_costs
+
+    @property
     def scheduling(self) -> str:
         """The policy and skip rule in words, e.g. "production, skip rule known"."""
         skip = self.spec.skip_drafting
@@ -256,7 +262,7 @@ class Engine:
             return "given"
         if self.own_table is not None:
             return f"own ({self.own_table.source})"
-        return own_costs.planned(self) if self.needs_table and self.config.own_costs else "none"
+        return own_costs.planned(self) if self.measures_own_table else "none"
 
     def measure_own_table(self, reuse: bool = True):
         """This engine's own cost table (engine/own_costs.py: read back from the user cache, or

@@ -22,6 +22,7 @@ from dspark_jax.engine.state import (
     FINISH_CONTEXT,
     FINISH_LENGTH,
     FINISH_STOP,
+    PIN_POLICY,
     Control,
     DecodeState,
     RoundOut,
@@ -487,8 +488,8 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     r = st.anchor.shape[0]
     _, act = _decoding(spec, st)
     pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
-    pays = jnp.where(ctl.pin == -1, pays, ctl.pin >= 0)  # a timed round drafts or skips as pinned
-    settled = settled & (ctl.pin == -1)
+    pays = jnp.where(ctl.pin == PIN_POLICY, pays, ctl.pin >= 0)  # a timed round drafts or skips as pinned
+    settled = settled & (ctl.pin == PIN_POLICY)
 
     def at_most_once(when, one_round, st, out):
         def body(c):

@@ -62,8 +62,9 @@ class EngineLoop:
         # an engine that measures its own cost table does so on the loop thread, before its
         # warm-up (/health says "starting" meanwhile; without warm-up, for the first request);
         # any other builds its controls now, so that a bad setting fails here
-        measures = table is None and engine.table is None and engine.needs_table and engine.config.own_costs
+        measures = table is None and engine.measures_own_table
         self._control = None if measures else engine.control(SamplingParams(), **self._control_args)
+        self._table_updates = -1  # the live table's updates /metrics shows
         self._batcher: Batcher | None = None  # made on the loop thread (it owns the decode state)
         self._joining: list[Request] = []  # taken from the queue, being started
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -265,8 +266,9 @@ class EngineLoop:
             self.metrics.round(rnd.seconds, rnd.accepted, rnd.lengths,
                                [i >= 0 and bool(rnd.decoded[s]) for s, i in enumerate(rnd.ids)], self.engine.G,
                                rnd.drafted)
-            if b.live is not None:
+            if b.live is not None and b.live.updates != self._table_updates:
                 self.metrics.cost_table(b.live)
+                self._table_updates = b.live.updates
         for u in rnd.updates:
             try:
                 reason = self._advance(u.job, u.slot, u)
