@@ -266,7 +266,13 @@ class Engine:
 
     def measure_own_table(self, reuse: bool = True):
         """This engine's own cost table (engine/own_costs.py: read back from the user cache, or
-        timed now on its compiled programs), kept as its table -> `OwnTable`."""
+        timed now on its compiled programs), kept as its table -> `OwnTable`. One process only:
+        across processes each would time (or read back) its own and feed the program different
+        controls."""
+        if jax.process_count() > 1:
+            raise EngineError(f"this engine spans {jax.process_count()} processes, and each would measure its own "
+                              "cost table: pass table= (one measured with `python -m dspark_jax costs measure`, "
+                              "loaded on every process) or policy='fixed'")
         self.own_table = own_costs.own_table(self, repeats=self.config.own_costs_repeats, reuse=reuse)
         self.table = self.own_table.table
         log.info("%s", self.own_table.describe())
