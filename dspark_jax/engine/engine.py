@@ -140,8 +140,11 @@ class Engine:
         # shared with engines of the same spec and argument shapes (state, target and drafter weights)
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.tp, self.dp))
         progs = compile_programs(self.spec, self._state_sh, (state_shape, shapes))
-        self._prefill, self._round, self._loop, self._draft, self._admit = progs
+        self._prefill, self._round, self._loop, self._draft, self._admit, self._choose, self._rounds = progs
         self.round_calls = 0
+        # (state, controls, choice): the skip rule's choice for the next round, made by the round
+        # that returned that state under those controls (`step`)
+        self._next_round = (None, None, None)
 
     @property
     def prefill_chunk(self) -> int:
@@ -327,11 +330,46 @@ class Engine:
 
     def step(self, st: DecodeState, ctl: Control):
         """One compiled round for the whole batch -> (state, RoundOut). With paged KV the host
-        first frees the pages of finished slots and tops up the active ones for this round."""
+        first frees the pages of finished slots and tops up the active ones for this round. Under
+        a skip rule the host reads the rule's choice (`round.round_choice`, a scalar) and runs
+        that round's own program: a skipped round then costs what the plain round does, not
+        what a program holding the drafting round beside it costs. Each round also returns the
+        choice for the next one, which is read instead while the state comes back untouched
+        under the same controls (objects compared by identity)."""
+        given = st
         if self._paging is not None:
             st = self._paging.for_rounds(st, whole_request=False)
         self.round_calls += 1
-        return self._round(self.tp, self.dp, st, ctl)
+        if self._rounds is None:
+            return self._round(self.tp, self.dp, st, ctl)
+        last_state, last_ctl, chosen = self._next_round
+        if given is not last_state or ctl is not last_ctl:  # a join, an end, new controls: ask again
+            chosen = self._choose(st, ctl)
+        which = int(np.asarray(chosen.addressable_data(0)))  # the same on every process
+        st, out, chosen = self._rounds[which](self.tp, self.dp, st, ctl)
+        self._next_round = (st, ctl, chosen)
+        return st, out
+
+    def round_programs(self) -> dict:
+        """The programs a host loop of rounds runs, by name ("round", or under a skip rule
+        "plain", "settled" (the "known" rule's only) and "drafting")."""
+        if self._rounds is None:
+            return {"round": self._round}
+        names = ("plain", "settled", "drafting") if self.spec.skip_drafting == "known" else ("plain", "drafting")
+        index = {"plain": 0, "settled": 1, "drafting": 2}
+        return {n: self._rounds[index[n]] for n in names}
+
+    def compile_rounds(self) -> None:
+        """Compile (or read back) every round program a host loop may run, on a fresh state
+        with no request: a server's warm-up serves requests through the rounds it happens to
+        choose, and a round first chosen mid-serving would compile then."""
+        if self._rounds is None:
+            return
+        ctl = self.control(table=self.unpriced_table)
+        for program in self.round_programs().values():
+            st = self._fresh_state()  # not `init_state`: the page allocator keeps its requests
+            st = st if self.mesh is None else jax.device_put(st, self._state_sh)
+            jax.block_until_ready(program(self.tp, self.dp, st, ctl)[:2])
 
     def run_rounds(self, st: DecodeState, ctl: Control, stop_on_free: bool) -> DecodeState:
         """Rounds in one compiled `lax.while_loop` until every slot is done, or (`stop_on_free`)
@@ -348,8 +386,9 @@ class Engine:
         return self._draft(self.dp, st, ctl.sampling)
 
     def compiled_rounds(self) -> int:
-        """How many round programs have been compiled (1 for any number of buckets / settings)."""
-        return self._round._cache_size()
+        """How many times any one round program has been compiled (1 for any number of buckets /
+        settings; under a skip rule, the most of its round programs')."""
+        return max(p._cache_size() for p in self.round_programs().values())
 
     def generate(self, prompts, **kw) -> GenerateResult:
         """Generate for every prompt (lists of token ids), R at a time, refilling freed slots

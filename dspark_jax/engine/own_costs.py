@@ -12,7 +12,8 @@ instead of timing again, and one with any other key never reads it
 the backend and device kind, the device count and mesh, every target and drafter array's shape
 and dtype, the slots, cache length, buckets (priced and compiled), paged KV and its reader,
 prompt chunks, the policy and skip rule (both change the round program), the sampling the rounds
-were timed at, and this package's version.
+were timed at, this package's version and a digest of its source (the programs timed are the
+source's: a table timed on other programs is never read back).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import dspark_jax
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.timing import measure_engine
 from dspark_jax.io.cache import cache_root
+from dspark_jax.io.program_store import source_digest
 from dspark_jax.parallel.platform import device_kind, platform
 from dspark_jax.scheduler.costs import (
     MEASURED_ON,
@@ -72,7 +74,8 @@ def _arrays(tree) -> list:
 def table_key(engine, sampling: SamplingParams) -> dict:
     """Everything that decides the times of `engine`'s programs (see the module doc)."""
     cfg, mesh = engine.config, engine.mesh
-    return {"package": dspark_jax.__version__, "backend": platform(mesh), "device_kind": device_kind(mesh),
+    return {"package": dspark_jax.__version__, "source": source_digest()[:16], "backend": platform(mesh),
+            "device_kind": device_kind(mesh),
             "devices": len(jax.devices()) if mesh is None else int(mesh.devices.size),
             "mesh": None if mesh is None else dict(mesh.shape), "mode": engine.mode,
             "target": _arrays(engine.tp), "drafter": _arrays(engine.dp), "slots": engine.R, "max_len": engine.S,

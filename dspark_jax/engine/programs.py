@@ -1,5 +1,9 @@
 """An engine's compiled programs: prefill (one per prompt-length bucket), the round, the
 `lax.while_loop` of rounds, the draft alone, and a join without a forward (chunked prefill).
+Under a skip rule also the skip rule's choice and each round it chooses from, one program each:
+a host loop runs the chosen one alone (`Engine.step`). A program's every branch costs at each
+call: on XLA:CPU, launching the round with the drafting round beside the plain one cost the
+skipped round about 0.8 ms more than the plain round alone (docs/serving.md).
 
 The decode state is donated to every program that returns it; with a mesh it keeps its layout
 from call to call (`state_sh`). Engines of the same static description (`Spec`, and the state's
@@ -13,7 +17,7 @@ from typing import NamedTuple
 
 import jax
 
-from dspark_jax.engine.round import admit, draft_part, prefill, round_step, run_rounds
+from dspark_jax.engine.round import admit, chosen_rounds, draft_part, prefill, round_choice, round_step, run_rounds
 from dspark_jax.engine.spec import Spec
 from dspark_jax.io.program_store import stored_jit
 from dspark_jax.target.attention import cache_update
@@ -30,6 +34,8 @@ class Programs(NamedTuple):
     loop: object  # (tp, dp, st, ctl, max_rounds, stop_on_free) -> (st, rounds)
     draft: object  # (dp, st, sampling) -> (tokens, q, z); None for target-only
     admit: object  # (st, tokens, plen, join, keys, max_new) -> st
+    choose: object  # (st, ctl) -> int32 ROUND_*: the skip rule's round; None without a skip rule
+    rounds: tuple | None  # the rounds it chooses from, by ROUND_* index: (tp, dp, st, ctl) -> (st, RoundOut)
 
 
 def compile_programs(spec: Spec, state_sh=None, state_shape=None) -> Programs:
@@ -71,10 +77,14 @@ def _programs(spec: Spec, state_sh) -> Programs:
     state_kw = {} if state_sh is None else {"out_shardings": state_sh}
     round_kw = {} if state_sh is None else {"out_shardings": (state_sh, None)}
     static = (spec, state_sh)  # what the programs close over: the key of their stored executables
+    chosen = bool(spec.G) and spec.skip_drafting in ("best_case", "known")
     return Programs(
         prefill=stored_jit(_prefill, "engine_prefill", static, donate_argnums=(2,), **state_kw),
         round=stored_jit(functools.partial(round_step, spec), "engine_round", static, donate_argnums=(2,),
                          **round_kw),
         loop=stored_jit(functools.partial(run_rounds, spec), "engine_loop", static, donate_argnums=(2,)),
         draft=stored_jit(functools.partial(draft_part, spec), "engine_draft", static) if spec.G else None,
-        admit=stored_jit(admit, "engine_admit", static, donate_argnums=(0,), **state_kw))
+        admit=stored_jit(admit, "engine_admit", static, donate_argnums=(0,), **state_kw),
+        choose=stored_jit(functools.partial(round_choice, spec), "engine_round_choice", static) if chosen else None,
+        rounds=tuple(stored_jit(r, f"engine_round_{name}", static, donate_argnums=(2,), **round_kw)
+                     for r, name in zip(chosen_rounds(spec), ("plain", "settled", "drafting"))) if chosen else None)

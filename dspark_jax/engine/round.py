@@ -31,7 +31,8 @@ from dspark_jax.engine.verify import Chunk, verify_forward, write_block
 from dspark_jax.scheduler import prefix
 
 __all__ = ["prefill", "prefill_group", "admit", "prefilling", "round_step", "plain_round", "drafting_round",
-           "run_rounds", "row_round_keys", "draft", "draft_part"]
+           "round_choice", "chosen_rounds", "ROUND_PLAIN", "ROUND_SETTLED", "ROUND_DRAFTING", "run_rounds",
+           "row_round_keys", "draft", "draft_part"]
 
 
 # ------------------------------------------------------------------ keys, draft
@@ -207,6 +208,13 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
 CALIBRATION_DECAY = 0.9  # weight of a drafted round's counts in the next one's (`_calibration`)
 
 
+def _acceptance_ratio(expected, accepted, z: float = 0.0):
+    """Drafts accepted over drafts the confidence head's survivals expected, with one draft of
+    prior each, at most 1; with `z` > 0 the accepted count raised by `z` of its (Poisson)
+    standard errors, sqrt(accepted + 1): the most the realised acceptance may be."""
+    return jnp.minimum((accepted + 1.0 + z * jnp.sqrt(accepted + 1.0)) / (expected + 1.0), 1.0)
+
+
 def _calibration(st: DecodeState):
     """The factor (<= 1) the skip rule scales survivals by: drafts accepted over drafts the
     confidence head's survivals expected among those verified, decayed sums over the rounds that
@@ -215,21 +223,28 @@ def _calibration(st: DecodeState):
     the skip rule would then keep drafting at a loss. The length policies read the head's own
     survivals (the paper's scheduler). From past rounds only, it cannot bias the output
     (docs/method.md §3)."""
-    return jnp.minimum((st.calib_accepted + 1.0) / (st.calib_expected + 1.0), 1.0)
+    return _acceptance_ratio(st.calib_expected, st.calib_accepted)
 
 
-def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control):
-    """(since_draft, probe_gap, probe_credit) after a round that drafted: the gap resets when its
-    fresh survivals say speculation pays and doubles (up to `probe_max`) when they say it does
-    not; when they say no by more than their sampling error (`prefix.settled_no`) it becomes -n,
-    n the slots decoding: no probe while at least n slots decode. The credit gains what the round
-    saved by its fresh survivals (`prefix.drafting_gain`; negative: what it cost)."""
+def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control, expected, accepted):
+    """(since_draft, probe_gap, probe_credit) after a round that drafted, on its fresh survivals
+    `a` scaled by the realised acceptance (`_acceptance_ratio` of the decayed counts `expected`,
+    `accepted`, this round's included): the gap resets when they say speculation pays and
+    doubles (up to `probe_max`) when they say it does not. It becomes -n, n the slots decoding
+    (no probe while at least n slots decode), when they say no by more than their sampling error
+    over the slots (`prefix.settled_no`, two slots or more), or when the drafted rounds accepted
+    significantly fewer drafts than the head expected and the survivals scaled by the most the
+    acceptance may be (`SETTLE_Z` standard errors above it) still say no: evidence over rounds
+    (and requests), which one slot can give. The credit gains what the round saved by its
+    scaled survivals (`prefix.drafting_gain`; negative: what it cost)."""
     if spec.skip_drafting != "known":
         return st.since_draft, st.probe_gap, st.probe_credit
     n = jnp.sum(act).astype(jnp.int32)
-    v = _verdict(spec, a, act, ctl)
+    v = _verdict(spec, a * _acceptance_ratio(expected, accepted), act, ctl)
+    most = _acceptance_ratio(expected, accepted, prefix.SETTLE_Z)
+    by_rounds = (most < 1.0) & ~_verdict(spec, a * most, act, ctl).pays
     backoff = jnp.minimum(2 * jnp.maximum(st.probe_gap, spec.probe_every // 2), spec.probe_max)
-    gap = jnp.where(v.pays, spec.probe_every, jnp.where(v.settled_no, -n, backoff))
+    gap = jnp.where(v.pays, spec.probe_every, jnp.where(v.settled_no | by_rounds, -n, backoff))
     credit = st.probe_credit + v.gain
     return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32), credit.astype(jnp.float32)
 
@@ -354,11 +369,22 @@ def _commit(spec: Spec, st: DecodeState, ctl: Control, act, vo, valid, out, n_ou
 
 
 def _chunk_to_drafter(spec: Spec, drafter_params, dcache, last, vo, chunk, take):
-    """The drafter reads a prompt chunk forwarded beside the verification as it reads a prefill."""
+    """The drafter reads a prompt chunk forwarded beside the verification as it reads a prefill,
+    in a round where some slot takes prompt tokens (a loop of zero or one iteration: the drafter's
+    pass over a whole chunk of padding cost a served round at one slot on this CPU as much as
+    the rest of a skipped round; a loop, not a `lax.cond`, keeps the caches written in place)."""
     if chunk is None:
         return dcache, last
-    return spec.kind.prefill(spec, drafter_params, dcache, last, vo.chunk_features, vo.chunk_hidden, chunk.tokens,
-                             chunk.start, take, chunk.rows)
+
+    def read(c):
+        d, l_, n = c
+        d, l_ = spec.kind.prefill(spec, drafter_params, d, l_, vo.chunk_features, vo.chunk_hidden, chunk.tokens,
+                                  chunk.start, take, chunk.rows)
+        return d, l_, n + 1
+
+    dcache, last, _ = jax.lax.while_loop(lambda c: jnp.any(take > 0) & (c[2] < 1), read,
+                                         (dcache, last, jnp.int32(0)))
+    return dcache, last
 
 
 def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, keep_drafter: bool = True):
@@ -367,10 +393,11 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     of a target-only engine (`spec.G == 0`), and the round an engine with a drafter runs when its
     skip rule says no slot drafts: the same target program and the skip rule's round count, plus,
     with `keep_drafter`, the drafter's context for the one verified position (`kind.skip`, the
-    target's features, `kind.plain`). Without it (the "known" rule's settled rounds, which expect
-    no draft at this load) the drafter's state is left as it is: positions those rounds commit
-    are missing from its context when drafting resumes (lossless; only acceptance can suffer),
-    and prompt chunks joining slots still reach it."""
+    target's features, `kind.plain`) and the prompt chunks of joining slots. Without it (the
+    "known" rule's settled rounds, which expect no draft at this load) the round is the
+    target-only engine's and the drafter's state is left as it is: positions those rounds commit,
+    prompt chunks included, are missing from its context when drafting resumes (lossless; only
+    acceptance can suffer)."""
     r = st.anchor.shape[0]
     filling, act = _decoding(spec, st)
     _, verify_keys = row_round_keys(st.keys, st.rounds)
@@ -379,8 +406,8 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
     toks, valid = st.anchor[:, None], act[:, None]
     path = sampling_path(*samp, spec.tcfg.vocab_size)
-    # the drafter reads the target's features of the verified positions, or of prompt chunks
-    features = spec.feature_layers if keep_drafter or chunk is not None else ()
+    # the drafter reads the target's features of the verified positions and of prompt chunks
+    features = spec.feature_layers if keep_drafter else ()
 
     def branch(bk):
         def run(cache):
@@ -401,7 +428,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
             dcache = spec.kind.skip(spec, drafter_params, dcache, last, st.anchor, st.pos, act)
             dcache, last = spec.kind.plain(spec, drafter_params, dcache, last, vo.features, vo.hidden, st.pos,
                                            act & ~done)
-        dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
+            dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
         # no survivals of its own: the last known ones are carried (-1 = none yet)
         since = st.since_draft + 1 if spec.skip_drafting == "known" else st.since_draft
         new = new._replace(dcache=dcache, last=last, a_hist=jnp.stack([st.a_hist[0], st.a_hist[0]]),
@@ -426,7 +453,6 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     lengths = spec.policy(a, act, ctl, st.a_hist[1], stale_valid)
     lengths = jnp.where(ctl.pin >= 0, ctl.pin, lengths)  # a timed round's verification length
     lengths = jnp.where(act, jnp.clip(lengths, 0, G), 0).astype(jnp.int32)
-    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a * _calibration(st), act, ctl)
 
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
     widths = spec.widths
@@ -457,27 +483,61 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
                                     acc, act & ~done)
     dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
     verified = (jnp.arange(G)[None] < lengths[:, None]) & act[:, None]
-    expected = jnp.sum(jnp.where(verified, a, 0.0))
-    accepted = jnp.sum(jnp.where(act, acc, 0)).astype(jnp.float32)
-    new = st._replace(calib_expected=CALIBRATION_DECAY * st.calib_expected + expected,
-                      calib_accepted=CALIBRATION_DECAY * st.calib_accepted + accepted)
-    new = new._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
-                      since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit)
+    expected = CALIBRATION_DECAY * st.calib_expected + jnp.sum(jnp.where(verified, a, 0.0))
+    accepted = CALIBRATION_DECAY * st.calib_accepted + jnp.sum(jnp.where(act, acc, 0)).astype(jnp.float32)
+    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl, expected, accepted)
+    new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
+                      since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit,
+                      calib_expected=expected, calib_accepted=accepted)
     return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut,
                          jnp.bool_(True))
+
+
+# which round a skip rule runs (`round_choice`): the plain round (drafter context kept), the plain
+# round that leaves the drafter as it is (the "known" rule's settled rounds), the drafting round
+ROUND_PLAIN, ROUND_SETTLED, ROUND_DRAFTING = 0, 1, 2
+
+
+def round_choice(spec: Spec, st: DecodeState, ctl: Control):
+    """Which round the skip rule (`spec.skip_drafting`) runs on `st` -> int32 ROUND_*. A pinned
+    control (`Control.pin`, timing) drafts for a pinned length and runs the plain round for
+    `PIN_SKIP`. From past rounds only, so the choice cannot bias the output (docs/method.md §3)."""
+    r = st.anchor.shape[0]
+    _, act = _decoding(spec, st)
+    pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
+    pays = jnp.where(ctl.pin == PIN_POLICY, pays, ctl.pin >= 0)
+    settled = settled & (ctl.pin == PIN_POLICY)
+    return jnp.where(pays, ROUND_DRAFTING, jnp.where(settled, ROUND_SETTLED, ROUND_PLAIN)).astype(jnp.int32)
+
+
+def chosen_rounds(spec: Spec):
+    """The rounds `round_choice` picks from, by ROUND_* index: (tp, dp, st, ctl) -> (st, RoundOut,
+    the choice for the next round on the new state under the same controls). A host loop reads
+    that choice instead of asking again while nothing but the round touched the state."""
+
+    def then_choose(one_round):
+        def run(tp, dp, st, ctl):
+            st, out = one_round(tp, dp, st, ctl)
+            return st, out, round_choice(spec, st, ctl)
+
+        return run
+
+    return (then_choose(lambda tp, dp, st, ctl: plain_round(spec, tp, dp, st, ctl, True)),
+            then_choose(lambda tp, dp, st, ctl: plain_round(spec, tp, dp, st, ctl, False)),
+            then_choose(lambda tp, dp, st, ctl: drafting_round(spec, tp, dp, st, ctl)))
 
 
 def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control):
     """One round for all R slots -> (DecodeState, RoundOut). Without a drafter it is
     `plain_round`; with one, `drafting_round`, unless a skip rule (`spec.skip_drafting`) says no
-    slot drafts this round: then `plain_round`, the target-only program.
+    slot drafts this round (`round_choice`): then `plain_round`, the target-only program.
     `skip_drafting="always"` (cost predictions) compiles `plain_round` alone: the price of a
     skipped round.
 
-    Under a skip rule the rounds sit in one program, and each writes the caches in place: each
-    round (the plain round; for the "known" rule's settled rounds, the one that leaves the drafter
-    as it is; the drafting round) is a `lax.while_loop` of zero or one iteration. (A `lax.cond`
-    whose two branches both wrote the caches made XLA copy each cache whole:
+    Under a skip rule every round sits in this one program (what the compiled loop of rounds,
+    `run_rounds`, runs; a host loop runs the chosen round's own program: `Engine.step`), and each
+    writes the caches in place: each round is a `lax.while_loop` of zero or one iteration. (A
+    `lax.cond` whose two branches both wrote the caches made XLA copy each cache whole:
     tests/engine/test_in_place.py; one whose other branch passed the state through made libtpu's
     memory-space assignment abort compiling a Qwen3-8B-shaped round for v6e-8:
     tests/engine/test_tpu_compile.py.)"""
@@ -486,27 +546,24 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     if not spec.skip_drafting:
         return drafting_round(spec, target_params, drafter_params, st, ctl)
     r = st.anchor.shape[0]
-    _, act = _decoding(spec, st)
-    pays, settled = _skip_decision(spec, st, act, ctl, r * spec.G)
-    pays = jnp.where(ctl.pin == PIN_POLICY, pays, ctl.pin >= 0)  # a timed round drafts or skips as pinned
-    settled = settled & (ctl.pin == PIN_POLICY)
+    which = round_choice(spec, st, ctl)
 
-    def at_most_once(when, one_round, st, out):
+    def at_most_once(choice, one_round, st, out):
         def body(c):
             s, _, n = c
-            return (*one_round(s), n + 1)
+            return (*one_round(target_params, drafter_params, s, ctl)[:2], n + 1)
 
-        st, out, _ = jax.lax.while_loop(lambda c: when & (c[2] < 1), body, (st, out, jnp.int32(0)))
+        st, out, _ = jax.lax.while_loop(lambda c: (which == choice) & (c[2] < 1), body, (st, out, jnp.int32(0)))
         return st, out
 
     zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
     out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb, jnp.bool_(False))
-    st, out = at_most_once(~pays & ~settled, lambda s: plain_round(spec, target_params, drafter_params, s, ctl, True),
-                           st, out)
-    if spec.skip_drafting == "known":
-        st, out = at_most_once(settled, lambda s: plain_round(spec, target_params, drafter_params, s, ctl, False),
-                               st, out)
-    return at_most_once(pays, lambda s: drafting_round(spec, target_params, drafter_params, s, ctl), st, out)
+    rounds = chosen_rounds(spec)
+    choices = (ROUND_PLAIN, ROUND_SETTLED, ROUND_DRAFTING) if spec.skip_drafting == "known" else \
+        (ROUND_PLAIN, ROUND_DRAFTING)
+    for choice in choices:
+        st, out = at_most_once(choice, rounds[choice], st, out)
+    return st, out
 
 
 def run_rounds(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: Control, max_rounds, stop_on_free):

@@ -111,14 +111,22 @@ def _qualname(obj) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> str:
-    """What every stored program of this process depends on besides its own key: the package's
-    source, the JAX stack's versions, the devices, JAX's settings, the compiler's environment."""
+def source_digest() -> str:
+    """sha256 of the package's source (every .py file, with its path): what decides the programs
+    it traces (the program store's key; a cost table's, engine/own_costs.py)."""
     h = hashlib.sha256()
     pkg = Path(__file__).resolve().parents[1]
     for path in sorted(pkg.rglob("*.py")):
         h.update(str(path.relative_to(pkg)).encode())
         h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> str:
+    """What every stored program of this process depends on besides its own key: the package's
+    source, the JAX stack's versions, the devices, JAX's settings, the compiler's environment."""
+    h = hashlib.sha256(source_digest().encode())
     backend = jax.devices()[0].client
     h.update(repr((jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version)).encode())
     h.update(repr([(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]).encode())

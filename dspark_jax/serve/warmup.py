@@ -1,7 +1,9 @@
 """The engine loop's warm-up: before the server answers /health "ok", compile every program the
 first requests would need, by serving throwaway requests through the loop's own turns (so the
 programs compiled are exactly the ones serving uses): one prefill per prompt-length bucket from
-an idle engine, the round, and with chunked prefill a join beside a running request."""
+an idle engine, the round, and with chunked prefill a join beside a running request. Under a
+skip rule each round program is compiled first (`Engine.compile_rounds`): which of them the
+throwaway requests reach is the rule's choice."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def warm_up(engine, batcher: Batcher, iterate: Callable[[collections.deque], Non
     """Compile what the first requests would: each prefill bucket from an idle engine (R prompts
     a wave), the round, and (with chunked prefill) a join beside a running request. `iterate`
     is the loop's turn over a queue of pending requests; `stop` ends the warm-up early."""
+    engine.compile_rounds()
     lens, min_len = warmup_lengths(engine), engine.min_prompt_len
     for i in range(0, len(lens), engine.R):
         _drain(batcher, iterate, stop, collections.deque(_warm_request(n) for n in lens[i: i + engine.R]))

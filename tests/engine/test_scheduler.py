@@ -244,13 +244,43 @@ def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
         assert not numpy_ref.known_speculation_pays_np(a, act, tab_np)
         assert numpy_ref.settled_no_np(a, act, tab_np) is settles
         st = eng.init_state()._replace(active=jnp.ones(3, bool), probe_gap=jnp.int32(8))
-        _, gap, _ = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl)
+        _, gap, _ = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl,
+                                              0.0, 0.0)
         assert int(gap) == (-3 if settles else 16)
     st = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(alike, jnp.float32)] * 2), since_draft=jnp.int32(99),
                                    probe_gap=jnp.int32(-3), probe_credit=jnp.float32(100.0))
     for act, probes in (((True, True, True), False), ((True, True, False), True)):
         pays, settled = round_mod._skip_decision(eng.spec, st, jnp.asarray(act), ctl, 9)
         assert bool(pays) is probes and bool(settled) is not probes, act
+
+
+def test_one_slot_settles_on_the_realised_acceptance(setup):
+    """One slot's survivals never settle a "no" by their spread over slots (`prefix.settled_no`
+    needs two), but the drafted rounds' realised acceptance can: when they accepted significantly
+    fewer drafts than the head's survivals expected (the accepted count raised by SETTLE_Z of its
+    Poisson errors still short of them) and the survivals scaled by that most the acceptance may
+    be say no, the gap becomes -1 even where the head's own survivals say drafting pays. Drafts
+    accepted as expected, or too few drafted rounds to tell, keep the backoff. (Before the rule
+    read the rounds, a one-slot server probed a useless drafter every few rounds for ever.)"""
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import round as round_mod
+
+    target = setup[0]
+    d = tiny_drafter("dspark", target, gamma=3)
+    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
+                                         policy="early_stop", skip_drafting="known", probe_every=4))
+    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
+    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
+    ctl = eng.control(GREEDY, table=table)
+    a = np.cumprod(np.full((3, 3), 0.9), axis=1)
+    act = np.array([True, False, False])
+    assert numpy_ref.known_speculation_pays_np(a, act, tab_np)  # on its face the head says drafting pays
+    st = eng.init_state()._replace(active=jnp.asarray(act), probe_gap=jnp.int32(8))
+    for expected, accepted, settles in ((40.0, 0.0, True), (40.0, 36.0, False), (1.0, 0.0, False)):
+        _, gap, _ = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl,
+                                              jnp.float32(expected), jnp.float32(accepted))
+        assert (int(gap) == -1) is settles, (expected, accepted, int(gap))
 
 
 def test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it(setup):
@@ -276,7 +306,8 @@ def test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it(setup):
     for credit, probes in ((0.0, False), (-low - 1e-3, False), (-low + 1e-3, True)):
         pays, settled = round_mod._skip_decision(eng.spec, base._replace(probe_credit=jnp.float32(credit)), act, ctl, 9)
         assert bool(pays) is probes and bool(settled) is not probes, credit
-    _, _, credit = round_mod._probe_schedule(eng.spec, base._replace(probe_credit=jnp.float32(1.0)), apart, act, ctl)
+    _, _, credit = round_mod._probe_schedule(eng.spec, base._replace(probe_credit=jnp.float32(1.0)), apart, act, ctl,
+                                             0.0, 0.0)
     assert float(credit) == pytest.approx(1.0 + gain)
 
 
