@@ -359,13 +359,14 @@ class Engine:
         index = {"plain": 0, "settled": 1, "drafting": 2}
         return {n: self._rounds[index[n]] for n in names}
 
-    def compile_rounds(self) -> None:
-        """Compile (or read back) every round program a host loop may run, on a fresh state
-        with no request: a server's warm-up serves requests through the rounds it happens to
-        choose, and a round first chosen mid-serving would compile then."""
+    def compile_rounds(self, ctl: Control) -> None:
+        """Compile (or read back) every round program a host loop may run under controls shaped
+        as `ctl` (the loop's own: a table with or without a skipped round's price is another
+        signature), on a fresh state with no request: a server's warm-up serves requests
+        through the rounds it happens to choose, and a round first chosen mid-serving would
+        compile then."""
         if self._rounds is None:
             return
-        ctl = self.control(table=self.unpriced_table)
         for program in self.round_programs().values():
             st = self._fresh_state()  # not `init_state`: the page allocator keeps its requests
             st = st if self.mesh is None else jax.device_put(st, self._state_sh)

@@ -185,7 +185,8 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     """(drafts, settled) for this round. "best_case": draft when some admission count beats plain
     decoding even with every draft accepted. "known": also on the last known survivals (past
     rounds only, so lossless), except after `probe_gap` skipped rounds (or with no survivals yet),
-    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`). A
+    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`, or
+    the known survivals scaled by the most the realised acceptance may be say no at this load). A
     round that may lose (the lower bound of its gain on the known survivals, `prefix.drafting_gain`,
     is negative: a probe, or a "yes" within its sampling error) drafts only while `probe_credit`,
     what earlier drafted rounds saved, covers that loss; a round with no survivals yet drafts.
@@ -197,7 +198,10 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     if spec.skip_drafting != "known":
         return best, jnp.bool_(False)
     known = st.a_hist[0]
-    settled = _settled(st, act)
+    # a "no" on the realised acceptance holds at any load where the known survivals, scaled by
+    # the most it may be, still say no (`_probe_schedule`): no probe needs to ask again
+    most = _acceptance_ratio(st.calib_expected, st.calib_accepted, prefix.SETTLE_Z)
+    settled = _settled(st, act) | ((most < 1.0) & ~_verdict(spec, known * most, act, ctl).pays)
     v = _verdict(spec, known * _calibration(st), act, ctl)
     funded = (v.low >= 0.0) | (st.probe_credit + v.low >= 0.0)
     probe = (st.since_draft + 1 >= st.probe_gap) & ~settled

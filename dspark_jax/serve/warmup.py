@@ -26,7 +26,7 @@ def warm_up(engine, batcher: Batcher, iterate: Callable[[collections.deque], Non
     """Compile what the first requests would: each prefill bucket from an idle engine (R prompts
     a wave), the round, and (with chunked prefill) a join beside a running request. `iterate`
     is the loop's turn over a queue of pending requests; `stop` ends the warm-up early."""
-    engine.compile_rounds()
+    engine.compile_rounds(batcher.control)
     lens, min_len = warmup_lengths(engine), engine.min_prompt_len
     for i in range(0, len(lens), engine.R):
         _drain(batcher, iterate, stop, collections.deque(_warm_request(n) for n in lens[i: i + engine.R]))

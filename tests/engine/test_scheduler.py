@@ -281,6 +281,15 @@ def test_one_slot_settles_on_the_realised_acceptance(setup):
         _, gap, _ = round_mod._probe_schedule(eng.spec, st, jnp.asarray(a, jnp.float32), jnp.asarray(act), ctl,
                                               jnp.float32(expected), jnp.float32(accepted))
         assert (int(gap) == -1) is settles, (expected, accepted, int(gap))
+    # at a load the settled verdict was not taken at (three slots, gap -1 says nothing of them),
+    # the realised acceptance still keeps the rule from probing; without it the round probes
+    three = jnp.ones(3, bool)
+    base = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(a, jnp.float32)] * 2), since_draft=jnp.int32(99),
+                                     probe_gap=jnp.int32(-4), probe_credit=jnp.float32(100.0))
+    for expected, accepted, probes in ((40.0, 0.0, False), (0.0, 0.0, True)):
+        st = base._replace(calib_expected=jnp.float32(expected), calib_accepted=jnp.float32(accepted))
+        pays, settled = round_mod._skip_decision(eng.spec, st, three, ctl, 9)
+        assert bool(pays) is probes and bool(settled) is not probes, (expected, accepted)
 
 
 def test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it(setup):
