@@ -526,8 +526,21 @@ def chosen_rounds(spec: Spec):
 
         return run
 
-    return (then_choose(lambda tp, dp, st, ctl: plain_round(spec, tp, dp, st, ctl, True)),
-            then_choose(lambda tp, dp, st, ctl: plain_round(spec, tp, dp, st, ctl, False)),
+    def settled(tp, dp, st, ctl):
+        """A settled round stays the choice while the slots that decode are the same: it changes
+        neither the survivals, the acceptance counts, the probe gap nor the credit, and its
+        growing `since_draft` is read only when no "no" is settled (`_skip_decision`). The
+        choice is asked again (a loop of zero or one iteration) only when a slot ended or
+        finished its prompt."""
+        _, before = _decoding(spec, st)
+        st, out = plain_round(spec, tp, dp, st, ctl, False)
+        _, after = _decoding(spec, st)
+        again = jnp.any(before != after)
+        nxt, _ = jax.lax.while_loop(lambda c: again & (c[1] < 1), lambda c: (round_choice(spec, st, ctl), c[1] + 1),
+                                    (jnp.int32(ROUND_SETTLED), jnp.int32(0)))
+        return st, out, nxt
+
+    return (then_choose(lambda tp, dp, st, ctl: plain_round(spec, tp, dp, st, ctl, True)), settled,
             then_choose(lambda tp, dp, st, ctl: drafting_round(spec, tp, dp, st, ctl)))
 
 

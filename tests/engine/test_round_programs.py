@@ -17,7 +17,7 @@ import pytest
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.batcher import Batcher, Job
-from dspark_jax.engine.round import ROUND_DRAFTING
+from dspark_jax.engine.round import ROUND_DRAFTING, ROUND_SETTLED
 from dspark_jax.engine.timing import prefilled_state
 from dspark_jax.scheduler import make_table
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
@@ -57,7 +57,9 @@ def test_the_settled_round_is_the_target_only_round(target, chunk):
 
 def test_each_round_hands_the_next_the_choice_asking_again_gives(target):
     """Rounds served through a Batcher (joins, ends, a table that changes between rounds): each
-    round drafts exactly when the skip rule's choice on the state it started from says so."""
+    round drafts exactly when the skip rule's choice on the state it started from says so, and
+    the choice a round hands the next (the settled round's included, which asks again only when
+    the decoding slots changed) is the one asking again gives."""
     eng = Engine(target, tiny_drafter("dspark", target, gamma=3),
                  EngineConfig(num_slots=2, max_len=64, prefill_buckets=(16,), skip_drafting="known",
                               probe_every=2, probe_max=4, own_costs=False))
@@ -67,7 +69,7 @@ def test_each_round_hands_the_next_the_choice_asking_again_gives(target):
     rng = np.random.default_rng(0)
     pending = [Job(prompt=rng.integers(5, 60, 6).tolist(), max_new=int(rng.integers(3, 12)), sampling=GREEDY, seed=i)
                for i in range(6)]
-    drafted, seen = [], set()
+    drafted, seen, handed = [], set(), set()
     for i in range(200):
         if pending and b.free_slots():
             taken, _ = b.admit(collections.deque([pending.pop(0)]))
@@ -81,7 +83,12 @@ def test_each_round_hands_the_next_the_choice_asking_again_gives(target):
         drafted.append(rnd.drafted)
         assert rnd.drafted is want, i
         seen.add(want)
+        last_state, last_ctl, chosen = eng._next_round
+        if last_state is b.state and last_ctl is b.control:  # what the next round will read
+            assert int(chosen) == int(eng._choose(b.state, b.control)), i
+            handed.add(int(chosen))
     assert seen == {True, False} and not pending
+    assert {ROUND_SETTLED, ROUND_DRAFTING} <= handed, handed  # the settled round asks again only on a change
 
 
 def test_a_timed_state_copy_asks_again(target):
@@ -97,3 +104,23 @@ def test_a_timed_state_copy_asks_again(target):
     assert bool(out.drafted)
     st, out = eng.step(st, skipping)  # the same state, other controls
     assert not bool(out.drafted)
+
+
+def test_a_settled_round_asks_again_when_a_slot_ends(target):
+    """A settled "no" taken at two slots holds while two decode; the settled round in which one
+    of them ends hands the next round a probe (the credit covers it), not another settled round."""
+    import jax.numpy as jnp
+
+    from dspark_jax.engine.round import ROUND_SETTLED
+
+    eng = Engine(target, tiny_drafter("dspark", target, gamma=3),
+                 EngineConfig(num_slots=2, max_len=64, prefill_buckets=(16,), skip_drafting="known", own_costs=False))
+    table = make_table(eng.priced_buckets, t_verify=np.linspace(1.0, 1.2, len(eng.priced_buckets)), t_draft=0.3)
+    ctl = eng.control(GREEDY, table=table)
+    low = jnp.full((2, 2, eng.spec.Gs), 0.05, jnp.float32)
+    st = prefilled_state(eng, 2, prompt=10)._replace(a_hist=low, probe_gap=jnp.int32(-2), since_draft=jnp.int32(99),
+                                                      probe_credit=jnp.float32(100.0), max_new=jnp.array([40, 1]))
+    assert int(eng._choose(st, ctl)) == ROUND_SETTLED
+    new, out, chosen = eng.round_programs()["settled"](eng.tp, eng.dp, st, ctl)
+    assert not bool(new.active[1]) and bool(new.active[0])
+    assert int(chosen) == int(eng._choose(new, ctl)) == ROUND_DRAFTING
