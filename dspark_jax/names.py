@@ -9,4 +9,4 @@ from __future__ import annotations
 KIND_NAMES = ("dspark", "dflash", "eagle3", "mtp1")
 
 ENGINE_POLICIES = ("fixed", "scheduled")
-PLAN_PROGRAMS = ("round", "prefill", "admit")
+PLAN_PROGRAMS = ("round", "host_rounds", "prefill", "admit")

@@ -6,7 +6,10 @@ R slots x a context, on a (data, fsdp, tensor) mesh, from shapes and from the co
 Weights and caches are exact (their shapes and the rules table's shardings). With `--compile` the
 engine's programs are lowered for those shardings and compiled: the round (draft, verification
 over every bucket, rejection, cache update) and the prefill of the largest prompt bucket (and,
-with `--prefill-chunk`, the admission of prompts into the rounds), the set the server compiles.
+with `--prefill-chunk`, the admission of prompts into the rounds). A scheduled server's host loop
+runs the skip rule's choice and each round it chooses as programs of their own
+(`--programs round,host_rounds,prefill`); the round holds all of them, as the compiled loop of
+rounds runs it.
 `--topology NAME` (a Cloud TPU slice: v5e-8, v6e-8, v5p-8, v7x-8, ...) compiles them with the TPU
 compiler for that slice on this machine, no TPU needed (parallel/topology.py); without it they
 compile for fake CPU devices. XLA's `memory_analysis()` gives one chip's arguments, outputs and

@@ -21,7 +21,7 @@ from dspark_jax.drafter.decode_weights import abstract_drafter_arrays
 from dspark_jax.drafter.frozen import Frozen
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine.layout import decode_shardings
-from dspark_jax.engine.round import admit, prefill_group, round_step
+from dspark_jax.engine.round import admit, chosen_rounds, prefill_group, round_choice, round_step
 from dspark_jax.names import ENGINE_POLICIES, PLAN_PROGRAMS
 from dspark_jax.parallel.sharding import make_mesh, state_shardings
 from dspark_jax.parallel.slices import parse_slice
@@ -164,6 +164,9 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     """Per-chip bytes: target / drafter weights, target / drafter KV, and (compile_round) XLA's
     arguments / outputs / temporaries of each compiled program in `programs` ("round",
     "prefill", "admit"; the round's also at the top level), with its compile time.
+    "host_rounds" (an engine with a skip rule): the programs a host loop runs instead of the
+    round (`Engine.step`), reported as "round_choice", "round_plain", "round_settled" and
+    "round_drafting"; the round holds all of them and is what the compiled loop runs.
     `policy` "scheduled": the production scheduler with the skip rule (a cost table of the
     engine's buckets); `drafter=False`: the target-only engine."""
 
@@ -217,7 +220,18 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             "admit": lambda: jax.jit(admit, out_shardings=st_sh, donate_argnums=(0,)).lower(
                 st_a, *join_args(context)),
         }
-        for name in programs:
+        if "host_rounds" in programs and eng.spec.skip_drafting in ("best_case", "known"):
+            host = dict(zip(("round_plain", "round_settled", "round_drafting"), chosen_rounds(spec)))
+            if eng.spec.skip_drafting != "known":
+                del host["round_settled"]
+            for key, fn in host.items():
+                lowerings[key] = (lambda fn: lambda: jax.jit(
+                    fn, in_shardings=(ab.tp_sh, ab.dt_sh, st_sh, None), out_shardings=(st_sh, None, None),
+                    donate_argnums=(2,)).lower(ab.tp, ab.dt, st_a, ctl_a))(fn)
+            lowerings["round_choice"] = lambda: jax.jit(lambda s, c: round_choice(spec, s, c),
+                                                        in_shardings=(st_sh, None)).lower(st_a, ctl_a)
+        for name in [n for p in programs for n in ([k for k in lowerings if k.startswith("round_")]
+                                                     if p == "host_rounds" else [p])]:
             if name == "admit" and not eng.prefill_chunk:
                 continue
             t0 = time.perf_counter()
