@@ -48,6 +48,7 @@ from dspark_jax.engine.requests import (
     stop_row,
 )
 from dspark_jax.engine.results import GenerateResult, RequestResult
+from dspark_jax.engine.round import ROUND_DRAFTING, ROUND_PLAIN, ROUND_SETTLED
 from dspark_jax.engine.slot_pages import SlotPages
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import PIN_POLICY, PIN_SKIP, Control, DecodeState
@@ -198,6 +199,10 @@ class Engine:
         """A fresh decode state (every slot free); with paged KV the page allocator empties too."""
         if self.pages is not None:
             self.pages.reset()
+        self._next_round = (None, None, None)  # nor does the old state stay alive through it
+        return self._placed_fresh_state()
+
+    def _placed_fresh_state(self) -> DecodeState:
         st = self._fresh_state()
         return st if self.mesh is None else jax.device_put(st, self._state_sh)
 
@@ -355,9 +360,11 @@ class Engine:
         "plain", "settled" (the "known" rule's only) and "drafting")."""
         if self._rounds is None:
             return {"round": self._round}
-        names = ("plain", "settled", "drafting") if self.spec.skip_drafting == "known" else ("plain", "drafting")
-        index = {"plain": 0, "settled": 1, "drafting": 2}
-        return {n: self._rounds[index[n]] for n in names}
+        rounds = {"plain": self._rounds[ROUND_PLAIN], "settled": self._rounds[ROUND_SETTLED],
+                  "drafting": self._rounds[ROUND_DRAFTING]}
+        if self.spec.skip_drafting != "known":
+            del rounds["settled"]
+        return rounds
 
     def compile_rounds(self, ctl: Control) -> None:
         """Compile (or read back) every round program a host loop may run under controls shaped
@@ -367,10 +374,8 @@ class Engine:
         compile then."""
         if self._rounds is None:
             return
-        for program in self.round_programs().values():
-            st = self._fresh_state()  # not `init_state`: the page allocator keeps its requests
-            st = st if self.mesh is None else jax.device_put(st, self._state_sh)
-            jax.block_until_ready(program(self.tp, self.dp, st, ctl)[:2])
+        for program in self.round_programs().values():  # not `init_state`: the page allocator keeps its requests
+            jax.block_until_ready(program(self.tp, self.dp, self._placed_fresh_state(), ctl)[:2])
 
     def run_rounds(self, st: DecodeState, ctl: Control, stop_on_free: bool) -> DecodeState:
         """Rounds in one compiled `lax.while_loop` until every slot is done, or (`stop_on_free`)

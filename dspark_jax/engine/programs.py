@@ -1,9 +1,10 @@
 """An engine's compiled programs: prefill (one per prompt-length bucket), the round, the
 `lax.while_loop` of rounds, the draft alone, and a join without a forward (chunked prefill).
 Under a skip rule also the skip rule's choice and each round it chooses from, one program each:
-a host loop runs the chosen one alone (`Engine.step`). A program's every branch costs at each
-call: on XLA:CPU, launching the round with the drafting round beside the plain one cost the
-skipped round about 0.8 ms more than the plain round alone (docs/serving.md).
+a host loop runs the chosen one alone (`Engine.step`). On XLA:CPU the skipped round of the
+program holding every round took about 0.8 ms more than the plain round compiled alone (its
+launch took longer; why is not established: a zero-iteration loop around heavy work alone cost
+nothing in a small test; docs/serving.md).
 
 The decode state is donated to every program that returns it; with a mesh it keeps its layout
 from call to call (`state_sh`). Engines of the same static description (`Spec`, and the state's

@@ -6,8 +6,9 @@ compiled buckets, so the program is compiled once and only the chosen bucket's b
 rejection sampling with per-row keys -> stop / max-length per slot -> KV rollback (a `lengths`
 move) -> drafter update (`drafting_round`). A round that does not (`plain_round`) is the
 target-only engine's round: each anchor verified alone and its next token sampled from the
-target. With `Spec.skip_drafting` both are in the program and the skip rule (the cost table says
-no speculation pays) picks one, so a skipped round runs the target-only program (`round_step`).
+target. With `Spec.skip_drafting` the skip rule (`round_choice`: the cost table says no
+speculation pays) picks one: a host loop runs the chosen round's own program (`chosen_rounds`),
+the compiled loop of rounds one program holding them all (`round_step`).
 """
 
 from __future__ import annotations

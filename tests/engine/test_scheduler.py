@@ -219,6 +219,16 @@ def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     assert 0 in known and not {4, 8} & known and len(known) <= n_rounds / 4, (known, n_rounds)
 
 
+def _known_rule_engine(target):
+    """A 3-slot engine under the "known" skip rule, its controls on a table where a draft costs
+    0.6 of a one-token verification, and that table in numpy (for `numpy_ref`)."""
+    eng = Engine(target, tiny_drafter("dspark", target, gamma=3),
+                 EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,), policy="early_stop",
+                              skip_drafting="known", probe_every=4))
+    ctl = eng.control(GREEDY, table=scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6))
+    return eng, ctl, scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
+
+
 def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
     """After a drafted round whose survivals say no admission count pays by more than their
     sampling error (`prefix.settled_no`), the probe gap becomes -n (n the slots decoding): the
@@ -229,13 +239,7 @@ def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
 
     from dspark_jax.engine import round as round_mod
 
-    target = setup[0]
-    d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
-                                         policy="early_stop", skip_drafting="known", probe_every=4))
-    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
-    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
-    ctl = eng.control(GREEDY, table=table)
+    eng, ctl, tab_np = _known_rule_engine(setup[0])
     # per-position survivals of the three slots: alike (a "no" beyond its error) or spread out (within it)
     alike = np.cumprod(np.array([[0.3] * 3, [0.4] * 3, [0.5] * 3]), axis=1)
     apart = np.cumprod(np.array([[0.3] * 3, [0.5] * 3, [0.7] * 3]), axis=1)
@@ -266,13 +270,7 @@ def test_one_slot_settles_on_the_realised_acceptance(setup):
 
     from dspark_jax.engine import round as round_mod
 
-    target = setup[0]
-    d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
-                                         policy="early_stop", skip_drafting="known", probe_every=4))
-    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
-    tab_np = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6, as_numpy=True)
-    ctl = eng.control(GREEDY, table=table)
+    eng, ctl, tab_np = _known_rule_engine(setup[0])
     a = np.cumprod(np.full((3, 3), 0.9), axis=1)
     act = np.array([True, False, False])
     assert numpy_ref.known_speculation_pays_np(a, act, tab_np)  # on its face the head says drafting pays
@@ -301,12 +299,8 @@ def test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it(setup):
 
     from dspark_jax.engine import round as round_mod
 
-    target = setup[0]
-    d = tiny_drafter("dspark", target, gamma=3)
-    eng = Engine(target, d, EngineConfig(num_slots=3, max_len=40, buckets=BUCKETS, prefill_buckets=(20,),
-                                         policy="early_stop", skip_drafting="known", probe_every=4))
-    table = scheduler.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
-    ctl = eng.control(GREEDY, table=table)
+    eng, ctl, _ = _known_rule_engine(setup[0])
+    table = ctl.table
     apart = jnp.asarray(np.cumprod(np.array([[0.3] * 3, [0.5] * 3, [0.7] * 3]), axis=1), jnp.float32)
     act = jnp.ones(3, bool)
     gain, low = (float(x) for x in scheduler.drafting_gain(apart, act, table))
