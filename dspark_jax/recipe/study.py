@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.recipe.run import RecipeError, run_stage, stage_times
-from dspark_jax.recipe.stats import hier_bootstrap_ratio, hier_bootstrap_tau, prompt_bootstrap_tau, seed_taus
+from dspark_jax.recipe.stats import crossed_bootstrap_ratio, crossed_bootstrap_tau, prompt_bootstrap_tau, seed_taus
 
 STAGES = ("target", "prompts", "regen", "train", "eval")
 BASELINE = "dflash"
@@ -242,7 +242,7 @@ def _nanmean_rows(rows) -> list[float]:
 
 
 def collect(study: Study, out: Path, target) -> dict:
-    """Per sampling setting and variant: tau (mean of the seeds' taus) with the two-level interval, the
+    """Per sampling setting and variant: tau (mean of the seeds' taus) with the crossed interval, the
     prompt-only interval beside it, each seed's tau, the ratio to DFlash, acceptance per position."""
     evals: dict = {}
     settings: dict = {}
@@ -264,7 +264,7 @@ def collect(study: Study, out: Path, target) -> dict:
             if not seeds:
                 continue
             acc, rnd = np.asarray(acc, float), np.asarray(rnd, float)
-            tau, lo, hi = hier_bootstrap_tau(acc, rnd)
+            tau, lo, hi = crossed_bootstrap_tau(acc, rnd)
             _, plo, phi = prompt_bootstrap_tau(acc, rnd)
             per_variant[v] = {"tau": tau, "ci95": [lo, hi], "prompt_only_ci95": [plo, phi], "seeds": seeds,
                               "seed_taus": seed_taus(acc, rnd).tolist(), "prompts": int(acc.shape[1]),
@@ -273,7 +273,7 @@ def collect(study: Study, out: Path, target) -> dict:
         if BASELINE in arrays:
             for v, (acc, rnd) in arrays.items():
                 if v != BASELINE:
-                    r, lo, hi = hier_bootstrap_ratio(acc, rnd, *arrays[BASELINE])
+                    r, lo, hi = crossed_bootstrap_ratio(acc, rnd, *arrays[BASELINE])
                     per_variant[v]["vs_dflash"] = [r, lo, hi]
         evals[sampling_label(sampling)] = per_variant
         settings[sampling_label(sampling)] = dict(zip(("temperature", "top_p", "top_k"), sampling))
@@ -345,9 +345,9 @@ def report_markdown(s: dict) -> str:
         how = ("engine-sampled rounds" if _temperature(s, t) > 0
                else "exact greedy rounds, teacher forced, equal to the engine's")
         lines += ["", f"## tau at T = {t}: {how}", "",
-                  "tau = mean over seeds of each seed's (accepted + rounds) / rounds; 95 % intervals: two-level "
-                  "bootstrap (seeds, then prompts within each seed); the prompt-only interval holds the seeds "
-                  "fixed.", "",
+                  "tau = mean over seeds of each seed's (accepted + rounds) / rounds; 95 % intervals: bootstrap "
+                  "of the crossed design (one prompt draw per replicate read by every drawn seed of every "
+                  "variant, seeds drawn per variant); the prompt-only interval holds the seeds fixed.", "",
                   "| variant | tau [95 % CI, seeds and prompts] | prompt-only CI | tau per seed | / dflash [95 % CI] "
                   "| acceptance per position |", "|---|---|---|---|---|---|"]
         for v, r in per.items():
