@@ -117,7 +117,9 @@ class TrainSection:
     loss_ce: float = 0.1
     loss_l1: float = 0.9
     loss_conf: float = 1.0
-    loss_decay: float = 4.0
+    # slot j's loss weight is exp(-j / loss_decay); "gamma" takes the drafter's gamma, the paper's
+    # exp(-(k - 1) / gamma) for position k = j + 1 (4.0: DeepSpec's constant, docs/method.md "Loss")
+    loss_decay: float | Literal["gamma"] = 4.0
     loss_conf_detach: bool = False  # the confidence head reads stop_gradient(backbone output): BCE trains the head only
     # "kind": the kind's own weighting (DFlash: CE only; DSpark: the loss_* above); "config": loss_* for every kind
     loss_weights: Literal["kind", "config"] = "kind"
@@ -140,6 +142,9 @@ class TrainSection:
             raise ValueError(f"grad_accum ({self.grad_accum}) must be >= 1 and divide batch_size ({self.batch_size})")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.loss_decay != "gamma" and not self.loss_decay > 0:
+            raise ValueError(f"loss_decay must be > 0 (slot j weighs exp(-j / loss_decay)) or 'gamma' (the paper's "
+                             f"exp(-(k - 1) / gamma)), got {self.loss_decay!r}")
 
 
 @dataclass(frozen=True)

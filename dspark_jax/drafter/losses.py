@@ -29,9 +29,11 @@ class LossCoefs(NamedTuple):
     kind_weights: bool = True  # False: every kind trains with these coefficients (DFlash too)
 
     @classmethod
-    def from_train(cls, tc) -> "LossCoefs":
-        """The coefficients a TrainSection asks for."""
-        return cls(tc.loss_ce, tc.loss_l1, tc.loss_conf, tc.loss_decay, conf_detach=tc.loss_conf_detach,
+    def from_train(cls, tc, gamma: int) -> "LossCoefs":
+        """The coefficients a TrainSection asks for; `gamma` (the drafter's block size) is the decay
+        constant where the section asks for the paper's weighting (`loss_decay: gamma`)."""
+        decay = float(gamma) if tc.loss_decay == "gamma" else float(tc.loss_decay)
+        return cls(tc.loss_ce, tc.loss_l1, tc.loss_conf, decay, conf_detach=tc.loss_conf_detach,
                    kind_weights=tc.loss_weights == "kind")
 
 

@@ -97,7 +97,7 @@ def compile_programs(cfg: Config, steps=("train", "eval"), mesh=None) -> dict:
     tc = cfg.train
     tx, _ = make_optimizer(tc.lr, 1000, tc.warmup_frac, tc.b1, tc.b2, tc.weight_decay, tc.clip_norm)
     compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
-    loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs.from_train(tc),
+    loss_fn = make_loss_fn(dg, tg, registry.get_kind(cfg.drafter.kind), LossCoefs.from_train(tc, cfg.drafter.gamma),
                            tc.anchor_chunk, compute, tc.eagle3_steps, tc.remat)
     rep = NamedSharding(mesh, P())
     p_sh = state_shardings(params, mesh)

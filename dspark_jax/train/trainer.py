@@ -254,7 +254,7 @@ class Trainer:
         opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
         self.state = self._on_mesh(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
         compute = jnp.bfloat16 if tc.compute_dtype == "bfloat16" else None
-        coefs = LossCoefs.from_train(tc)
+        coefs = LossCoefs.from_train(tc, dcfg.gamma)
         loss_fn = make_loss_fn(self.d_graphdef, self.t_graphdef, registry.get_kind(dcfg.kind),
                                coefs, tc.anchor_chunk, compute,
                                tc.eagle3_steps, tc.remat)

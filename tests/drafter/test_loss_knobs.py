@@ -10,7 +10,7 @@ import pytest
 
 from dspark_jax.config import ConfigError, from_cli
 from dspark_jax.drafter import registry
-from dspark_jax.drafter.losses import LossCoefs
+from dspark_jax.drafter.losses import LossCoefs, slot_weights
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
 G = 3
@@ -82,12 +82,27 @@ def test_dflash_with_configured_weights_trains_on_ce_and_l1(setup):
 
 def test_train_section_maps_to_coefficients():
     cfg = from_cli(["train.loss_conf_detach=true", "train.loss_weights=config", "train.loss_ce=1.0"])
-    c = LossCoefs.from_train(cfg.train)
+    c = LossCoefs.from_train(cfg.train, 7)
     assert c.conf_detach and not c.kind_weights and c.ce == 1.0
-    d = LossCoefs.from_train(from_cli([]).train)
+    d = LossCoefs.from_train(from_cli([]).train, 7)
     assert not d.conf_detach and d.kind_weights
 
 
 def test_unknown_loss_weights_is_one_clear_error():
     with pytest.raises(ConfigError, match="loss_weights"):
         from_cli(["train.loss_weights=paper"])
+
+
+def test_paper_weighting_decays_with_gamma():
+    """`loss_decay: gamma` weighs slot j by exp(-j / gamma) (the paper's exp(-(k-1)/gamma)); a number
+    is the constant itself; anything else is one clear error."""
+    for gamma in (7, 15):
+        c = LossCoefs.from_train(from_cli(["train.loss_decay=gamma"]).train, gamma)
+        assert c.decay == gamma
+        np.testing.assert_allclose(slot_weights(gamma, c.decay), np.exp(-np.arange(gamma) / gamma), rtol=1e-6)
+    assert LossCoefs.from_train(from_cli([]).train, 15).decay == 4.0
+    assert LossCoefs.from_train(from_cli(["train.loss_decay=2.5"]).train, 15).decay == 2.5
+    with pytest.raises((ConfigError, ValueError), match="loss_decay"):
+        from_cli(["train.loss_decay=paper"])
+    with pytest.raises((ConfigError, ValueError), match="loss_decay"):
+        from_cli(["train.loss_decay=0"])
