@@ -22,15 +22,15 @@ def _sampling(text: str) -> tuple[float, float, int]:
 def main(argv=None) -> int:
     from dspark_jax.recipe import study
     from dspark_jax.recipe.run import RecipeError
-    from dspark_jax.recipe.study import STAGES, VARIANTS, Study, run_study
+    from dspark_jax.recipe.study import DEFAULT_VARIANTS, STAGES, VARIANTS, Study, run_study
 
     ap = argparse.ArgumentParser(prog="python -m dspark_jax recipe embedded-study", description=study.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides for every training run")
     ap.add_argument("--out", required=True, help="output directory (data, runs, eval, logs, report.md)")
     ap.add_argument("--target", default=None, help="HF checkpoint directory (default: the embedded target)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated (default {','.join(VARIANTS)})")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, from {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated (default 0,1,2)")
     ap.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the study's)")
     ap.add_argument("--num-train-prompts", type=int, default=Study.num_train_prompts)

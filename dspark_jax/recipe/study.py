@@ -37,25 +37,41 @@ CURVE_KEY = "eval/expected_accepted_length"
 BEGIN, END = "<!-- study report: begin (rendered by dspark_jax.recipe.study.render_docs) -->", \
     "<!-- study report: end -->"
 
-# label -> (what it is, overrides on the shared training settings); each ablation is one change
+# label -> (what it is, overrides on the shared training settings); each ablation is one change.
+# Parameter counts on the embedded target (hidden 128, vocabulary 4096, 2 drafter layers): DSpark
+# 2.57 M trainable, of which the Markov head's W1 / W2 are 2.10 M; DFlash 0.48 M. The matched pair:
+# rank 4 keeps the head at 6.4 % of the drafter (the paper's Qwen3-8B drafter: 78 M of about 1.13 B,
+# 6.9 %), and DFlash with 13 layers has 2.64 M (DSpark's count + 2.7 %).
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dspark": ("DSpark: Markov head (rank 256) and confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE",
                ("drafter.kind=dspark",)),
     "dflash": ("DFlash: the same backbone, slots independent, CE only", ("drafter.kind=dflash",)),
+    "dspark-r4": ("DSpark with Markov rank 4: the head at the paper's share of the drafter",
+                  ("drafter.kind=dspark", "drafter.markov_rank=4")),
+    "dflash-l13": ("DFlash with 13 layers: DSpark's parameter count", ("drafter.kind=dflash", "drafter.num_layers=13")),
     "dspark-noseq": ("DSpark without the sequential head (markov_rank 0: the confidence head reads h_j alone)",
                      ("drafter.kind=dspark", "drafter.markov_rank=0")),
     "dspark-ce": ("DSpark with CE in place of 0.1 CE + 0.9 L1 (BCE kept)",
                   ("drafter.kind=dspark", "train.loss_ce=1.0", "train.loss_l1=0.0")),
-    "dspark-detach": ("DSpark with the confidence loss stopped at the backbone (the head reads stop_gradient(h_j))",
+    "dspark-nobce": ("DSpark without the confidence loss (no BCE gradient into W1 or the backbone)",
+                     ("drafter.kind=dspark", "train.loss_conf=0.0")),
+    "dspark-decay4": ("DSpark with DeepSpec's constant position weighting exp(-j / 4)",
+                      ("drafter.kind=dspark", "train.loss_decay=4.0")),
+    "dspark-detach": ("DSpark with the confidence loss stopped at the backbone (the head reads stop_gradient(h_j); "
+                      "W1, shared with the sequential head, still receives the BCE's gradient)",
                       ("drafter.kind=dspark", "train.loss_conf_detach=true")),
     "dflash-l1": ("DFlash with DSpark's loss weighting 0.1 CE + 0.9 L1", ("drafter.kind=dflash",
                                                                          "train.loss_weights=config")),
 }
+# run unless --variants names others: the matched pair, and one change each for the position-1 question
+# (the L1 term, the BCE into shared weights, the head's capacity, the weighting)
+DEFAULT_VARIANTS = ("dspark", "dflash", "dspark-r4", "dflash-l13", "dspark-noseq", "dspark-ce", "dspark-nobce",
+                    "dspark-decay4")
 
 
 @dataclass(frozen=True)
 class Study:
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     seeds: tuple[int, ...] = (0, 1, 2)
     num_train_prompts: int = 1200
     num_heldout_prompts: int = 64
@@ -69,8 +85,9 @@ class Study:
     # regenerated data's own sampling, where a drafter trained on it is judged on its own ground
     samplings: tuple[tuple[float, float, int], ...] = ((1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.8, 20))
     # the shared training settings (phase-1 feasibility, docs/study.md); --steps and overrides replace them
-    train: tuple[str, ...] = ("drafter.gamma=7", "drafter.num_layers=2", "train.steps=480", "train.eval_every=120",
-                              "train.checkpoint_every=240", "train.measure_prompts=0")
+    # the paper's position weighting exp(-(k-1)/gamma) for every variant but dspark-decay4
+    train: tuple[str, ...] = ("drafter.gamma=7", "drafter.num_layers=2", "train.loss_decay=gamma", "train.steps=480",
+                              "train.eval_every=120", "train.checkpoint_every=240", "train.measure_prompts=0")
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -282,7 +299,9 @@ def collect(study: Study, out: Path, target) -> dict:
         runs = {s: _read(run_dir(out, v, s) / "summary.json") for s in study.seeds}
         done = {s: x for s, x in runs.items() if x}
         train[v] = {"done_seeds": sorted(done), "steps": sorted({x.get("step") for x in done.values()}),
-                    "wall_s": [x.get("wall_s") for x in done.values()]}
+                    "wall_s": [x.get("wall_s") for x in done.values()],
+                    "trainable_params": sorted({x["trainable_params"] for x in done.values()
+                                                if "trainable_params" in x})}
     return {"target": str(target), "study": {k: list(v) if isinstance(v, tuple) else v
                                              for k, v in study.__dict__.items()},
             "variants": {v: VARIANTS[v][0] for v in study.variants}, "train": train, "eval": evals,
@@ -319,6 +338,11 @@ def answer(s: dict) -> list[str]:
     return lines
 
 
+def _params(counts) -> str:
+    """A variant's trainable parameter count (every seed has the same), in millions."""
+    return ", ".join(f"{c / 1e6:.2f} M" for c in counts) if counts else "-"
+
+
 def report_markdown(s: dict) -> str:
     st = s["study"]
     lines = ["# DSpark against DFlash with seeds: the embedded study", "",
@@ -336,8 +360,9 @@ def report_markdown(s: dict) -> str:
                 groups[k.split()[0]] = groups.get(k.split()[0], 0.0) + v
         lines += [f"Wall clock: {wall['total'] / 60:.1f} min over every run of the study ("
                   + ", ".join(f"{k} {v / 60:.1f}" for k, v in groups.items()) + " min).", ""]
-    lines += ["| variant | what it is | seeds trained |", "|---|---|---|"]
-    lines += [f"| {v} | {desc} | {len(s['train'][v]['done_seeds'])} |" for v, desc in s["variants"].items()]
+    lines += ["| variant | what it is | trainable parameters | seeds trained |", "|---|---|---|---|"]
+    lines += [f"| {v} | {desc} | {_params(s['train'][v].get('trainable_params'))} | "
+              f"{len(s['train'][v]['done_seeds'])} |" for v, desc in s["variants"].items()]
     ans = answer(s)
     if ans:
         lines += ["", "## Answer", ""] + ans

@@ -235,6 +235,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
     with phases("setup and compile"):
         trainer = Trainer(cfg, target.model, train_ds, held_ds, progress=progress, phases=phases, mesh=mesh,
                           features=features)
+    trainable = sum(int(x.size) for x in jax.tree.leaves(trainer.state.params))
     try:
         summary = trainer.fit()
     finally:
@@ -244,6 +245,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
             summary["measured_tau"] = measure_heldout_tau(cfg, target, held_ds, trainer.exported)
         if jax.process_index() != 0:  # process 0 prints it in the summary
             print(f"[process {jax.process_index()}] held-out measured accepted length: {summary['measured_tau']:.3f}")
+    summary["trainable_params"] = trainable
     summary["wall_s"] = time.perf_counter() - t0
     summary["phases_s"] = dict(phases.times)
     summary["phases_compile_s"] = dict(phases.compile)  # compiling and reading stored programs back

@@ -36,13 +36,15 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
     assert json.loads((out / "eval" / "T0_s0-1" / "results.json").read_text())["meta"]["mode"] == "forced"
     meta = json.loads((out / "eval" / "T0.7-p0.8-k20_s0-1" / "results.json").read_text())["meta"]
     assert (meta["mode"], meta["temperature"], meta["top_p"], meta["top_k"]) == ("engine", 0.7, 0.8, 20)
+    (nd,), (nf,) = s["train"]["dspark"]["trainable_params"], s["train"]["dflash"]["trainable_params"]
+    assert nd - nf == 2 * 1024 * 16 + (64 + 16 + 1)  # the Markov head (W1, W2: vocabulary x rank), the confidence head
     assert [p["step"] for p in s["curves"]["dspark"]] == [1, 2]
     assert all(set(p["seeds"]) == {0, 1} for p in s["curves"]["dflash"])
     report = (out / "report.md").read_text()
     assert "## tau at T = 1: engine-sampled rounds" in report and "## tau at T = 0: exact greedy" in report
     assert "## tau at T = 0.7, top-p 0.8, top-k 20: engine-sampled rounds" in report
     assert "- T = 0.7, top-p 0.8, top-k 20 (sampled): DFlash tau" in report
-    assert "| dspark |" in report and "## Answer" in report and (out / "study.png").is_file()
+    assert f"| {nd / 1e6:.2f} M |" in report and "## Answer" in report and (out / "study.png").is_file()
 
     docs = tmp_path / "study.md"
     docs.write_text("# Study\n\nPhase 1 notes stay.\n")
