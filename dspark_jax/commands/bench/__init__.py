@@ -28,6 +28,9 @@ SUBCOMMANDS = {
                           "time goes (predicted)"),
     "round": _here("round", "the draft, the round at every bucket and the skipped round on a TPU slice against their "
                             "read-once price, HBM floor and collectives (predicted)"),
+    "accelerator": _here("accelerator", "first contact with an accelerator in one budgeted run: versions, bandwidth "
+                                        "and matmul rate, the GPU kernel vs the reference, every decode program vs "
+                                        "its roofline, compiled memory, compile seconds"),
     "tpu-memory": _here("tpu_memory", "docs/tpu_memory.md: every preset compiled by the TPU compiler for its slice "
                                       "(resumable)"),
     "tpu-predict": _here("tpu_predict", "docs/tpu_predictions.md: DSpark's speed on TPU slices from the TPU "
