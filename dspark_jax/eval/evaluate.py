@@ -29,6 +29,7 @@ from dspark_jax.eval.metrics import (
     bootstrap_tau,
     conditional_acceptance,
     conditional_support,
+    fixed_length_sweep,
     tau_by_group,
     threshold_sweep,
 )
@@ -239,6 +240,8 @@ def summarise_rounds(tr: dict, acc, rounds, G: int, *, drafter, sampling, seed, 
         if has_conf and sts_split:
             out["sts_split"] = sts_before_after(ts, drafter_kind=drafter.dcfg.kind, sampling=sampling, seed=seed,
                                                 min_rounds=sts_min_rounds)
+    if full.any():
+        out["fixed_length_sweep"] = fixed_length_sweep(tr["accepted"][full], G)
     if has_conf and full.any():
         out["threshold_sweep"] = threshold_sweep(tr["conf_logits"][full], tr["accepted"][full], temps)
         rep = calibration_report(tr["conf_logits"][full], tr["accepted"][full], np.ones(G) if temps is None else temps)

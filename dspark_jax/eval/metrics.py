@@ -1,7 +1,7 @@
 """The evaluation's statistics as pure numpy functions: tau with bootstrap intervals (alone, per
 group, and the paired ratio of two drafters), conditional acceptance per draft position (also
-pooled over an engine run's traces, with an interval over requests), and the static-threshold
-replay."""
+pooled over an engine run's traces, with an interval over requests), the static-threshold
+replay, and the fixed-length replay it is judged against (tokens verified at equal tau)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 from dspark_jax.calibration.sts import survival
 
 __all__ = ["THRESHOLDS", "acceptance_by_position", "bootstrap_tau", "paired_tau_ratio", "conditional_acceptance",
-           "conditional_support", "tau_by_group", "threshold_sweep"]
+           "conditional_support", "tau_by_group", "threshold_sweep", "fixed_length_sweep", "fixed_verified_at"]
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -122,3 +122,30 @@ def acceptance_by_position(traces: dict, gamma: int, *, n_boot: int = 2000, seed
                     hi[ok] = np.nanquantile(boot[:, ok], 1 - q, axis=0)
     return {"position": ks.tolist(), "rate": rate.tolist(), "lo": lo.tolist(), "hi": hi.tolist(),
             "rounds": tot_d.astype(int).tolist(), "requests": len(ids)}
+
+
+def fixed_length_sweep(accepted, gamma: int) -> list[dict]:
+    """Fixed verification lengths 1..gamma, replayed exactly on full-gamma rounds as the threshold
+    sweep is: a round verifying l drafts accepts min(k, l) of them. The frontier a confidence
+    schedule must beat: fewer tokens verified per round at the same tau (docs/method.md, §5)."""
+    acc = np.asarray(accepted)
+    return [{"length": l, "verified_per_round": float(l), "tau": float((np.minimum(acc, l) + 1).mean())}
+            for l in range(1, gamma + 1)]
+
+
+def fixed_verified_at(tau: float, fixed: list[dict]) -> float:
+    """Tokens verified per round by fixed lengths reaching `tau`: between two lengths, a mixture of
+    their rounds (tau and verified tokens both interpolate linearly); beyond the longest, nan."""
+    taus = np.array([r["tau"] for r in fixed])
+    lengths = np.array([r["verified_per_round"] for r in fixed])
+    if tau > taus[-1] + 1e-12:
+        return float("nan")
+    # tau is non-decreasing in the length; flat stretches keep the shortest length that reaches it
+    taus = np.concatenate([[1.0], taus])
+    lengths = np.concatenate([[0.0], lengths])
+    i = int(np.searchsorted(taus, tau, side="left"))
+    if i == 0:
+        return 0.0
+    lo, hi = taus[i - 1], taus[i]
+    w = 0.0 if hi == lo else (tau - lo) / (hi - lo)
+    return float(lengths[i - 1] + w * (lengths[i] - lengths[i - 1]))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.eval.metrics import fixed_verified_at
 from dspark_jax.recipe.run import RecipeError, run_stage, stage_times
 from dspark_jax.recipe.stats import crossed_bootstrap_ratio, crossed_bootstrap_tau, prompt_bootstrap_tau, seed_taus
 
@@ -258,6 +259,31 @@ def _nanmean_rows(rows) -> list[float]:
     return np.where(n > 0, np.nansum(x, 0) / np.maximum(n, 1), np.nan).tolist()
 
 
+def confidence_judgement(results: list[dict]) -> dict | None:
+    """The confidence head as the paper judges it, from each seed's evaluation (means over seeds):
+    ROC-AUC and ECE per position (means over positions) before and after STS on held-out requests,
+    and per static threshold the tau and tokens verified per round against the tokens that fixed
+    lengths verify for the same tau (replayed on the same full-gamma rounds; eval/metrics.py)."""
+    with_head = [r for r in results if r.get("threshold_sweep") and r.get("fixed_length_sweep")]
+    if not with_head:
+        return None
+    out: dict = {"seeds": len(with_head)}
+    for key in ("auc_before_mean", "auc_after_mean", "ece_before_mean", "ece_after_mean"):
+        vals = [r["sts_split"][key] for r in with_head
+                if isinstance(r.get("sts_split"), dict) and r["sts_split"].get(key) is not None]
+        out[key] = float(np.mean(vals)) if vals else None
+    rows = []
+    for i, row in enumerate(with_head[0]["threshold_sweep"]):
+        per_seed = [(r["threshold_sweep"][i], r["fixed_length_sweep"]) for r in with_head]
+        fixed = [fixed_verified_at(sw["tau"], fx) for sw, fx in per_seed]
+        rows.append({"threshold": row["threshold"],
+                     "tau": float(np.mean([sw["tau"] for sw, _ in per_seed])),
+                     "verified_per_round": float(np.mean([sw["verified_per_round"] for sw, _ in per_seed])),
+                     "fixed_verified_per_round": float(np.mean(fixed))})
+    out["sweep"] = rows
+    return out
+
+
 def collect(study: Study, out: Path, target) -> dict:
     """Per sampling setting and variant: tau (mean of the seeds' taus) with the crossed interval, the
     prompt-only interval beside it, each seed's tau, the ratio to DFlash, acceptance per position."""
@@ -267,7 +293,7 @@ def collect(study: Study, out: Path, target) -> dict:
         per_variant: dict = {}
         arrays: dict = {}
         for v in study.variants:
-            acc, rnd, pos, seeds = [], [], [], []
+            acc, rnd, pos, seeds, heads = [], [], [], [], []
             r = _read(eval_dir(out, study, sampling) / "results.json")
             per_drafter = next(iter(r["results"].values())) if r else {}
             for seed in study.seeds:
@@ -276,6 +302,7 @@ def collect(study: Study, out: Path, target) -> dict:
                     continue
                 acc.append(res["per_request"]["accepted"])
                 rnd.append(res["per_request"]["rounds"])
+                heads.append(res)
                 pos.append(res["conditional_acceptance"])
                 seeds.append(seed)
             if not seeds:
@@ -286,6 +313,9 @@ def collect(study: Study, out: Path, target) -> dict:
             per_variant[v] = {"tau": tau, "ci95": [lo, hi], "prompt_only_ci95": [plo, phi], "seeds": seeds,
                               "seed_taus": seed_taus(acc, rnd).tolist(), "prompts": int(acc.shape[1]),
                               "acceptance_per_position": _nanmean_rows(pos)}
+            judged = confidence_judgement(heads)
+            if judged:
+                per_variant[v]["confidence"] = judged
             arrays[v] = (acc, rnd)
         if BASELINE in arrays:
             for v, (acc, rnd) in arrays.items():
@@ -343,6 +373,35 @@ def _params(counts) -> str:
     return ", ".join(f"{c / 1e6:.2f} M" for c in counts) if counts else "-"
 
 
+SHOWN_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+
+
+def confidence_lines(s: dict) -> list[str]:
+    """The report's section on the confidence head: one table per evaluation setting."""
+    lines = []
+    for t, per in s["eval"].items():
+        judged = {v: r["confidence"] for v, r in per.items() if r.get("confidence")}
+        if not judged:
+            continue
+        f = lambda x: "-" if x is None or np.isnan(x) else f"{x:.3f}"
+        lines += ["", f"## The confidence head at T = {t}: calibration and tokens verified at equal tau", "",
+                  "ROC-AUC and ECE of the prefix survival per position (mean over positions and seeds) before and "
+                  "after STS (fitted on half the requests, measured on the other half); a static threshold on "
+                  "the survival, replayed on the full-length rounds, against fixed lengths reaching the same tau "
+                  "(a mixture of two lengths between integers): fewer tokens verified at the same tau is the "
+                  "paper's case for the head.", "",
+                  "| variant | ROC-AUC before -> after | ECE before -> after | threshold | tau | verified / round | "
+                  "fixed lengths verify |", "|---|---|---|---|---|---|---|"]
+        for v, j in judged.items():
+            rows = [r for r in j["sweep"] if any(abs(r["threshold"] - x) < 1e-9 for x in SHOWN_THRESHOLDS)]
+            for k, r in enumerate(rows):
+                head = (f"| {v} | {f(j['auc_before_mean'])} -> {f(j['auc_after_mean'])} | "
+                        f"{f(j['ece_before_mean'])} -> {f(j['ece_after_mean'])} |" if k == 0 else "| | | |")
+                lines.append(f"{head} {r['threshold']:.1f} | {r['tau']:.3f} | {r['verified_per_round']:.2f} | "
+                             f"{f(r['fixed_verified_per_round'])} |")
+    return lines
+
+
 def report_markdown(s: dict) -> str:
     st = s["study"]
     lines = ["# DSpark against DFlash with seeds: the embedded study", "",
@@ -383,6 +442,7 @@ def report_markdown(s: dict) -> str:
                          f"{ratio} | {pos} |")
         if not per:
             lines.append("| not evaluated yet | | | | | |")
+    lines += confidence_lines(s)
     steps = sorted({p["step"] for c in s["curves"].values() for p in c})
     if steps:
         vs = [v for v, c in s["curves"].items() if c]

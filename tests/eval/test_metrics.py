@@ -7,6 +7,8 @@ from dspark_jax.eval.metrics import (
     bootstrap_tau,
     conditional_acceptance,
     conditional_support,
+    fixed_length_sweep,
+    fixed_verified_at,
     paired_tau_ratio,
     tau_by_group,
     threshold_sweep,
@@ -41,6 +43,21 @@ def test_threshold_sweep_replays_prefixes():
     # threshold 0.5 verifies 2 and 1 drafts, accepting min(3,2)=2 and min(1,1)=1: share 3/3, tau 2.5
     assert rows[0.5]["verified_per_round"] == 1.5
     assert rows[0.5]["accepted_share"] == 1.0 and rows[0.5]["tau"] == 2.5
+
+
+def test_fixed_lengths_and_the_verified_tokens_at_equal_tau():
+    """Rounds accepting 3 and 1 of 3 at full length: length 1 gives tau 2, length 2 gives 2.5,
+    length 3 gives 3. The threshold replay above reaches tau 2.5 verifying 1.5 a round, where
+    fixed lengths need 2 (a confidence head that earns its keep); tau 2.25 needs a half-and-half
+    mixture of lengths 1 and 2 (1.5 verified)."""
+    fixed = fixed_length_sweep(np.array([3, 1]), 3)
+    assert [(r["length"], r["tau"]) for r in fixed] == [(1, 2.0), (2, 2.5), (3, 3.0)]
+    assert fixed_verified_at(2.5, fixed) == 2.0 and fixed_verified_at(2.25, fixed) == 1.5
+    assert fixed_verified_at(1.0, fixed) == 0.0 and fixed_verified_at(1.5, fixed) == 0.5
+    assert np.isnan(fixed_verified_at(3.1, fixed))
+    # a flat stretch (length 2 already accepts everything): the shortest length reaching tau counts
+    flat = fixed_length_sweep(np.array([2, 2]), 3)
+    assert fixed_verified_at(3.0, flat) == 2.0
 
 
 def test_bootstrap_tau_interval_contains_estimate_and_shrinks():

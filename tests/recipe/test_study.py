@@ -4,12 +4,13 @@ work, the docs rendering keeps the page's own text; bad input is one clear error
 
 import json
 
+import numpy as np
 import pytest
 
 from dspark_jax.commands import study as study_command
 from dspark_jax.recipe import study as study_mod
 from dspark_jax.recipe.run import RecipeError
-from dspark_jax.recipe.study import Study, render_docs, run_study
+from dspark_jax.recipe.study import Study, confidence_judgement, render_docs, run_study
 
 TOY = ("data.num_anchors=8", "train.anchor_chunk=8", "train.batch_size=4", "train.steps=2", "train.eval_every=1",
        "train.eval_batches=1", "train.checkpoint_every=0", "drafter.num_layers=1", "drafter.gamma=4",
@@ -44,7 +45,17 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
     assert "## tau at T = 1: engine-sampled rounds" in report and "## tau at T = 0: exact greedy" in report
     assert "## tau at T = 0.7, top-p 0.8, top-k 20: engine-sampled rounds" in report
     assert "- T = 0.7, top-p 0.8, top-k 20 (sampled): DFlash tau" in report
-    assert f"| {nd / 1e6:.2f} M |" in report and "## Answer" in report and (out / "study.png").is_file()
+    assert f"| {nd / 1e6:.2f} M |" in report and "## Answer" in report
+    for t in s["eval"]:  # the confidence head judged for DSpark, which has one; DFlash has none
+        j = s["eval"][t]["dspark"]["confidence"]
+        assert "confidence" not in s["eval"][t]["dflash"] and j["seeds"] == 2
+        for r in j["sweep"]:
+            assert 1.0 <= r["tau"] <= 5.0 and 0 <= r["verified_per_round"] <= 4
+            # fixed lengths verify at most gamma, and reach tau 1 with none
+            assert np.isnan(r["fixed_verified_per_round"]) or 0 <= r["fixed_verified_per_round"] <= 4
+        assert j["sweep"][0]["threshold"] == 0.0 and j["sweep"][0]["verified_per_round"] == 4  # no threshold: full
+    assert "## The confidence head at T = 1: calibration and tokens verified at equal tau" in report
+    assert (out / "study.png").is_file()
 
     docs = tmp_path / "study.md"
     docs.write_text("# Study\n\nPhase 1 notes stay.\n")
@@ -81,3 +92,18 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(RecipeError, match="holds 5 regenerated records.*asks for 2.*new --out"):
         run_study(Study(num_heldout_prompts=2, num_train_prompts=3), tmp_path / "s", tmp_path,
                   stages=("prompts", "regen"), echo=False)
+
+
+def test_confidence_judgement_averages_seeds_and_prices_fixed_lengths_at_equal_tau():
+    """Seed 0: thresholds give tau 2.5 verifying 1.5 (fixed lengths need 2.0 for tau 2.5); seed 1:
+    tau 2.0 verifying 1.0 (fixed lengths need 1.0). The means: tau 2.25, 1.25 verified, 1.5 fixed."""
+    fixed = [{"length": n, "verified_per_round": float(n), "tau": 1.5 + n / 2} for n in (1, 2, 3)]
+    sts = {"auc_before_mean": 0.6, "auc_after_mean": 0.7, "ece_before_mean": 0.2, "ece_after_mean": 0.1}
+    sweep = lambda tau, v: [{"threshold": 0.5, "tau": tau, "verified_per_round": v}]
+    seeds = [{"threshold_sweep": sweep(2.5, 1.5), "fixed_length_sweep": fixed, "sts_split": sts},
+             {"threshold_sweep": sweep(2.0, 1.0), "fixed_length_sweep": fixed, "sts_split": {"error": "too few"}},
+             {"per_request": {}}]  # a drafter without a confidence head is left out
+    j = confidence_judgement(seeds)
+    assert j["seeds"] == 2 and j["auc_before_mean"] == 0.6 and j["ece_after_mean"] == 0.1
+    assert j["sweep"] == [{"threshold": 0.5, "tau": 2.25, "verified_per_round": 1.25, "fixed_verified_per_round": 1.5}]
+    assert confidence_judgement([{"per_request": {}}]) is None
