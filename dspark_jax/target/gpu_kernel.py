@@ -13,11 +13,39 @@ bound known at run time), the softmax online in registers:
   is positions `[j * block, (j + 1) * block)`, one strided load of `(block, D)`;
 - paged pool `[L, P, Nkv, page_size, D]`: block j is page `table[r, j]`, one page a block.
 
+Why a kernel of our own, and why Triton. What jax ships for GPU decoding does not take this
+layout: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; deprecated in jax 0.12) takes
+one query per row and no causal offset (a verified block has T queries at `q_start + t`), a pool
+`[Nkv, P, page_size, D]` without a layer axis (ours would be copied per layer) and returns no
+log-sum-exp; `decode_attention` (Triton, deprecated) reads no pages; `attention_mgpu` (Mosaic GPU,
+Hopper) is dense training attention (no pages, no per-row lengths) and asserts a CUDA runtime at
+trace time, so it cannot even be lowered on a CPU host. A Mosaic GPU kernel of our own (the
+backend jax keeps: `plgpu.kernel` lowers on a CPU host in jax 0.10.2 and 0.12) is not written yet:
+its API moved between those versions (0.12 drops `pallas_call` for Mosaic GPU in favour of
+`plgpu.kernel`), its float32 matrix products run in TF32 (wgmma), and no GPU was lent to run one.
+Pallas Triton still exists in both supported versions (0.12 warns that it is deprecated), so
+this kernel stays on it while jax 0.10 / 0.12 are supported.
+
 Few rows leave most of a GPU's multiprocessors idle (one row of Qwen3-8B: 8 KV heads, 8
-programs), so the key blocks are split among `splits` programs per (row, head, query block), as
-many as bring the grid to about `MIN_PROGRAMS` with at least `MIN_BLOCKS_PER_SPLIT` blocks each
-(flash decoding); each split returns its part's output and log-sum-exp and the parts are merged
-after the call (`_merge_splits`). At 64 slots the grid is large enough and nothing is split.
+programs), so each (row, head, query block) is split into `splits` programs, as many as bring the
+grid to `MIN_PROGRAMS` (about two per multiprocessor of an H100 / H200, 132) but no more than the
+row's key blocks (flash decoding). A program takes its share of the keys the row holds at run
+time (the blocks up to its last visible key, divided evenly), not of the cache's capacity, so a
+short row is spread over all its programs too; each split returns its part's output and
+log-sum-exp and the parts are merged after the call (`_merge_splits`). One Qwen3-8B row over
+2048 positions: 8 programs x 32 splits = 256; at 64 slots the grid is large enough unsplit.
+
+Every index the kernel computes is clamped to its array, as a GPU does not check it: the layer,
+the cache row or page id read from the table (an unused page is -1; a stale id may exceed the
+pool), and the key blocks a row reads (a `kv_len` larger than the row's table or cache reads no
+further than their end). Positions past `kv_len` inside the last block read are masked, their
+values too (never written: anything, NaN included). Pallas interpret mode clamps out-of-bounds
+windows silently; tests/target/test_gpu_kernel.py runs the kernel under the checked interpreter
+(`pltpu.InterpretParams`, which raises on an out-of-bounds read) with such inputs.
+
+Precision: the matrix products ask for `Precision.HIGHEST`, which Triton lowers as IEEE float32
+for float32 operands (the default would be TF32, 10 mantissa bits); bf16 operands multiply in
+bf16 and accumulate in float32. The softmax is float32 throughout.
 
 The layer index, the page table (or the rows' cache rows), the key counts and the first query
 positions are whole small arrays every program reads; the cache is passed whole and indexed in
@@ -32,9 +60,13 @@ Shapes the kernel takes (`gpu_kernel_fits`): head dim a power of two >= 16; a de
 length is a multiple of 16 (its block is the largest power of two up to `KEY_BLOCK` dividing
 it); pages of a power of two >= 16 positions. Others read the reference path (the backend asks).
 
-The kernel lowers for CUDA on any host (tests/target/test_gpu_kernel.py lowers it with
-`lowering_platforms=("cuda",)` on a CPU machine) and runs in Pallas interpret mode there, which
-is how the tests compare it with the reference; its speed is measured only where a GPU is lent.
+Lowering without a GPU: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` gives the
+StableHLO with one `__gpu$xla.gpu.triton` custom call carrying the Triton module (bytecode); jax
+0.10.2 lowers it as is, jax 0.12 asks the device for its compute capability and needs an
+abstract GPU device (`abstract_gpu()`: an empty abstract mesh naming an H100). The Triton IR is
+compiled to GPU code only on a GPU host. The kernel runs in Pallas interpret mode on any host,
+which is how the tests compare it with the reference; its speed is measured only where a GPU is
+lent.
 """
 
 from __future__ import annotations
@@ -49,14 +81,23 @@ from jax.experimental.pallas import triton as pltriton
 
 from dspark_jax.target.layers import MASK_VALUE
 
-__all__ = ["gpu_cache_attention_lse", "gpu_kernel_fits", "KEY_BLOCK", "QUERY_BLOCK"]
+__all__ = ["gpu_cache_attention_lse", "gpu_kernel_fits", "abstract_gpu", "KEY_BLOCK", "QUERY_BLOCK", "MIN_PROGRAMS"]
 
 NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key (as target/paged_kernel.py)
 KEY_BLOCK = 64  # dense-cache positions a loop step reads
 QUERY_BLOCK = 64  # query rows (T * G) a program holds
 MIN_TILE = 16  # Triton's smallest matrix-product tile
 MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100 / H200 (132)
-MIN_BLOCKS_PER_SPLIT = 4  # a split reads at least this many key blocks
+H100 = "NVIDIA H100 80GB HBM3"  # the device kind an H100 reports
+
+
+def abstract_gpu(device_kind: str = H100):
+    """A context in which a program lowers for that GPU on a host without one
+    (`jax.sharding.use_abstract_mesh` of an empty abstract mesh naming the device: jax 0.12's
+    Triton lowering reads the compute capability from it; the mesh has no axes, so nothing is
+    sharded)."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def _pow2(n: int) -> bool:
@@ -79,39 +120,42 @@ def gpu_kernel_fits(head_dim: int, seq_or_page: int, dense: bool) -> bool:
 
 
 def _splits(programs: int, blocks: int) -> int:
-    """Key splits per (row, head, query block): enough to bring `programs` to about MIN_PROGRAMS,
-    each split at least MIN_BLOCKS_PER_SPLIT of the row's `blocks`."""
-    want = -(-MIN_PROGRAMS // programs)
-    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+    """Key splits per (row, head, query block): enough to bring `programs` to MIN_PROGRAMS, at
+    most the row's `blocks` key blocks (a split of none would only add a part to merge)."""
+    return max(1, min(-(-MIN_PROGRAMS // programs), blocks))
 
 
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, dense: bool,
-            block: int, blocks_per_row: int, blocks_per_split: int, group: int, block_rows: int, scale: float):
+            block: int, blocks: int, splits: int, group: int, block_rows: int, scale: float):
     r, h, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    layer, kv_len, q_start = layer_ref[0], kv_len_ref[r], q_start_ref[r]
+    # clamped to the cache: a GPU reads whatever lies past an array's end
+    layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
+    kv_len, q_start = kv_len_ref[r], q_start_ref[r]
     first_row = qb * block_rows
-    # the last key the block's last query may see; no key: no step
+    # the last key the block's last query may see; the blocks up to it, at most the row's; no key: none
     last_key = jnp.minimum(kv_len - 1, q_start + (first_row + block_rows - 1) // group)
-    steps = jnp.where(last_key >= 0, last_key // block + 1, 0)
+    steps = jnp.where(last_key >= 0, jnp.minimum(last_key // block + 1, blocks), 0)
+    per_split = (steps + splits - 1) // splits  # this split's share of the blocks the row holds now
+    first = split * per_split
     q = q_ref[...]  # [block_rows, D]
     rho = first_row + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block), 0)
     offset = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block), 1)
     inside_v = jax.lax.broadcasted_iota(jnp.int32, (block, q.shape[1]), 0)
+    row = jnp.clip(table_ref[r], 0, k_ref.shape[1] - 1) if dense else None
 
-    def body(j, carry):
+    def body(j, carry):  # j < steps <= blocks: the window and the table entry lie inside their arrays
         acc, m, l = carry
         if dense:
-            row = table_ref[r]
             k = k_ref[layer, row, h, pl.ds(j * block, block), :]
             v = v_ref[layer, row, h, pl.ds(j * block, block), :]
         else:
-            page = table_ref[r * blocks_per_row + j]
+            page = jnp.clip(table_ref[r * blocks + j], 0, k_ref.shape[1] - 1)  # < 0: no page (masked)
             k = k_ref[layer, page, h, :, :]
             v = v_ref[layer, page, h, :, :]
         v = jnp.where(j * block + inside_v < kv_len, v, jnp.zeros_like(v))  # positions never written
         dt = jnp.promote_types(q.dtype, k.dtype)
         s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale
+                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * scale
         key_pos = j * block + offset
         visible = (key_pos < kv_len) & ((key_pos - q_start) * group <= rho)
         s = jnp.where(visible, s, NO_KEYS)
@@ -119,25 +163,37 @@ def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, 
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
         return alpha[:, None] * acc + pv, m_new, l
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_rows,), NO_KEYS, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32))
-    first = split * blocks_per_split
-    acc, m, l = jax.lax.fori_loop(first, jnp.minimum(steps, first + blocks_per_split), body, init)
+    acc, m, l = jax.lax.fori_loop(first, jnp.minimum(steps, first + per_split), body, init)
     seen = l > 0.0
     o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NO_KEYS)
 
 
+def _whole(x, interpret) -> pl.BlockSpec:
+    """x passed whole. Compiled or plainly interpreted: left where it lies (`pl.ANY`, indexed in
+    place). Under the checked interpreter (`pltpu.InterpretParams`, which refuses direct reads of
+    `pl.ANY` buffers as TPU HBM) one block of the whole array, so its reads are bounds-checked."""
+    if interpret is False or interpret is True:
+        return pl.BlockSpec(memory_space=pl.ANY)
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
 def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, *, dense: bool,
-                            interpret: bool = False):
+                            interpret=False):
     """q [R, T, Nq, D] against layer `layer` ([1] int32) of a dense cache [L, R', Nkv, S, D] (table
     [R]: each query row's cache row) or a paged pool [L, P, Nkv, page_size, D] (table [R, M]: page
-    ids, < 0 none). Key s of row r is visible to query t iff s < kv_len[r] and s <= q_start[r] + t.
+    ids, < 0 none). Key s of row r is visible to query t iff s < min(kv_len[r], the row's
+    capacity: S, or M * page_size) and s <= q_start[r] + t.
     -> (out [R, T, Nq, D] float32, lse [R, T, Nq] float32; NO_KEYS and out 0 where a query sees
-    none). One shard's arrays (target/paged_kernel.py runs it per shard on a mesh)."""
+    none). `interpret`: False (compiled for GPU), True (Pallas interpret mode) or a
+    `pltpu.InterpretParams` (the checked interpreter). One shard's arrays (target/paged_kernel.py
+    runs it per shard on a mesh)."""
     r, t, nq, d = q.shape
     nkv, inner = k_cache.shape[2], k_cache.shape[3]
     if not gpu_kernel_fits(d, inner, dense):
@@ -149,27 +205,28 @@ def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, 
     block_rows = max(MIN_TILE, min(QUERY_BLOCK, 1 << (rows - 1).bit_length()))
     padded = -(-rows // block_rows) * block_rows
     block = _dense_block(inner) if dense else inner
-    blocks_per_row = 1 if dense else table.shape[1]
-    blocks = inner // block if dense else blocks_per_row  # key blocks a row holds
+    blocks = inner // block if dense else table.shape[1]  # key blocks a row holds
     splits = _splits(r * nkv * (padded // block_rows), blocks)
-    per_split = -(-blocks // splits)
     qh = q.reshape(r, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(r, nkv, rows, d)
     if padded != rows:
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
-    table = jnp.maximum(table, 0).astype(jnp.int32).reshape(-1)
-    kernel = functools.partial(_kernel, dense=dense, block=block, blocks_per_row=blocks_per_row,
-                               blocks_per_split=per_split, group=g, block_rows=block_rows, scale=1.0 / math.sqrt(d))
-    whole = pl.BlockSpec(memory_space=pl.ANY)
+    table = table.astype(jnp.int32).reshape(-1)
+    kv_len, q_start = kv_len.astype(jnp.int32), q_start.astype(jnp.int32)
+    kernel = functools.partial(_kernel, dense=dense, block=block, blocks=blocks, splits=splits, group=g,
+                               block_rows=block_rows, scale=1.0 / math.sqrt(d))
+    whole = [_whole(x, interpret) for x in (layer, table, kv_len, q_start)]
     qmap = lambda i, h, qb, sp: (i, h, qb, 0)  # noqa: E731
     out, lse = pl.pallas_call(
         kernel, grid=(r, nkv, padded // block_rows, splits), interpret=interpret,
-        in_specs=[whole] * 4 + [pl.BlockSpec((None, None, block_rows, d), qmap)] + [whole] * 2,
+        in_specs=whole + [pl.BlockSpec((None, None, block_rows, d), qmap)]
+        + [_whole(x, interpret) for x in (k_cache, v_cache)],
         out_specs=[pl.BlockSpec((None, None, None, block_rows, d), lambda i, h, qb, sp: (i, h, sp, qb, 0)),
                    pl.BlockSpec((None, None, None, block_rows), lambda i, h, qb, sp: (i, h, sp, qb))],
         out_shape=[jax.ShapeDtypeStruct((r, nkv, splits, padded, d), jnp.float32),
                    jax.ShapeDtypeStruct((r, nkv, splits, padded), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-    )(layer, table, kv_len.astype(jnp.int32), q_start.astype(jnp.int32), qh, k_cache, v_cache)
+        # interpreted, Triton's parameters mean nothing (and the checked interpreter takes no other backend's)
+        compiler_params=None if interpret is not False else pltriton.CompilerParams(num_warps=4, num_stages=2),
+    )(layer, table, kv_len, q_start, qh, k_cache, v_cache)
     out, lse = _merge_splits(out, lse)
     out = out[:, :, :rows].reshape(r, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(r, t, nq, d)
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
