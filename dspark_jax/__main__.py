@@ -19,6 +19,7 @@ import os
 import sys
 from typing import NamedTuple
 
+from dspark_jax.cli import skip_absent_tpu
 from dspark_jax.console import show_logs
 
 
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
         print(f"error: unknown command {name!r}; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     show_logs()  # library progress lines (logging) on stderr
+    skip_absent_tpu()  # before jax is imported: no libtpu start-up errors on a host without a TPU
     if not any(a in ("-h", "--help") for a in rest):  # --help answers without starting JAX
         use_compile_cache()
     return importlib.import_module(COMMANDS[name].module).main(rest)

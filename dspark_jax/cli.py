@@ -4,14 +4,26 @@ Missing files, bad configs, checkpoints that do not fit and refused requests are
 ValueError / FileNotFoundError / FileExistsError / ConnectionError subclasses with a message
 that names the problem and the fix; a traceback would only bury it. ``DSPARK_JAX_TRACEBACK=1``
 shows the traceback anyway (for bug reports).
+
+Also how a command starts on a host with libtpu (the `test`, `aot` and `tpu` extras) but no TPU:
+without a TPU, libtpu's start-up prints errors about host bounds and worker hostnames that read
+like a failure (`skip_absent_tpu`, `quiet_libtpu_start`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import glob
+import importlib.metadata
+import importlib.util
+import logging
 import os
 import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ConnectionError)
 
@@ -29,6 +41,83 @@ def report_user_errors(main):
             return 2
 
     return wrapped
+
+
+# TPU chips appear as /dev/accel* (v2-v4) or as VFIO groups (/dev/vfio/<n>, v5e and later), and as
+# PCI devices of Google's vendor id; GCE's virtual NIC (gVNIC) and NVMe disks carry that id too,
+# under the network (0x02) and storage (0x01) PCI classes.
+_TPU_DEVICE_FILES = ("dev/accel*", "dev/vfio/[0-9]*")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_NOT_TPU_PCI_CLASSES = ("0x01", "0x02")
+
+
+def tpu_may_be_present(root: str = "/") -> bool:
+    """Whether this host (its file system at `root`) may have a TPU: a TPU device file, or a Google
+    PCI device that is neither a network nor a storage controller (one that cannot be read counts
+    as a TPU)."""
+    if any(glob.glob(os.path.join(root, pattern)) for pattern in _TPU_DEVICE_FILES):
+        return True
+    for vendor in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+        try:
+            if Path(vendor).read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            pci_class = Path(vendor).with_name("class").read_text().strip()
+        except OSError:
+            return True
+        if not pci_class.startswith(_NOT_TPU_PCI_CLASSES):
+            return True
+    return False
+
+
+def _libtpu_installed() -> bool:
+    return bool(os.environ.get("TPU_LIBRARY_PATH")) or importlib.util.find_spec("libtpu") is not None
+
+
+def _other_jax_plugins() -> list[str]:
+    """PJRT plugins besides the TPU's (a GPU's), which a JAX_PLATFORMS of cpu would hide."""
+    names = [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+    spec = importlib.util.find_spec("jax_plugins")  # the namespace package jax also searches
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        names += [p.name for p in Path(folder).iterdir() if not p.name.startswith(("_", "."))]
+    return [n for n in names if "tpu" not in n.lower()]
+
+
+def skip_absent_tpu() -> None:
+    """Where libtpu is installed but this host has no TPU, and nobody chose JAX's platforms: set
+    JAX_PLATFORMS=cpu, so JAX does not start libtpu looking for a TPU that is not there. Call it
+    before jax is imported. It leaves JAX to choose where a TPU may be present, where JAX_PLATFORMS
+    or JAX_FORCE_TPU_INIT is set, and where another accelerator's plugin (a GPU's) is installed.
+    Compiling for a TPU slice without one still works: parallel/topology.py loads libtpu itself."""
+    if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT") or not _libtpu_installed():
+        return
+    if tpu_may_be_present() or _other_jax_plugins():
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    logger.debug("libtpu is installed but this host has no TPU: JAX_PLATFORMS=cpu")
+
+
+# Where libtpu runs with no TPU (compiling for a named slice), it looks for this host's place in a
+# TPU slice and, finding none, prints errors; these values describe a one-host slice, which is all
+# a compile-only process needs (the compiled programs are the named topology's either way).
+_COMPILE_ONLY_LIBTPU_ENV = {"TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+@contextlib.contextmanager
+def quiet_libtpu_start():
+    """Around the first call that loads libtpu to compile only (jax's `get_topology_desc`): on a
+    host with no TPU, the variables libtpu reads at start-up describe a one-host slice, so it starts
+    without errors; they are unset again afterwards (jax.distributed and the TPU launch scripts read
+    TPU_WORKER_HOSTNAMES). Where a TPU may be present, or the variables are set, nothing changes."""
+    if tpu_may_be_present():
+        yield
+        return
+    added = {k: v for k, v in _COMPILE_ONLY_LIBTPU_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 # Flags shared by the commands, defined here (no jax import) so `--help` stays fast.

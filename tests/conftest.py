@@ -9,15 +9,32 @@ import sys
 import tempfile
 from pathlib import Path
 
-# XLA:CPU compiles the suite's many small programs with LLVM's optimiser off and with its older
-# loop emitters instead of the MLIR fusion emitters: on 2 cores the suite is compile-bound
-# (docs/status.md, "CI time") and these tiny programs run about as fast either way; the numerics
-# (no fast-math either way) are the same programs'. DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's
-# defaults. Set before jax is imported; subprocesses inherit them (fake_devices_env keeps them).
+# XLA:CPU compiles the suite's many small programs with LLVM's optimiser off and, where the installed
+# XLA still has them (jax 0.10; XLA in jax 0.12 has only the MLIR fusion emitters and aborts on the
+# flag), with its older loop emitters: on 2 cores the suite is compile-bound (docs/status.md, "CI
+# time") and these tiny programs run about as fast either way; the numerics (no fast-math either
+# way) are the same programs'. DSPARK_JAX_TEST_XLA_OPT=1 keeps XLA's defaults. Set before jax is
+# imported; subprocesses inherit them (fake_devices_env keeps them).
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT"):
+# the flags this XLA knows, decided once per run (the xdist workers inherit it)
+_CHOSEN_ENV = "DSPARK_JAX_TEST_XLA_FLAGS_CHECKED"
+
+
+def _xla_knows(flags: list[str]) -> list[str]:
+    """Those of `flags` the installed XLA accepts: an unknown flag in XLA_FLAGS aborts the process,
+    so each is tried in a child process of its own (all at once, about a second)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    probes = [subprocess.Popen([sys.executable, "-c", "import jax; jax.devices()"], env={**env, "XLA_FLAGS": f},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for f in flags]
+    return [f for f, p in zip(flags, probes) if p.wait() == 0]
+
+
+if not os.environ.get("DSPARK_JAX_TEST_XLA_OPT") and not os.environ.get(_CHOSEN_ENV):
     _flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _FAST_COMPILE if f.split("=")[0] not in _flags)]).strip()
+    _new = _xla_knows([f for f in _FAST_COMPILE if f.split("=")[0] not in _flags])
+    os.environ["XLA_FLAGS"] = " ".join([_flags, *_new]).strip()
+    os.environ[_CHOSEN_ENV] = "1"
 
 # The test extra installs libtpu (the TPU compiler, for deviceless compiles): with it present jax
 # would probe for a TPU at start-up in every process (seconds, and a page of warnings); the suite

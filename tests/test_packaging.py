@@ -14,8 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
@@ -87,3 +90,38 @@ def test_checkout_resolves_presets_from_the_top_level_configs():
 
     assert CONFIG_DIR == (ROOT / "configs").resolve()
     assert resolve_preset("micro") == CONFIG_DIR / "micro.yaml"
+
+
+def _requirements() -> dict:
+    """pyproject's dependencies and extras as parsed requirements, by extra ("" for the main list)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {"": [Requirement(r) for r in project["dependencies"]],
+            **{k: [Requirement(r) for r in v] for k, v in project["optional-dependencies"].items()}}
+
+
+def test_floor_environment_pins_the_lowest_versions_pyproject_admits():
+    """.ci/floor.txt pins what the floor CI environment installs: each pin must be the lower bound
+    pyproject.toml declares (a floor that is not tested is not a floor)."""
+    deps = {r.name: r for r in _requirements()[""]}
+    pins = [Requirement(line) for line in (ROOT / ".ci" / "floor.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", pin
+        if pin.name in deps:
+            lower = [s.version for s in deps[pin.name].specifier if s.operator == ">="]
+            assert lower == [spec.version], f"{pin} in .ci/floor.txt, but pyproject.toml says {deps[pin.name]}"
+    assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"} <= {p.name for p in pins}
+
+
+def test_supported_jax_range_and_the_tpu_extras_admit_the_newest_jax():
+    reqs = _requirements()
+    jax = next(r for r in reqs[""] if r.name == "jax")
+    assert jax.specifier.contains("0.10.2") and jax.specifier.contains("0.12.0.1")
+    assert not jax.specifier.contains("0.10.1") and not jax.specifier.contains("0.13.0")
+    for extra in ("tpu", "aot"):
+        tpu = next(r for r in reqs[extra] if r.name == "jax")
+        assert tpu.extras == {"tpu"} and tpu.specifier.contains("0.12.0.1"), (extra, tpu)
+    # torch's CPU wheel is at hand for Python 3.11 only: elsewhere the test extra leaves torch out
+    torch = next(r for r in reqs["test"] if r.name == "torch")
+    assert torch.marker.evaluate({"python_version": "3.11"}) and not torch.marker.evaluate({"python_version": "3.12"})

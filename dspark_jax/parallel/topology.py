@@ -16,6 +16,7 @@ import os
 import jax
 from jax.experimental import topologies
 
+from dspark_jax.cli import quiet_libtpu_start
 from dspark_jax.parallel.sharding import make_mesh
 from dspark_jax.parallel.slices import TpuSlice, parse_slice
 
@@ -42,7 +43,9 @@ def slice_devices(slc: TpuSlice | str):
     # (no client to load it on: a warning and a compile again), so nothing this process compiles
     # from here on is written to it
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
-    return list(topologies.get_topology_desc(slc.topology, "tpu", chips_per_host_bounds=slc.chips_per_host).devices)
+    with quiet_libtpu_start():
+        desc = topologies.get_topology_desc(slc.topology, "tpu", chips_per_host_bounds=slc.chips_per_host)
+    return list(desc.devices)
 
 
 def slice_mesh(slc: TpuSlice | str, data: int, fsdp: int, tensor: int):
