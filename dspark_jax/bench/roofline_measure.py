@@ -10,6 +10,8 @@ minutes on a CPU and tell nothing more about the decode programs' time.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import time
 
 import jax
@@ -19,15 +21,19 @@ import numpy as np
 from dspark_jax.bench import roofline_model as rm
 from dspark_jax.config import served_config
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.drafter import registry
 from dspark_jax.drafter.kinds.block import DSPARK
 from dspark_jax.engine import rows as join
 from dspark_jax.engine.buckets import bucket_for
 from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.drafter_fit import draft_shape
 from dspark_jax.engine.engine import Engine
 from dspark_jax.engine.timing import engine_draft_timer, engine_round_timer, verify_gamma_policy
+from dspark_jax.scheduler.costs import bucket_plan
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
-__all__ = ["device_rates", "best_rates", "random_models", "measure_programs", "memory_stats", "best_of"]
+__all__ = ["device_rates", "best_rates", "random_models", "measure_programs", "memory_stats", "best_of", "live_bytes",
+           "free"]
 
 MIB = 2 ** 20
 
@@ -123,47 +129,84 @@ def repeated(timer, repeats: int) -> dict:
     return _summary([timer() for _ in range(repeats + 1)][1:])
 
 
+def live_bytes() -> int:
+    """Bytes of every array alive on the devices now, after a garbage collection (so the arrays
+    only cycles kept are gone)."""
+    gc.collect()
+    return sum(int(a.nbytes) for a in jax.live_arrays())
+
+
+def free(*trees) -> None:
+    """Delete every device array of `trees` once what was queued on them is done: decode states
+    the measurement made and holds no other reference to (a state is the size of the caches:
+    19 GB for Qwen3-8B at 64 slots x 2048 tokens in bf16)."""
+    for a in jax.tree.leaves(trees):
+        if isinstance(a, jax.Array) and not a.is_deleted():
+            jax.block_until_ready(a)
+            a.delete()
+
+
 def measure_programs(target, drafter, *, slots: int, context: int, fill: float, prompt: int, repeats: int,
                      temperature: float = 0.0, say=print) -> dict:
     """Every decode program of an engine of `slots` x `context` timed, with its footprint and
     compiled memory: the target-only step, the round at each verification bucket, the draft alone
-    and a prefill of `prompt`-token prompts. -> {"fill", "prompt", "gamma", "programs": [...]}."""
-    ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy=verify_gamma_policy))
-    if ds.room < 1:
-        raise ValueError(f"--context {context} leaves no room for a round of gamma {ds.G}")
-    n_fill = max(int(fill * ds.room), 1)
-    prompt = max(min(prompt, n_fill), ds.min_prompt_len, 2)
+    and a prefill of `prompt`-token prompts. -> {"fill", "prompt", "gamma", "programs": [...],
+    "memory", "live_bytes"}.
+
+    One engine at a time and one decode state at a time: the target-only engine is measured and
+    dropped before the DSpark one is built (both read the model's one copy of the target's
+    weights, target/decode_weights.py), each timer's states are freed before the next program's
+    are made, and the compiled memory is read from the state's shapes, not from a state.
+    `live_bytes` records the device bytes alive after each program, its states freed: the
+    weights (and the DSpark engine's drafter arrays) and nothing that grows per program."""
+    kind = registry.kind_of(drafter)
+    G = draft_shape(kind, drafter, target, None, None).G
+    if context - G - 2 < 1:
+        raise ValueError(f"--context {context} leaves no room for a round of gamma {G}")
+    n_fill = max(int(fill * (context - G - 2)), 1)
+    prompt = max(min(prompt, n_fill), kind.min_prompt_len, 2)
     sp = SamplingParams(temperature, 0, 1.0)
-    progs, mem = [], {}
+    progs, mem, live = [], {}, {}
 
     def add(fp, timing, memory_key):
         say(f"[roofline] {fp.name}: best {1e3 * timing['best_s']:.3f} ms, median {1e3 * timing['median_s']:.3f} ms "
             f"over {timing['repeats']}")
         progs.append({"footprint": fp, "timing": timing, "memory": memory_key})
 
-    ar = Engine(ds.target, None, EngineConfig(num_slots=slots, max_len=context, buckets=(slots,)))
+    ar = Engine(target, None, EngineConfig(num_slots=slots, max_len=context, buckets=(slots,)))
     round_fn, _, _ = engine_round_timer(ar, sp, prompt=min(prompt, 16), fill=n_fill)
-    st0, c0 = ar.init_state(), ar.control(sp)  # the shapes the programs run on (memory, footprints)
+    st0, c0 = ar.state_shape, ar.control(sp)  # the shapes the programs run on (memory, footprints)
     m_ar = rm.model_shapes(ar.spec, ar.tp, {}, st0)
-    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), repeated(lambda: round_fn(slots), repeats),
+    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), repeated(lambda f=round_fn: f(slots), repeats),
         "target_step")
     mem["target_step"] = memory_stats(ar._round, ar.tp, ar.dp, st0, c0)
-    del ar, st0, round_fn
+    del ar, round_fn  # the engine, and the timer's states with the timer
+    live["target_step"] = live_bytes()
 
-    st = ds.init_state()
+    ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy=verify_gamma_policy))
+    st = ds.state_shape
     m = rm.model_shapes(ds.spec, ds.tp, rm.named_leaves(ds.dp), st)
-    round_fn, plan, _ = engine_round_timer(ds, sp, prompt=prompt, fill=n_fill)  # raises if a round lands elsewhere
-    for b, (k, g) in sorted(plan.items()):
-        add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"),
-            {**repeated(lambda b=b: round_fn(b), repeats), "bucket": b}, "round")
+    # a round timer keeps a prefilled state per count of active slots: a timer per count, dropped
+    # (its state with it) before the next one's is made
+    for _, group in itertools.groupby(sorted(bucket_plan(ds.priced_buckets, ds.R, ds.G).items()),
+                                      key=lambda item: item[1][0]):
+        round_fn, _, _ = engine_round_timer(ds, sp, prompt=prompt, fill=n_fill)
+        for b, (k, g) in group:
+            add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"),
+                {**repeated(lambda b=b, f=round_fn: f(b), repeats), "bucket": b}, "round")
+        del round_fn
+        live[f"round@{b}"] = live_bytes()
     mem["round"] = memory_stats(ds._round, ds.tp, ds.dp, st, ds.control(sp))
-    add(rm.draft_footprint(m, slots, n_fill),
-        repeated(engine_draft_timer(ds, sp, prompt=prompt, fill=n_fill), repeats), "draft")
+    draft_fn = engine_draft_timer(ds, sp, prompt=prompt, fill=n_fill)
+    add(rm.draft_footprint(m, slots, n_fill), repeated(draft_fn, repeats), "draft")
+    del draft_fn
+    live["draft"] = live_bytes()
     mem["draft"] = memory_stats(ds._draft, ds.dp, st, ds.control(sp).sampling)
     fp, timing, mem["prefill"] = _prefill(ds, m, slots, prompt, repeats)
     add(fp, timing, "prefill")
+    live["prefill"] = live_bytes()
     return {"fill": n_fill, "prompt": prompt, "gamma": ds.G, "buckets": list(ds.priced_buckets),
-            "programs": progs, "memory": mem}
+            "programs": progs, "memory": mem, "live_bytes": live}
 
 
 def _prefill(eng, m, slots, prompt, repeats):
@@ -175,6 +218,8 @@ def _prefill(eng, m, slots, prompt, repeats):
     kd = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), slots)))
     st = eng.init_state()
     args = join.join_rows(eng.R, st, P, list(range(slots)), prompts, kd, [eng.S] * slots)
+    free(st)
+    # each call donates its fresh state and its output is dropped as it returns: one state held
     timing = best_of(lambda s: eng._prefill(eng.tp, eng.dp, s, *args), repeats, prepare=eng.init_state)
-    memory = memory_stats(eng._prefill, eng.tp, eng.dp, st, *args)
+    memory = memory_stats(eng._prefill, eng.tp, eng.dp, eng.state_shape, *args)
     return rm.prefill_footprint(m, slots, prompt, f"prefill@{P}"), timing, memory

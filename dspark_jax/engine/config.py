@@ -71,10 +71,6 @@ class EngineConfig:
     prefill_rows: int = 4
     # prompt tokens one prefill forward holds: the slots of a larger prefill go in groups of rows
     prefill_tokens: int = 8192
-    # where the engine splits the target's weights per layer (compiled for an accelerator), delete
-    # the model's stacked decoder weights once split, so the layers are not held twice; the model
-    # cannot run on its own afterwards (the server sets it: nothing else uses its model)
-    release_target_layers: bool = False
 
     def __post_init__(self):
         for name in ("buckets", "prefill_buckets", "layer_ids", "kv_pages"):  # lists -> tuples (hashable)

@@ -19,6 +19,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.sampling import SamplingParams
@@ -52,7 +53,7 @@ from dspark_jax.engine.round import ROUND_DRAFTING, ROUND_PLAIN, ROUND_SETTLED
 from dspark_jax.engine.slot_pages import SlotPages
 from dspark_jax.engine.spec import Spec
 from dspark_jax.engine.state import PIN_POLICY, PIN_SKIP, Control, DecodeState
-from dspark_jax.parallel.sharding import shard_model
+from dspark_jax.parallel.sharding import shard_model, state_shardings
 from dspark_jax.scheduler import prefix
 from dspark_jax.target.decode_weights import decode_arrays
 from dspark_jax.target.kernels import per_layer_decode, row_tile
@@ -75,6 +76,14 @@ class Engine:
     and KV heads over `tensor`. `kind` (the drafter's adapter, default from the registry) and
     `verify` (batched rejection sampling) are injection points for tests of broken variants.
     With `config.kv_pages`, `self.pages` is the host page allocator of the paged caches.
+    `self.state_shape`: the decode state's shapes (ShapeDtypeStructs), for compiling its programs
+    ahead of time without allocating one.
+
+    Where the programs run the layers over per-layer weights (accelerators:
+    `target.kernels.per_layer_decode`), the target model gives up its stacked decoder weights
+    for the engine's per-layer split and reads that split when called afterwards (with a mesh,
+    the caller's model is laid out on it in place first): one copy of the layers, shared by the
+    model and every engine built on it. Elsewhere the programs read the model's own arrays.
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, table=None, mesh=None,
@@ -84,8 +93,11 @@ class Engine:
             raise EngineConfigError(f"Engine takes an EngineConfig as its third argument, got {type(cfg).__name__}")
         tmodel = target if hasattr(target, "lm_head_weight") else target.model
         self.mesh = mesh
+        per_layer = per_layer_decode(mesh)
         if mesh is not None:
-            tmodel = shard_model(tmodel, mesh)
+            # where the layers are split per layer, the caller's model itself is laid out and then
+            # holds the split (`decode_arrays`), so it reads the arrays the engine reads
+            tmodel = place_model(tmodel, mesh) if per_layer else shard_model(tmodel, mesh)
             drafter = None if drafter is None else shard_model(drafter, mesh)
         self.target, self.drafter = tmodel, drafter
         self.kind = None if drafter is None else (kind or _kind_of(drafter))
@@ -131,11 +143,14 @@ class Engine:
         # round timed with it lands in the smallest bucket that holds its tokens
         self.unpriced_table = prefix.make_table(self.priced_buckets, t_verify=np.ones(len(self.priced_buckets)),
                                                   t_draft=0.0)
-        # the target's weights one array per layer: what every compiled program reads (each once)
-        self.tp = decode_arrays(tmodel, per_layer=per_layer_decode(mesh), release=cfg.release_target_layers)
+        # the target's weights one array per layer: what every compiled program reads (each once).
+        # The model gives up its stacked layers for this split and reads it from then on, and a
+        # later engine on the same model takes it as it is: the layers are held once
+        # (target/decode_weights.py)
+        self.tp = decode_arrays(tmodel, per_layer=per_layer, hold=True)
         self.dp = {} if drafter is None else drafter.arrays() if not self.kind.decode_layout else \
-            drafter_decode_arrays(drafter.arrays(), shape.cfg, per_layer_decode(mesh), mesh)
-        state_shape = jax.eval_shape(self._fresh_state)
+            drafter_decode_arrays(drafter.arrays(), shape.cfg, per_layer, mesh)
+        state_shape = self.state_shape = jax.eval_shape(self._fresh_state)
         self._state_sh = None if mesh is None else decode_shardings(state_shape, mesh)
         self._paging = None if self.pages is None else SlotPages(self.pages, S, G, self._place_table)
         # shared with engines of the same spec and argument shapes (state, target and drafter weights)
@@ -400,6 +415,14 @@ class Engine:
         """Generate for every prompt (lists of token ids), R at a time, refilling freed slots
         (keywords: engine/batcher.py `generate`)."""
         return batcher.generate(self, prompts, **kw)
+
+
+def place_model(model, mesh):
+    """`model`'s weights laid out on `mesh` by the rules table, in place (the model object the
+    caller holds is the one laid out): arrays already laid out so stay as they are."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh)))
+    return model
 
 
 def _kind_of(drafter):

@@ -36,7 +36,7 @@ POLICIES, PROGRAMS = ENGINE_POLICIES, PLAN_PROGRAMS
 
 def _chip_bytes(x, sharding) -> int:
 
-    return int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+    return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize  # typed PRNG keys: their key data's
 
 
 def peak_bytes(mem: dict) -> int:
@@ -161,7 +161,8 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
          compile_round: bool = False, kv_pages: tuple[int, int] | None = None,
          prefill_chunk: int | None = None, topology: str | None = None, policy: str = "fixed",
          drafter: bool = True, programs=("round",)) -> dict:
-    """Per-chip bytes: target / drafter weights, target / drafter KV, and (compile_round) XLA's
+    """Per-chip bytes: target weights (once, as the programs read them: the model holds no other
+    copy), drafter weights, target / drafter KV, the whole decode state, and (compile_round) XLA's
     arguments / outputs / temporaries of each compiled program in `programs` ("round",
     "prefill", "admit"; the round's also at the top level), with its compile time.
     "host_rounds" (an engine with a skip rule): the programs a host loop runs instead of the
@@ -180,11 +181,13 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
     ab = abstract_engine(cfg, mesh, EngineConfig(num_slots=slots, max_len=context, gamma=gamma, kv_pages=kv_pages,
                                                   prefill_chunk=prefill_chunk), policy=policy, drafter=drafter)
     eng, st, st_sh = ab.eng, ab.state, ab.state_sh
-    tstate, dparams, t_sh, dp_sh = ab.tstate, ab.dparams, ab.t_sh, ab.dp_sh
+    dparams, dp_sh = ab.dparams, ab.dp_sh
     leaves = lambda tree, sh: sum(_chip_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(sh)))
-    out = {"target_weights": leaves(tstate, t_sh), "drafter_weights": leaves(dparams, dp_sh),
+    # the target's weights once: the model and the engine share one set (target/decode_weights.py)
+    out = {"target_weights": leaves(ab.tp, ab.tp_sh), "drafter_weights": leaves(dparams, dp_sh),
            "target_kv": leaves((st.cache.k, st.cache.v), (st_sh.cache.k, st_sh.cache.v)),
            "drafter_kv": leaves((st.dcache.k, st.dcache.v), (st_sh.dcache.k, st_sh.dcache.v)) if drafter else 0,
+           "decode_state": leaves(st, st_sh),
            "G": eng.G, "buckets": list(eng.buckets), "kv_pages": kv_pages, "prefill_chunk": prefill_chunk,
            "paged_attention": eng.cache_reads, "policy": policy,
            "mode": eng.mode, "topology": topology, "devices": int(mesh.devices.size),
@@ -274,8 +277,10 @@ def format_plan(name: str, slots: int, context: int, mesh_shape, res: dict, hbm_
         lines.append(f"  KV pool: {pages[0]} pages of {pages[1]} tokens = {pages[0] * pages[1]} tokens in use at once "
                      f"({pages[0] * pages[1] / slots:.0f} per slot on average; a slot holds at most {context}); "
                      f"attention: {res.get('paged_attention')}")
-    total = res["target_weights"] + res["drafter_weights"] + res["target_kv"] + res["drafter_kv"]
-    lines.append(f"  state total         {g(total)}")
+    state = res.get("decode_state", res["target_kv"] + res["drafter_kv"])
+    lines.append(f"  decode state        {g(state)}   (the caches and the slots' rows: one state, as a server holds)")
+    total = res["target_weights"] + res["drafter_weights"] + state
+    lines.append(f"  held                {g(total)}   (weights once + one decode state)")
     for prog, m in res.get("programs", {}).items():
         what = "compiled round" if prog == "round" else f"compiled {prog}"
         if "out_of_memory" in m:

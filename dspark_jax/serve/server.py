@@ -104,8 +104,7 @@ def _start_loop(models: ServedModels, cfg: ServerConfig, max_len: int) -> tuple[
     elif cfg.calibrated is not None:
         sts = load_temperatures(models.drafter_dir, SamplingParams(float(cfg.calibrated), 0, 1.0))
     config = EngineConfig(num_slots=cfg.slots, max_len=max_len, policy=cfg.policy, skip_drafting=cfg.skip_drafting,
-                          kv_pages=cfg.kv_pages, prefill_chunk=cfg.prefill_chunk or None,
-                          release_target_layers=True)  # the engine's copy is the only one the server needs
+                          kv_pages=cfg.kv_pages, prefill_chunk=cfg.prefill_chunk or None)
     eng = Engine(lt.model, models.drafter, config, table=table, mesh=cfg.mesh)
     metrics = ServerMetrics(eng.G)
     loop = EngineLoop(eng, max_queue=cfg.max_queue, metrics=metrics, threshold=cfg.threshold, sts=sts,

@@ -65,13 +65,37 @@ class DecoderStack(nnx.Module):
         """Delete the stacked weights' device buffers (their per-layer copies live elsewhere,
         target/decode_weights.py): the stack cannot run afterwards."""
         for n in self.names:
-            a = getattr(self, n)[...]
-            if isinstance(a, jax.Array) and not a.is_deleted():
+            a = getattr(self, n)[...] if hasattr(self, n) else None
+            if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and not a.is_deleted():
                 a.delete()
 
-    def arrays(self, dtype=None) -> dict:
-        out = {n: getattr(self, n)[...] for n in self.names}
-        return out if dtype is None else jax.tree.map(lambda a: a.astype(dtype), out)
+    def hold_per_layer(self, layers: tuple[dict, ...], axes: dict) -> None:
+        """Hold `layers` (one dict of weights per layer, as target/decode_weights.py splits and
+        merges them) in place of the stacked weights, which are deleted: an engine splits the
+        layers once and the model reads that split too, so the layers are held once. Each
+        weight stays a Param carrying its logical `axes`, so the rules table lays it out where
+        the stack's weights were laid out (parallel/sharding.py)."""
+        self.release()
+        with nnx.use_eager_sharding(False):  # the arrays keep the layout they have
+            held = tuple({k: nnx.Param(a, out_sharding=axes[k]) for k, a in p.items()} for p in layers)
+        for n in self.names:
+            if hasattr(self, n):
+                delattr(self, n)
+        self.per_layer = nnx.data(held)
+
+    @property
+    def holds_per_layer(self) -> bool:
+        """Whether the layers are held per layer (`hold_per_layer`) rather than stacked."""
+        return getattr(self, "per_layer", None) is not None
+
+    def arrays(self, dtype=None):
+        """{name: [L, ...]} stacked, or where the layers are held per layer, one dict per layer
+        (the forward, target/forward.py, runs either); cast to `dtype` where given."""
+        if self.holds_per_layer:
+            out = tuple({k: v[...] for k, v in p.items()} for p in self.per_layer)
+        else:
+            out = {n: getattr(self, n)[...] for n in self.names}
+        return out if dtype is None else jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), out)
 
 
 class TargetModel(nnx.Module):

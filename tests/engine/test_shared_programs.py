@@ -2,8 +2,7 @@
 (another model of the same shapes, a new server or evaluation set) compiles nothing; an engine of
 other shapes gets programs of its own; per-layer weights give the stacked forward's outputs."""
 
-import dataclasses
-
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,7 +55,7 @@ def test_unstack_refuses_ragged_stacks():
         unstack_layers({"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))})
 
 
-def test_engine_over_per_layer_weights_decodes_as_over_stacked(target, monkeypatch):
+def test_engine_over_per_layer_weights_decodes_as_over_stacked(monkeypatch):
     """The engine as compiled for an accelerator (layers unrolled over per-layer weights: rounds,
     prefill, the packed verification views) gives the tokens of the stacked scan, greedy and
     sampled, DSpark and target-only."""
@@ -64,34 +63,45 @@ def test_engine_over_per_layer_weights_decodes_as_over_stacked(target, monkeypat
     from dspark_jax.testing.tiny import tiny_drafter
 
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
-    drafter = tiny_drafter("dspark", target, gamma=3)
     config = EngineConfig(policy="fixed", num_slots=2, max_len=40, prefill_buckets=(16,))
 
     def tokens(per_layer, d, sampling):
         monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: per_layer)
-        eng = Engine(target, d, config)
+        # a model of its own (the same weights): a per-layer engine leaves its model holding the split
+        own = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
+        eng = Engine(own, None if d is None else tiny_drafter("dspark", own, gamma=3), config)
         assert isinstance(eng.tp["layers"], tuple) == per_layer
         res = eng.generate(prompts, max_new_tokens=10, sampling=sampling, seed=[3, 4, 5])
         return [r.tokens for r in res.results]
 
-    for d in (None, drafter):
+    for d in (None, "dspark"):
         for sampling in (SamplingParams(0.0, 0, 1.0), SamplingParams(1.0, 0, 1.0)):
             assert tokens(True, d, sampling) == tokens(False, d, sampling)
 
 
-def test_release_target_layers_deletes_the_stack_and_decodes_the_same(target, monkeypatch):
-    """`release_target_layers` (the server's setting): where the engine splits the weights per
-    layer, the model's stacked decoder weights are deleted once split (not held twice), and the
-    engine decodes the tokens it decodes without the release."""
+def test_per_layer_engine_leaves_its_model_reading_the_split(monkeypatch):
+    """Where the engine splits the weights per layer, the model's stacked decoder weights are
+    deleted once split and the model holds the engine's per-layer arrays (the same objects): it
+    still runs, with the outputs it had, a second engine on it takes the split as it is, and
+    both decode the tokens an engine over the stacked weights decodes."""
     from dspark_jax.engine import engine as engine_mod
 
+    make = lambda: tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
+    prompts, sampling = [[1, 2, 3, 4], [5, 6]], SamplingParams(0.0, 0, 1.0)
+    keep = Engine(make(), None, CONFIG).generate(prompts, max_new_tokens=6, sampling=sampling)
     monkeypatch.setattr(engine_mod, "per_layer_decode", lambda mesh=None: True)
-    prompts = [[1, 2, 3, 4], [5, 6]]
-    sampling = SamplingParams(0.0, 0, 1.0)
-    keep = Engine(target, None, CONFIG).generate(prompts, max_new_tokens=6, sampling=sampling)
-    other = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2), logit_scale=1.0)
-    released = Engine(other, None, dataclasses.replace(CONFIG, release_target_layers=True))
-    assert all(getattr(other.layers, n)[...].is_deleted() for n in other.layers.names)
-    assert not other.embed[...].is_deleted()  # only the decoder layers: the drafter may read the embedding
-    res = released.generate(prompts, max_new_tokens=6, sampling=sampling)
-    assert [r.tokens for r in res.results] == [r.tokens for r in keep.results]
+    model = make()
+    stacks = [getattr(model.layers, n)[...] for n in model.layers.names]
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    before = np.asarray(model(tokens).logits)
+    first = Engine(model, None, CONFIG)
+    assert all(a.is_deleted() for a in stacks) and not model.embed[...].is_deleted()  # the drafter reads it
+    assert model.layers.holds_per_layer
+    held = model.arrays()["layers"]
+    assert all(held[i][k] is first.tp["layers"][i][k] for i in range(len(held)) for k in held[i])
+    np.testing.assert_allclose(np.asarray(model(tokens).logits), before, rtol=1e-5, atol=1e-5)
+    second = Engine(model, None, CONFIG)
+    assert all(a is b for a, b in zip(jax.tree.leaves(second.tp["layers"]), jax.tree.leaves(first.tp["layers"])))
+    for eng in (first, second):
+        res = eng.generate(prompts, max_new_tokens=6, sampling=sampling)
+        assert [r.tokens for r in res.results] == [r.tokens for r in keep.results]

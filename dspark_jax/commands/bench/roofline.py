@@ -10,7 +10,10 @@ step, the round at each verification bucket, the draft alone and a prefill of an
 slots x the context, with its caches filled, each timed (best of --repeats after a compile) and
 set against its roofline: max(bytes it must read / bandwidth, FLOPs / matmul rate), the bytes
 and FLOPs counted from its weights and KV (bench/roofline_model.py says what is counted), and
-each compiled program's memory_analysis(). With --topology the same programs are compiled for a
+each compiled program's memory_analysis(). One engine and one decode state are held at a time
+(the target-only engine is dropped before the DSpark one is built, each program's states freed
+before the next's are made; both engines read the model's one copy of the target's weights), and
+the device bytes alive after each program are reported. With --topology the same programs are compiled for a
 Cloud TPU slice on this machine and every time is the XLA:TPU cost model's estimate, set against
 one chip's bytes and FLOPs at the rates the compiler prices a chip at: predicted, not measured.
 """
@@ -155,6 +158,10 @@ def _report(doc: dict, args) -> str:
             head += (f"\nper chip ({rates['device_kind']}), {predicted}: HBM {rates['bandwidth'] / 1e9:.0f} GB/s, "
                      f"matmul {rates['flop_rate'] / 1e12:.1f} TFLOP/s (the compiler's kernel rates)")
         out += [head, rm.format_table(run["rows"], predicted), "", rm.format_memory(run["memory"])]
+        if run.get("live_bytes"):
+            live = run["live_bytes"]
+            out.append("device bytes alive after each program, its decode states freed (MiB): "
+                       + ", ".join(f"{k} {v / 2 ** 20:.1f}" for k, v in live.items()))
         if predicted:
             out.append("(round and draft: the compiled round's memory is `python -m dspark_jax plan engine`'s)")
     return "\n".join(out)
