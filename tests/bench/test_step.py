@@ -2,6 +2,7 @@
 for a slice, beside its read-once price and its instruction breakdown, every figure marked
 predicted; the compiler-chosen weight layouts compile too."""
 
+import importlib.metadata
 import json
 
 import pytest
@@ -18,7 +19,10 @@ def test_step_against_its_floor(layouts, tmp_path, capsys):
                  "--weight-layouts", layouts, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted (XLA:TPU cost model)" in text and f"weight layouts {layouts}" in text
-    step = json.loads(out.read_text())["steps"][0]
+    doc = json.loads(out.read_text())
+    # the compiler that priced the step is named beside its figures
+    assert doc["libtpu"] == importlib.metadata.version("libtpu") and f"libtpu {doc['libtpu']}" in text
+    step = doc["steps"][0]
     assert step["slots"] == 8 and step["step_s"] > 0 and len(step["breakdown"]) == 5
     floor = step["read_once"]
     assert floor["total"] == pytest.approx(floor["weights"] + floor["kv"])

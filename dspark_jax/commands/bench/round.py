@@ -70,6 +70,8 @@ def _doc(rp) -> dict:
 @report_user_errors
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    import jax
+
     from dspark_jax.engine.predict import libtpu_version
     from dspark_jax.engine.round_price import price_rounds
     from dspark_jax.parallel.collectives import HOP_LATENCY_S
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
 
     slc, mesh_shape, cfg = slice_setup(args)
     print(f"# {args.preset} on {slc.name}, mesh {mesh_shape}, {args.dtype}, context {args.context}, greedy; "
-          f"predicted (XLA:TPU cost model, libtpu {libtpu_version()})\n"
+          f"predicted (XLA:TPU cost model, libtpu {libtpu_version()}, jax {jax.__version__})\n"
           f"# HBM floor at the datasheet's {HBM_GBPS[slc.generation]:g} GB/s ({DATASHEET}); collectives: "
           f"{HOP_LATENCY_S * 1e6:g} us a hop + bytes over the ICI ring (parallel/collectives.py), not in 'compiler'")
     doc = []
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
         doc.append(_doc(rp))
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "topology": slc.name, "mesh": mesh_shape,
-                                               "libtpu": libtpu_version(), "slots": doc}, indent=1))
+                                               "libtpu": libtpu_version(), "jax": jax.__version__,
+                                               "slots": doc}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

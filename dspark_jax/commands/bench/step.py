@@ -62,11 +62,15 @@ def slice_setup(args):
 @report_user_errors
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    import jax
+
+    from dspark_jax.engine.predict import libtpu_version
     from dspark_jax.engine.step_price import price_target_step
 
     slc, mesh_shape, cfg = slice_setup(args)
     print(f"# {args.preset} target-only step on {slc.name}, mesh {mesh_shape}, {args.dtype}, context {args.context}, "
-          f"weight layouts {args.weight_layouts}; predicted (XLA:TPU cost model)")
+          f"weight layouts {args.weight_layouts}; predicted (XLA:TPU cost model), libtpu {libtpu_version()}, "
+          f"jax {jax.__version__}")
     doc = []
     for r in args.slots:
         price = price_target_step(cfg, slc.name, mesh_shape, slots=r, context=args.context,
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
                     "breakdown": price.breakdown})
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "topology": slc.name, "mesh": mesh_shape,
+                                               "libtpu": libtpu_version(), "jax": jax.__version__,
                                                "weight_layouts": args.weight_layouts, "steps": doc}, indent=1))
         print(f"wrote {args.json}")
     return 0
