@@ -123,7 +123,7 @@ def environment() -> dict:
     stats = _memory_stats(dev)
     versions = package_versions()
     return {"backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": len(devs),
-            "platform_version": str(platform_version).strip(), "jax": jax.__version__,
+            "platform_version": " ".join(str(platform_version).split()), "jax": jax.__version__,
             "jaxlib": versions.get("jaxlib", "?"), "packages": versions,
             "plugins": {k: v for k, v in versions.items() if k.startswith(_PLUGINS)},
             "python": host_platform.python_version(),
@@ -282,14 +282,16 @@ class _Run:
         env = self.doc["environment"] = environment()
         plugins = ", ".join(f"{k} {v}" for k, v in env["plugins"].items()) or "none"
         limit = "not reported" if env["memory_limit"] is None else f"{env['memory_limit'] / GIB:.1f} GiB"
+        cache = ("off: every program is compiled in this run" if env["compile_cache"] is None else
+                 f"{env['compile_cache']} (programs read back from it count as compile seconds; "
+                 "--no-compile-cache for cold compiles)")
         self.emit("== environment\n"
                   f"backend        {env['backend']}: {env['device_count']} x {env['device_kind']} (platform "
                   f"{env['platform_version']})\n"
                   f"versions       jax {env['jax']}, jaxlib {env['jaxlib']}, flax {env['packages'].get('flax', '?')}, "
                   f"plugins: {plugins}; Python {env['python']}\n"
                   f"device memory  limit {limit} (XLA_PYTHON_CLIENT_MEM_FRACTION={env['mem_fraction']})\n"
-                  f"compile cache  {env['compile_cache'] or 'off'} (programs read back from it count as compile "
-                  "seconds; --no-compile-cache for cold compiles)\n"
+                  f"compile cache  {cache}\n"
                   f"budget         {self.s.budget_s:g} s")
 
     def load_models(self) -> None:
@@ -322,7 +324,8 @@ class _Run:
         target = self.models[0]
         gpu = jax.default_backend() == "gpu"
         G = self._gamma()
-        self.emit("\n== cache attention: the GPU kernel against the reference (one layer, keys of the filled cache)")
+        self.emit("\n== cache attention: the GPU kernel against the reference (one layer over the filled cache's keys; "
+                  "q rows: query tokens x query heads)")
         if not gpu:
             self.emit("no GPU: the GPU kernel skipped; the reference timed alone")
         self.emit(_KERNEL_HEAD)
@@ -425,7 +428,7 @@ class _Run:
         self.save()
 
 
-_KERNEL_HEAD = (f"{'slots':>5}{'queries':>8}{'keys':>7}{'reference ms':>14}{'x roofline':>11}{'kernel ms':>11}"
+_KERNEL_HEAD = (f"{'slots':>5}{'q rows':>8}{'keys':>7}{'reference ms':>14}{'x roofline':>11}{'kernel ms':>11}"
                 f"{'x roofline':>11}{'max |diff|':>12}  equal")
 
 
