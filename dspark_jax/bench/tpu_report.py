@@ -352,8 +352,17 @@ def _one_token(cache: Path, grid: list[dict], lines: list[str]) -> None:
     lines.append("")
 
 
+def _compilers(cache: Path) -> list[str]:
+    """The line naming the libtpu versions that predicted the cost tables in `cache` (each table's
+    `libtpu` field; "unknown" for a table that has none)."""
+    versions = sorted({json.loads(p.read_text()).get("libtpu", "unknown") for p in cache.glob("*.json")})
+    if not versions:
+        return []
+    return [f"Every cost table below: {PREDICTED} by libtpu {', '.join(versions)} (the tables' `libtpu` field).", ""]
+
+
 def write_report(out: Path, cache: Path, entries: list[dict], rounds: int = 300) -> None:
-    lines: list[str] = []
+    lines: list[str] = _compilers(cache)
     fitted = _comparison(cache, lines)
     if fitted is not None:
         _grid(cache, entries, fitted, rounds, lines, cache, out.parent)

@@ -68,6 +68,8 @@ def test_the_report_names_what_was_fitted_and_what_is_checked(tmp_path):
     assert "(fitted)" in rows["1"] and "(fitted)" in rows["128"] and "(fitted)" not in rows["8"]
     assert "not predicted yet" in rows["32"]
     assert "tpu-inference --only" not in text and "tpu-predict --only tpu-inference" in text
+    # the tables carry no libtpu field here: the report says so rather than name a compiler
+    assert "by libtpu unknown (the tables' `libtpu` field)" in text
 
 
 def _fitted_cache(tmp_path):
@@ -92,6 +94,7 @@ def test_the_grid_shows_the_one_token_step_beside_two_tokens_and_plots_every_met
     row = next(ln for ln in section.splitlines() if ln.startswith("| qwen3_8b | v6e-8 | "))
     t1, t2 = 1e3 * d["t_target_step"], 1e3 * d["t_verify"][d["buckets"].index(2)]
     assert row == f"| qwen3_8b | v6e-8 | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} |"
+    assert f"by libtpu {d['libtpu']}, unknown (the tables' `libtpu` field)" in text
     assert (cache / "tpu_predicted_qwen3_8b_dspark.png").stat().st_size > 10_000
     assert "![qwen3_8b_dspark](figures/tpu_predicted_qwen3_8b_dspark.png)" in text
 
