@@ -34,6 +34,7 @@ failed with its error and the run goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib.metadata
 import json
@@ -52,7 +53,8 @@ from dspark_jax.bench.roofline_measure import best_of, device_rates, random_mode
 from dspark_jax.io.compile_cache import compile_cache_dir, compile_seconds
 
 __all__ = ["Settings", "Budget", "run", "environment", "package_versions", "kernel_against_reference",
-           "KERNEL_TOLERANCE", "format_programs", "format_compiled", "format_stages"]
+           "gpu_kernel_call", "reference_call", "KERNEL_TOLERANCE", "format_programs", "format_compiled",
+           "format_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,25 @@ def _with_roofline(row: dict, rates: dict | None) -> dict:
 # ---------------------------------------------------------------------------- the kernel
 
 
+def gpu_kernel_call(q, k, v, kv_len, interpret: bool = False):
+    """The GPU kernel as the engine's attention backend calls it on a dense cache
+    (`dense_attention_lse(..., gpu=True)`): q [R, T, Nq, D] over layer 0 of k, v [1, R, Nkv, S, D],
+    the queries after each row's kv_len [R] keys (q_start = kv_len: each sees every key)."""
+    from dspark_jax.target.paged_kernel import dense_attention_lse
+
+    return dense_attention_lse(q, k, v, kv_len, kv_len, layer=0, gpu=True, interpret=interpret)
+
+
+def reference_call(q, k, v, kv_len):
+    """The reference path over the same cache: each row's whole cache gathered `[S, Nkv, D]` and
+    masked to its kv_len keys, one softmax (`attention_lse`)."""
+    from dspark_jax.target.paged_kernel import attention_lse
+
+    R, T, S = q.shape[0], q.shape[1], k.shape[3]
+    mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < kv_len[:, None, None], (R, T, S))
+    return attention_lse(q, k[0].swapaxes(1, 2), v[0].swapaxes(1, 2), mask)
+
+
 def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: int, fill: int, repeats: int,
                              gpu: bool, interpret: bool = False, seed: int = 0) -> dict:
     """One layer's cache attention for `slots` rows of `tokens` queries each, every row's cache
@@ -181,7 +202,6 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     -> {"shape", "reference", "kernel" (None off GPU or where the kernel does not take the shape),
     "max_diff", "tolerance", "equal", "bytes", "flops"}."""
     from dspark_jax.target.gpu_kernel import gpu_kernel_fits
-    from dspark_jax.target.paged_kernel import attention_lse
 
     R, T, S = slots, tokens, context
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -191,10 +211,6 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     v = jax.random.normal(keys[2], (1, R, nkv, S, d), dtype)
     kv_len = jnp.full((R,), fill, jnp.int32)
 
-    def reference(q, k, v, kv_len):
-        mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < kv_len[:, None, None], (R, T, S))
-        return attention_lse(q, k[0].swapaxes(1, 2), v[0].swapaxes(1, 2), mask)
-
     item = jnp.dtype(dtype).itemsize
     out = {"shape": {"slots": R, "queries": T, "heads": nq, "kv_heads": nkv, "head_dim": d, "context": S,
                      "keys": fill, "dtype": jnp.dtype(dtype).name},
@@ -202,7 +218,7 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
            "flops": float(4 * R * T * nq * d * fill), "kernel": None, "max_diff": None, "equal": None,
            "tolerance": KERNEL_TOLERANCE.get(jnp.dtype(dtype).name, 2e-3)}
     args = (q, k, v, kv_len)
-    ref = jax.jit(reference)
+    ref = jax.jit(reference_call)
     out["reference"] = {**compiled(ref, *args), **best_of(lambda _: ref(*args), repeats)}
     if not gpu:
         out["kernel_note"] = "no GPU: skipped"
@@ -210,12 +226,7 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     if not gpu_kernel_fits(d, S, dense=True):
         out["kernel_note"] = f"the GPU kernel does not take head dim {d} / cache length {S}: skipped"
         return out
-    from dspark_jax.target.paged_kernel import dense_attention_lse
-
-    def kernel(q, k, v, kv_len):  # the queries sit after the cache (q_start = kv_len): each sees every key
-        return dense_attention_lse(q, k, v, kv_len, kv_len, layer=0, gpu=True, interpret=interpret)
-
-    ker = jax.jit(kernel)
+    ker = jax.jit(functools.partial(gpu_kernel_call, interpret=interpret))
     out["kernel"] = {**compiled(ker, *args), **best_of(lambda _: ker(*args), repeats)}
     got, want = jax.device_get(ker(*args)), jax.device_get(ref(*args))
     diff = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
@@ -340,8 +351,8 @@ class _Run:
                 if k[part] is not None:
                     k[part] = _with_roofline({"ms": 1e3 * k[part]["best_s"], "bytes": k["bytes"], "flops": k["flops"],
                                               **k[part]}, rates)
-                    self.doc["compiled"].append({"program": f"attention_{part}", "slots": R,
-                                                 "compile_s": k[part]["compile_s"], "memory": k[part]["memory"]})
+                    self._compiled(f"attention_{part}", R, {"compile_s": k[part]["compile_s"],
+                                                            "memory": k[part]["memory"]})
             self.doc["kernel"].append(k)
             self.emit(_kernel_line(k))
             self.save()
@@ -357,12 +368,14 @@ class _Run:
         sp = SamplingParams(0.0, 0, 1.0)
         eng = Engine(target, None, EngineConfig(num_slots=R, max_len=self.s.context, buckets=(R,)))
         st, ctl = eng.init_state(), eng.control(sp, gamma=0, pin=0, table=eng.unpriced_table)
-        comp = compiled(eng._round, eng.tp, eng.dp, st, ctl)
+        self._compiled("target_step", R, compiled(eng._round, eng.tp, eng.dp, st, ctl))
         m = rm.model_shapes(eng.spec, eng.tp, {}, st)
         del st, ctl
+        if self.skip(f"target_step@{R} timing"):
+            return
         round_fn, _, _ = engine_round_timer(eng, sp, prompt=min(fill, 16), fill=fill)
         timing = repeated(lambda f=round_fn: f(R), self.s.repeats)
-        self._add(_row("target_step", R, R, rm.target_step(m, R, fill), timing, self.doc["rates"]), comp)
+        self._add(_row("target_step", R, R, rm.target_step(m, R, fill), timing, self.doc["rates"]))
         del eng, round_fn
 
     def engine(self, R: int) -> None:
@@ -381,21 +394,19 @@ class _Run:
         st = eng.init_state()
         ctl = eng.control(sp, gamma=G, pin=G, table=eng.unpriced_table)  # the timed rounds' signature
         m = rm.model_shapes(eng.spec, eng.tp, rm.named_leaves(eng.dp), st)
-        comp = compiled(eng._round, eng.tp, eng.dp, st, ctl)
+        self._compiled("round", R, compiled(eng._round, eng.tp, eng.dp, st, ctl))
         round_fn, plan, _ = engine_round_timer(eng, sp, prompt=prompt, fill=fill)
-        first = True
         for b, (k, g) in sorted(plan.items()):
             if self.skip(f"round@{R} bucket {b}"):
                 continue
             timing = repeated(lambda b=b, f=round_fn: f(b), self.s.repeats)
             self._add(_row("round", R, b, rm.round_footprint(m, k, g, fill, f"round@{b}"), timing,
-                           self.doc["rates"]), comp if first else None)
-            first = False
+                           self.doc["rates"]))
         del round_fn
         if not self.skip(f"draft@{R}"):
-            comp = compiled(eng._draft, eng.dp, st, ctl.sampling)
+            self._compiled("draft", R, compiled(eng._draft, eng.dp, st, ctl.sampling))
             timing = repeated(engine_draft_timer(eng, sp, prompt=prompt, fill=fill), self.s.repeats)
-            self._add(_row("draft", R, None, rm.draft_footprint(m, R, fill), timing, self.doc["rates"]), comp)
+            self._add(_row("draft", R, None, rm.draft_footprint(m, R, fill), timing, self.doc["rates"]))
         del eng, st, ctl
 
     # -- helpers
@@ -416,14 +427,16 @@ class _Run:
         full = R * (G + 1)
         return tuple(sorted({b for b in self.s.buckets if b <= full} | {full}))
 
-    def _add(self, row: dict, comp: dict | None) -> None:
+    def _compiled(self, program: str, slots: int, comp: dict) -> None:
+        self.doc["compiled"].append({"program": program, "slots": slots, **comp})
+        self.save()
+
+    def _add(self, row: dict) -> None:
         if not self.programs_header:
             self.emit("\n== decode programs against the roofline (best of the timed calls; roofline = max(bytes / "
                       "bandwidth, FLOPs / matmul rate))\n" + format_programs([]))
             self.programs_header = True
         self.doc["programs"].append(row)
-        if comp is not None:
-            self.doc["compiled"].append({"program": row["program"], "slots": row["slots"], **comp})
         self.emit(format_programs([row], header=False))
         self.save()
 

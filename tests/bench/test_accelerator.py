@@ -156,6 +156,20 @@ def test_a_kernel_reading_one_key_too_few_is_not_equal(kernel_case, monkeypatch)
     assert k["equal"] is False and k["max_diff"] > k["tolerance"]
 
 
+def test_the_timed_kernel_lowers_for_cuda_as_one_triton_call(kernel_case):
+    """What the GPU branch times, lowered for CUDA on this CPU host (for an abstract H100 where
+    the GPU kernel's module provides one): one Triton call reading the cache in place."""
+    from dspark_jax.target import gpu_kernel
+
+    r, t, s, cfg = 2, 4, 64, kernel_case["cfg"]
+    q = jax.ShapeDtypeStruct((r, t, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, r, cfg.num_kv_heads, s, cfg.head_dim), jnp.bfloat16)
+    kv_len = jax.ShapeDtypeStruct((r,), jnp.int32)
+    with getattr(gpu_kernel, "abstract_gpu", contextlib.nullcontext)():
+        text = jax.jit(acc.gpu_kernel_call).trace(q, kv, kv, kv_len).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "gather" not in text
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["tiny", "--slots", "0"], "--slots: an engine needs at least 1 slot"),
     (["tiny", "--budget", "0"], "--budget 0.0: give a positive number of seconds"),
