@@ -11,7 +11,6 @@ minutes on a CPU and tell nothing more about the decode programs' time.
 from __future__ import annotations
 
 import gc
-import itertools
 import time
 
 import jax
@@ -28,12 +27,12 @@ from dspark_jax.engine.buckets import bucket_for
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.drafter_fit import draft_shape
 from dspark_jax.engine.engine import Engine
-from dspark_jax.engine.timing import engine_draft_timer, engine_round_timer, verify_gamma_policy
-from dspark_jax.scheduler.costs import bucket_plan
+from dspark_jax.engine.timing import engine_draft_timer, prefilled_state, verify_gamma_policy
+from dspark_jax.scheduler.costs import MeasureError, bucket_plan
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
 __all__ = ["device_rates", "best_rates", "random_models", "measure_programs", "memory_stats", "best_of", "live_bytes",
-           "free"]
+           "free", "round_timing"]
 
 MIB = 2 ** 20
 
@@ -155,8 +154,9 @@ def measure_programs(target, drafter, *, slots: int, context: int, fill: float, 
 
     One engine at a time and one decode state at a time: the target-only engine is measured and
     dropped before the DSpark one is built (both read the model's one copy of the target's
-    weights, target/decode_weights.py), each timer's states are freed before the next program's
-    are made, and the compiled memory is read from the state's shapes, not from a state.
+    weights, target/decode_weights.py), every timed call takes a fresh state the program donates
+    (`round_timing`) or the one state its timer holds, dropped before the next program's is made,
+    and the compiled memory is read from the state's shapes, not from a state.
     `live_bytes` records the device bytes alive after each program, its states freed: the
     weights (and the DSpark engine's drafter arrays) and nothing that grows per program."""
     kind = registry.kind_of(drafter)
@@ -174,27 +174,20 @@ def measure_programs(target, drafter, *, slots: int, context: int, fill: float, 
         progs.append({"footprint": fp, "timing": timing, "memory": memory_key})
 
     ar = Engine(target, None, EngineConfig(num_slots=slots, max_len=context, buckets=(slots,)))
-    round_fn, _, _ = engine_round_timer(ar, sp, prompt=min(prompt, 16), fill=n_fill)
     st0, c0 = ar.state_shape, ar.control(sp)  # the shapes the programs run on (memory, footprints)
     m_ar = rm.model_shapes(ar.spec, ar.tp, {}, st0)
-    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"), repeated(lambda f=round_fn: f(slots), repeats),
-        "target_step")
+    add(rm.target_step(m_ar, slots, n_fill, f"target_step@{slots}"),
+        round_timing(ar, sp, slots, (slots, 0), repeats, prompt=min(prompt, 16), fill=n_fill), "target_step")
     mem["target_step"] = memory_stats(ar._round, ar.tp, ar.dp, st0, c0)
-    del ar, round_fn  # the engine, and the timer's states with the timer
+    del ar
     live["target_step"] = live_bytes()
 
     ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy=verify_gamma_policy))
     st = ds.state_shape
     m = rm.model_shapes(ds.spec, ds.tp, rm.named_leaves(ds.dp), st)
-    # a round timer keeps a prefilled state per count of active slots: a timer per count, dropped
-    # (its state with it) before the next one's is made
-    for _, group in itertools.groupby(sorted(bucket_plan(ds.priced_buckets, ds.R, ds.G).items()),
-                                      key=lambda item: item[1][0]):
-        round_fn, _, _ = engine_round_timer(ds, sp, prompt=prompt, fill=n_fill)
-        for b, (k, g) in group:
-            add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"),
-                {**repeated(lambda b=b, f=round_fn: f(b), repeats), "bucket": b}, "round")
-        del round_fn
+    for b, (k, g) in sorted(bucket_plan(ds.priced_buckets, ds.R, ds.G).items()):
+        add(rm.round_footprint(m, k, g, n_fill, f"round@{b}"),
+            {**round_timing(ds, sp, b, (k, g), repeats, prompt=prompt, fill=n_fill), "bucket": b}, "round")
         live[f"round@{b}"] = live_bytes()
     mem["round"] = memory_stats(ds._round, ds.tp, ds.dp, st, ds.control(sp))
     draft_fn = engine_draft_timer(ds, sp, prompt=prompt, fill=n_fill)
@@ -207,6 +200,29 @@ def measure_programs(target, drafter, *, slots: int, context: int, fill: float, 
     live["prefill"] = live_bytes()
     return {"fill": n_fill, "prompt": prompt, "gamma": ds.G, "buckets": list(ds.priced_buckets),
             "programs": progs, "memory": mem, "live_bytes": live}
+
+
+def round_timing(eng, sampling, bucket: int, plan: tuple[int, int], repeats: int, **state) -> dict:
+    """`best_of` the engine's round (`Engine.step`) with `plan` = (k active slots, g drafts each
+    verified, pinned: `Control.pin`), which lands in `bucket`; each call from a state prefilled
+    for it (`prefilled_state` with `state`'s prompt / fill, made untimed), which the round
+    donates: one decode state is held at a time, where a timer that copies one kept template
+    state would hold two. A round that lands in another bucket raises MeasureError."""
+    k, g = plan
+    ctl = eng.control(sampling, gamma=g, pin=g, table=eng.unpriced_table)
+    landed = []
+
+    def call(st):
+        st, out = eng.step(st, ctl)
+        landed.append(out.bucket)
+        return st, out
+
+    timing = best_of(call, repeats, prepare=lambda: prefilled_state(eng, k, **state))
+    got = {int(b) for b in landed}
+    if got != {eng.buckets.index(bucket)}:
+        raise MeasureError(f"the round timed for bucket {bucket} ({k} active slots x (1 + {g}) tokens) ran in "
+                           f"bucket(s) {sorted(eng.buckets[i] for i in got)}")
+    return timing
 
 
 def _prefill(eng, m, slots, prompt, repeats):
