@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.bench import roofline_model as rm
-from dspark_jax.bench.roofline_measure import best_of, device_rates, random_models, repeated
+from dspark_jax.bench.roofline_measure import best_of, device_rates, live_bytes, random_models, repeated
 from dspark_jax.io.compile_cache import compile_cache_dir, compile_seconds
 
 __all__ = ["Settings", "Budget", "run", "environment", "package_versions", "kernel_against_reference",
@@ -278,9 +278,9 @@ class _Run:
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             entry.update(status="failed", error=msg[:400])
             self.emit(f"FAILED {name}: {msg[:400]}")
-        gc.collect()
+        live = live_bytes()  # after a garbage collection: the stage's engines and states are gone
         stats = _memory_stats(jax.devices()[0])
-        entry.update(seconds=time.perf_counter() - t0, compile_s=compile_seconds() - c0,
+        entry.update(seconds=time.perf_counter() - t0, compile_s=compile_seconds() - c0, live_bytes=live,
                      device_memory=None if stats is None else {k: stats[k] for k in
                                                                ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
                                                                if k in stats})
@@ -367,7 +367,7 @@ class _Run:
         fill = self._fill(self._gamma())
         sp = SamplingParams(0.0, 0, 1.0)
         eng = Engine(target, None, EngineConfig(num_slots=R, max_len=self.s.context, buckets=(R,)))
-        st, ctl = eng.init_state(), eng.control(sp, gamma=0, pin=0, table=eng.unpriced_table)
+        st, ctl = eng.state_shape, eng.control(sp, gamma=0, pin=0, table=eng.unpriced_table)  # no state made
         self._compiled("target_step", R, compiled(eng._round, eng.tp, eng.dp, st, ctl))
         m = rm.model_shapes(eng.spec, eng.tp, {}, st)
         del st, ctl
@@ -391,7 +391,7 @@ class _Run:
         eng = Engine(target, drafter, EngineConfig(num_slots=R, max_len=self.s.context, policy=verify_gamma_policy,
                                                    buckets=self._buckets(R, G)))
         prompt = max(min(16, fill), eng.min_prompt_len, 2)
-        st = eng.init_state()
+        st = eng.state_shape  # compiled for its shapes, no state made
         ctl = eng.control(sp, gamma=G, pin=G, table=eng.unpriced_table)  # the timed rounds' signature
         m = rm.model_shapes(eng.spec, eng.tp, rm.named_leaves(eng.dp), st)
         self._compiled("round", R, compiled(eng._round, eng.tp, eng.dp, st, ctl))
@@ -483,14 +483,18 @@ def format_compiled(entries: list[dict]) -> str:
 
 
 def format_stages(stages: list[dict]) -> str:
-    """Each stage's seconds, the part JAX spent compiling, the device memory after it, and how it ended."""
-    lines = [f"{'stage':<16}{'seconds':>9}{'compile s':>11}{'in use GiB':>12}{'peak GiB':>10}  status"]
+    """Each stage's seconds, the part JAX spent compiling, the bytes of the arrays alive after it,
+    the device memory in use after it and the most in use so far (where the backend reports them),
+    and how it ended."""
+    lines = [f"{'stage':<16}{'seconds':>9}{'compile s':>11}{'arrays GiB':>12}{'in use GiB':>12}{'peak GiB':>10}"
+             "  status   (arrays: alive after the stage; in use / peak: the device's, peak the most so far)"]
     for s in stages:
         dm = s.get("device_memory") or {}
         gib = lambda k: f"{dm[k] / GIB:.2f}" if k in dm else "-"  # noqa: E731
         sec = lambda k: f"{s[k]:.1f}" if k in s else "-"  # noqa: E731
         status = s["status"] + (f": {s['error']}" if "error" in s else "")
-        lines.append(f"{s['stage']:<16}{sec('seconds'):>9}{sec('compile_s'):>11}{gib('bytes_in_use'):>12}"
+        arrays = f"{s['live_bytes'] / GIB:.4g}" if "live_bytes" in s else "-"
+        lines.append(f"{s['stage']:<16}{sec('seconds'):>9}{sec('compile_s'):>11}{arrays:>12}{gib('bytes_in_use'):>12}"
                      f"{gib('peak_bytes_in_use'):>10}  {status}")
     return "\n".join(lines)
 

@@ -95,6 +95,9 @@ def test_every_section_with_sane_figures(tiny_run):
     assert _finite_positive(stages["engine@1"]["compile_s"]) and stages["engine@1"]["compile_s"] <= \
         stages["engine@1"]["seconds"]
     assert [ln.split()[0] for ln in _section(text, "stages")[1:len(stages) + 1]] == list(stages)
+    # the models' arrays alone stay alive: each stage's engines, states and buffers are freed
+    models = stages["models"]["live_bytes"]
+    assert models > 0 and all(stages[name]["live_bytes"] == models for name in list(stages)[2:])
     assert doc["skipped"] == [] and "0 stage(s) failed, 0 item(s) skipped" in text
     assert doc["command"].startswith("python -m dspark_jax bench accelerator tiny --slots 1")
 
