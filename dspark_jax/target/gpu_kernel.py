@@ -1,5 +1,6 @@
-"""Cache attention as a Pallas kernel for GPUs (the Triton backend): each row's keys read where
-they lie, once, up to the last one its queries may see.
+"""Cache attention as a Pallas kernel for GPUs (the Triton backend), and the choice between it and
+the Mosaic GPU kernel: each row's keys read where they lie, once, up to the last one its queries
+may see.
 
 The GPU counterpart of target/paged_kernel.py, with the same contract (`cache_attention_lse`:
 normalised output and log-sum-exp per query, so the verification's new keys join through
@@ -13,26 +14,27 @@ bound known at run time), the softmax online in registers:
   is positions `[j * block, (j + 1) * block)`, one strided load of `(block, D)`;
 - paged pool `[L, P, Nkv, page_size, D]`: block j is page `table[r, j]`, one page a block.
 
-Why a kernel of our own, and why Triton. What jax ships for GPU decoding does not take this
-layout: `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; deprecated in jax 0.12) takes
-one query per row and no causal offset (a verified block has T queries at `q_start + t`), a pool
+Which kernel (`choose_gpu_kernel`, called by `gpu_cache_attention_lse`): on Hopper and later
+(H100, H200) with a bf16 / f16 cache, the Mosaic GPU kernel (target/gpu_mosaic.py: TMA copies,
+tensor-core `wgmma`), on the backend jax keeps; elsewhere (older GPUs, float32 caches, shapes
+Mosaic does not take, interpret mode) this module's Pallas Triton kernel. Pallas Triton exists in
+both supported jax versions (0.10.2 and 0.12, where it warns that it is deprecated), so it stays
+while they are supported. What jax ships for GPU decoding does not take this layout:
+`jax.experimental.pallas.ops.gpu.paged_attention` (Triton; deprecated in jax 0.12) takes one query
+per row and no causal offset (a verified block has T queries at `q_start + t`), a pool
 `[Nkv, P, page_size, D]` without a layer axis (ours would be copied per layer) and returns no
 log-sum-exp; `decode_attention` (Triton, deprecated) reads no pages; `attention_mgpu` (Mosaic GPU,
 Hopper) is dense training attention (no pages, no per-row lengths) and asserts a CUDA runtime at
-trace time, so it cannot even be lowered on a CPU host. A Mosaic GPU kernel of our own (the
-backend jax keeps: `plgpu.kernel` lowers on a CPU host in jax 0.10.2 and 0.12) is not written yet:
-its API moved between those versions (0.12 drops `pallas_call` for Mosaic GPU in favour of
-`plgpu.kernel`), its float32 matrix products run in TF32 (wgmma), and no GPU was lent to run one.
-Pallas Triton still exists in both supported versions (0.12 warns that it is deprecated), so
-this kernel stays on it while jax 0.10 / 0.12 are supported.
+trace time, so it cannot even be lowered on a CPU host.
 
 Few rows leave most of a GPU's multiprocessors idle (one row of Qwen3-8B: 8 KV heads, 8
 programs), so each (row, head, query block) is split into `splits` programs, as many as bring the
 grid to `MIN_PROGRAMS` (about two per multiprocessor of an H100 / H200, 132) but no more than the
-row's key blocks (flash decoding). A program takes its share of the keys the row holds at run
-time (the blocks up to its last visible key, divided evenly), not of the cache's capacity, so a
-short row is spread over all its programs too; each split returns its part's output and
-log-sum-exp and the parts are merged after the call (`_merge_splits`). One Qwen3-8B row over
+row's key blocks (flash decoding; target/gpu_splits.py, shared with the Mosaic GPU kernel). A
+program takes its share of the keys the row holds at run time (the blocks up to its last visible
+key, divided evenly), not of the cache's capacity, so a short row is spread over all its programs
+too; each split returns its part's output and log-sum-exp and the parts are merged after the
+call (`merge_splits`). One Qwen3-8B row over
 2048 positions: 8 programs x 32 splits = 256; at 64 slots the grid is large enough unsplit.
 
 Every index the kernel computes is clamped to its array, as a GPU does not check it: the layer,
@@ -73,22 +75,29 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dspark_jax.target.layers import MASK_VALUE
+from dspark_jax.parallel.platform import device_kind
+from dspark_jax.target.gpu_mosaic import mosaic_cache_attention_lse, mosaic_fits
+from dspark_jax.target.gpu_splits import MIN_PROGRAMS, NO_KEYS
+from dspark_jax.target.gpu_splits import merge_splits as _merge_splits
+from dspark_jax.target.gpu_splits import splits as _splits
 
-__all__ = ["gpu_cache_attention_lse", "gpu_kernel_fits", "abstract_gpu", "KEY_BLOCK", "QUERY_BLOCK", "MIN_PROGRAMS"]
+__all__ = ["gpu_cache_attention_lse", "triton_cache_attention_lse", "choose_gpu_kernel", "gpu_kernel_fits",
+           "abstract_gpu", "KEY_BLOCK", "QUERY_BLOCK", "MIN_PROGRAMS", "GPU_KERNELS"]
 
-NO_KEYS = MASK_VALUE  # the log-sum-exp of a query that sees no key (as target/paged_kernel.py)
 KEY_BLOCK = 64  # dense-cache positions a loop step reads
 QUERY_BLOCK = 64  # query rows (T * G) a program holds
 MIN_TILE = 16  # Triton's smallest matrix-product tile
-MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100 / H200 (132)
 H100 = "NVIDIA H100 80GB HBM3"  # the device kind an H100 reports
+GPU_KERNELS = ("auto", "mosaic", "triton")
+# device kinds of Hopper (sm_90) and later NVIDIA GPUs: the ones Mosaic GPU's wgmma / TMA kernel runs on
+_HOPPER_OR_LATER = re.compile(r"\b(H100|H200|H800|H20|GH200|B100|B200|GB200|B300|GB300)\b")
 
 
 def abstract_gpu(device_kind: str = H100):
@@ -117,12 +126,6 @@ def gpu_kernel_fits(head_dim: int, seq_or_page: int, dense: bool) -> bool:
     if not (_pow2(head_dim) and head_dim >= MIN_TILE):
         return False
     return _dense_block(seq_or_page) > 0 if dense else _pow2(seq_or_page) and seq_or_page >= MIN_TILE
-
-
-def _splits(programs: int, blocks: int) -> int:
-    """Key splits per (row, head, query block): enough to bring `programs` to MIN_PROGRAMS, at
-    most the row's `blocks` key blocks (a split of none would only add a part to merge)."""
-    return max(1, min(-(-MIN_PROGRAMS // programs), blocks))
 
 
 def _kernel(layer_ref, table_ref, kv_len_ref, q_start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, dense: bool,
@@ -184,8 +187,42 @@ def _whole(x, interpret) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
+def _target_kind() -> str:
+    """The device kind the program is compiled for: the abstract device of the abstract mesh set
+    (`abstract_gpu()`, even an empty mesh), else that of the mesh or default device."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    return abstract.device_kind if abstract is not None else device_kind()
+
+
+def choose_gpu_kernel(dtype, head_dim: int, seq_or_page: int, dense: bool, interpret=False) -> str:
+    """"mosaic" where the program is compiled (not interpreted) for a Hopper or later GPU and the
+    Mosaic GPU kernel takes the cache (bf16 / f16: its float32 products would be TF32); else
+    "triton" (Pallas interpret mode runs the Triton kernel: Mosaic GPU's interpreter exists from
+    jax 0.12 only)."""
+    if interpret is False and mosaic_fits(dtype, head_dim, seq_or_page, dense) and _HOPPER_OR_LATER.search(
+            _target_kind()):
+        return "mosaic"
+    return "triton"
+
+
 def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, *, dense: bool,
-                            interpret=False):
+                            interpret=False, kernel: str = "auto"):
+    """The GPU cache kernel `kernel` ("auto": `choose_gpu_kernel`; "mosaic": target/gpu_mosaic.py,
+    `interpret` then None / False or a `plgpu.InterpretGPUParams`; "triton": this module's) on
+    `triton_cache_attention_lse`'s arguments, with its returns."""
+    if kernel == "auto":
+        kernel = choose_gpu_kernel(k_cache.dtype, q.shape[-1], k_cache.shape[3], dense, interpret)
+    if kernel == "mosaic":
+        return mosaic_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, dense=dense,
+                                          interpret=None if interpret is False else interpret)
+    if kernel != "triton":
+        raise ValueError(f"GPU cache kernel {kernel!r}: one of {GPU_KERNELS}")
+    return triton_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, dense=dense,
+                                      interpret=interpret)
+
+
+def triton_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, *, dense: bool,
+                               interpret=False):
     """q [R, T, Nq, D] against layer `layer` ([1] int32) of a dense cache [L, R', Nkv, S, D] (table
     [R]: each query row's cache row) or a paged pool [L, P, Nkv, page_size, D] (table [R, M]: page
     ids, < 0 none). Key s of row r is visible to query t iff s < min(kv_len[r], the row's
@@ -232,15 +269,3 @@ def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, 
     lse = lse[:, :, :rows].reshape(r, nkv, t, g).transpose(0, 2, 1, 3).reshape(r, t, nq)
     return out, lse
 
-
-def _merge_splits(out, lse):
-    """The splits' parts (out [R, Nkv, splits, rows, D], lse [R, Nkv, splits, rows]) as one softmax
-    over all of them; a query no split saw keeps out 0 and lse NO_KEYS."""
-    if out.shape[2] == 1:
-        return out[:, :, 0], lse[:, :, 0]
-    top = jnp.max(lse, axis=2)
-    seen = top > NO_KEYS
-    w = jnp.where(seen[:, :, None], jnp.exp(lse - top[:, :, None]), 0.0)
-    den = jnp.sum(w, axis=2)
-    merged = jnp.sum(w[..., None] * out, axis=2) / jnp.where(seen, den, 1.0)[..., None]
-    return merged, jnp.where(seen, top + jnp.log(jnp.where(seen, den, 1.0)), NO_KEYS)

@@ -36,6 +36,7 @@ from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, p
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
 TRITON = "__gpu$xla.gpu.triton"
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
 
 
 def _mask(kv_len, q_start, s, t):
@@ -101,11 +102,11 @@ def test_paged_kernel_equals_reference():
         _check(out, lse, want, want_lse, mask)
 
 
-def _lowered_for_h100(f, *args):
-    """f lowered for CUDA on this CPU host, for an abstract H100 (jax 0.12's Triton lowering asks
-    the device for its compute capability; 0.10.2 lowers without): the StableHLO text and, per
-    Triton call, its Triton module as text and its grid's program count."""
-    with abstract_gpu():
+def _lowered_for(kind, f, *args):
+    """f lowered for CUDA on this CPU host, for an abstract GPU of that kind (jax 0.12's Triton
+    lowering asks the device for its compute capability; 0.10.2 lowers without): the StableHLO
+    text and, per Triton call, its Triton module as text and its grid's program count."""
+    with abstract_gpu(kind):
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     calls = []
 
@@ -144,11 +145,12 @@ def _qwen_call(dense, dtype, r):
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "paged"])
 def test_kernel_lowers_for_cuda_reading_the_cache_in_place(dense):
-    """Qwen3-8B's shapes in bf16 at 8 rows: one Triton call takes the whole cache as its operand
+    """Qwen3-8B's shapes in bf16 at 8 rows, for an A100 (Hopper takes the Mosaic GPU kernel in
+    bf16: tests/target/test_gpu_mosaic.py): one Triton call takes the whole cache as its operand
     (no slice or gather of a layer or a row ahead of it); its module loads the keys and multiplies
     them (tt.load, tt.dot); 8 rows x 8 KV heads are 64 programs, split 4 ways to MIN_PROGRAMS."""
     f, args = _qwen_call(dense, jnp.bfloat16, r=8)
-    text, calls = _lowered_for_h100(f, *args)
+    text, calls = _lowered_for(A100, f, *args)
     assert text.count(TRITON) == 1 and len(calls) == 1
     assert "dynamic_slice" not in text and "gather" not in text
     module, programs = calls[0]
@@ -158,13 +160,14 @@ def test_kernel_lowers_for_cuda_reading_the_cache_in_place(dense):
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "paged"])
 def test_one_slot_fills_the_gpu_at_full_float32_precision(dense):
-    """One row (one slot) of Qwen3-8B over 2048 positions in float32: its 8 programs are split to
+    """One row (one slot) of Qwen3-8B over 2048 positions in float32 (the Triton kernel on an H100
+    too: Mosaic GPU's tensor-core products of float32 are TF32): its 8 programs are split to
     256 (about two per multiprocessor of a 132-SM H100 / H200), a split reading one key block (64
     positions, or a page) or more; both products are IEEE float32 in the Triton module (jax's
     default precision lowers them as TF32, 10 mantissa bits)."""
     f, args = _qwen_call(dense, jnp.float32, r=1)
     with jax.default_matmul_precision("default"):  # a serving process's (tests/conftest.py asks for "highest")
-        _, calls = _lowered_for_h100(f, *args)
+        _, calls = _lowered_for(H100, f, *args)
     [(module, programs)] = calls
     assert programs == MIN_PROGRAMS == 256
     dots = [line for line in module.splitlines() if "tt.dot" in line]
@@ -267,7 +270,7 @@ def test_forward_through_the_gpu_kernel_equals_the_reference(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-4, atol=2e-4)
 
     _gpu(monkeypatch)
-    text, _ = _lowered_for_h100(program(), params, tokens, KVCache.create(cfg, r, s, impl="auto"))
+    text, _ = _lowered_for(H100, program(), params, tokens, KVCache.create(cfg, r, s, impl="auto"))
     assert text.count(TRITON) == 0  # "auto": a 16 KiB layer of cache does not pay for a call (kernel_pays)
-    text, calls = _lowered_for_h100(program(), params, tokens, KVCache.create(cfg, r, s, impl="pallas"))
+    text, calls = _lowered_for(H100, program(), params, tokens, KVCache.create(cfg, r, s, impl="pallas"))
     assert text.count(TRITON) == 2 and len(calls) == 2  # one in each forward's layer loop
