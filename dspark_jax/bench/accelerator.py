@@ -21,9 +21,12 @@ Every program is timed best of `repeats` after a call that compiles it, beside i
 (bench/roofline_model.py: max(bytes it must read / bandwidth, FLOPs / matmul rate)); each
 compiled program's `memory_analysis()` and the seconds its `lower().compile()` took are kept, and
 each stage's compile seconds as JAX reports them (tracing, lowering, compiling: the prefills that
-fill the caches included). Between stages the engines and states are dropped (`del`,
-`gc.collect()`), so one stage's buffers are gone before the next allocates; the random models
-live for the whole run.
+fill the caches included). Programs are compiled for the engine's state shapes and each round is
+timed from a fresh prefilled state it donates (`round_timing`), so a stage holds one decode state
+at a time; between stages the engines are dropped (`del`, then a garbage collection), so one
+stage's buffers are gone before the next allocates, and the bytes of the arrays still alive are
+recorded. The random models live for the whole run, their weights held once (an engine leaves its
+model holding the per-layer split it reads, which the next engine takes as it is).
 
 The budget is checked before every stage and every timed program: once it is spent the rest is
 skipped with a line saying so (a stage already running is not interrupted). A stage that raises
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.bench import roofline_model as rm
-from dspark_jax.bench.roofline_measure import best_of, device_rates, live_bytes, random_models, repeated
+from dspark_jax.bench.roofline_measure import best_of, device_rates, live_bytes, random_models, repeated, round_timing
 from dspark_jax.io.compile_cache import compile_cache_dir, compile_seconds
 
 __all__ = ["Settings", "Budget", "run", "environment", "package_versions", "kernel_against_reference",
@@ -361,8 +364,6 @@ class _Run:
         from dspark_jax.decoding.sampling import SamplingParams
         from dspark_jax.engine.config import EngineConfig
         from dspark_jax.engine.engine import Engine
-        from dspark_jax.engine.timing import engine_round_timer
-
         target = self.models[0]
         fill = self._fill(self._gamma())
         sp = SamplingParams(0.0, 0, 1.0)
@@ -373,16 +374,16 @@ class _Run:
         del st, ctl
         if self.skip(f"target_step@{R} timing"):
             return
-        round_fn, _, _ = engine_round_timer(eng, sp, prompt=min(fill, 16), fill=fill)
-        timing = repeated(lambda f=round_fn: f(R), self.s.repeats)
+        timing = round_timing(eng, sp, R, (R, 0), self.s.repeats, prompt=min(fill, 16), fill=fill)
         self._add(_row("target_step", R, R, rm.target_step(m, R, fill), timing, self.doc["rates"]))
-        del eng, round_fn
+        del eng
 
     def engine(self, R: int) -> None:
         from dspark_jax.decoding.sampling import SamplingParams
         from dspark_jax.engine.config import EngineConfig
         from dspark_jax.engine.engine import Engine
-        from dspark_jax.engine.timing import engine_draft_timer, engine_round_timer, verify_gamma_policy
+        from dspark_jax.engine.timing import engine_draft_timer, verify_gamma_policy
+        from dspark_jax.scheduler.costs import bucket_plan
 
         target, drafter, _ = self.models
         G = self._gamma()
@@ -395,14 +396,12 @@ class _Run:
         ctl = eng.control(sp, gamma=G, pin=G, table=eng.unpriced_table)  # the timed rounds' signature
         m = rm.model_shapes(eng.spec, eng.tp, rm.named_leaves(eng.dp), st)
         self._compiled("round", R, compiled(eng._round, eng.tp, eng.dp, st, ctl))
-        round_fn, plan, _ = engine_round_timer(eng, sp, prompt=prompt, fill=fill)
-        for b, (k, g) in sorted(plan.items()):
+        for b, (k, g) in sorted(bucket_plan(eng.priced_buckets, eng.R, eng.G).items()):
             if self.skip(f"round@{R} bucket {b}"):
                 continue
-            timing = repeated(lambda b=b, f=round_fn: f(b), self.s.repeats)
+            timing = round_timing(eng, sp, b, (k, g), self.s.repeats, prompt=prompt, fill=fill)
             self._add(_row("round", R, b, rm.round_footprint(m, k, g, fill, f"round@{b}"), timing,
                            self.doc["rates"]))
-        del round_fn
         if not self.skip(f"draft@{R}"):
             self._compiled("draft", R, compiled(eng._draft, eng.dp, st, ctl.sampling))
             timing = repeated(engine_draft_timer(eng, sp, prompt=prompt, fill=fill), self.s.repeats)
