@@ -4,12 +4,13 @@ One `AttentionBackend` per program: `attention_backend(requested, mesh)` decides
 caller's request and the platform of the mesh the program is traced under (target/kernels.py),
 whether the caches are read by a Pallas kernel (each row's pages, or the dense cache's filled
 positions, read in place and once: target/paged_kernel.py through Mosaic on TPU,
-target/gpu_kernel.py through Triton on GPU) or by the reference path (the row's keys gathered
-into a `[max_len]` view, then `layers.attention`; XLA:CPU and tests). Both caches
+target/gpu_kernel.py on GPU, which picks Mosaic GPU on Hopper for 16-bit caches, else Triton) or
+by the reference path (the row's keys gathered into a `[max_len]` view, then `layers.attention`;
+XLA:CPU and tests). Both caches
 (target/kv_cache.py, target/paged_kv.py) expose the same two primitives, `layer_view` and
 `kernel_lse`, and the backend is the only code that picks between them (a cache may say the
-kernel does not pay at its size, `kernel_pays`; the GPU kernel takes power-of-two tiles only,
-`gpu_kernel_fits`).
+kernel does not pay at its size, `kernel_pays`; the GPU kernels take the shapes the Triton one
+tiles, `gpu_kernel_fits`: power-of-two head dims and tiles).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class AttentionBackend:
     kernel: bool  # caches read by a Pallas kernel, in place
     interpret: bool  # the kernel in Pallas interpret mode (the program is compiled for neither TPU nor GPU)
     forced: bool = False  # the kernel asked for by name: used whatever the cache's size
-    gpu: bool = False  # the GPU kernel (target/gpu_kernel.py) in place of the TPU one
+    gpu: bool = False  # a GPU kernel (target/gpu_kernel.py chooses Mosaic GPU or Triton) in place of the TPU one
 
     def _kernel_for(self, cache, k_all) -> bool:
         if self.gpu and not gpu_kernel_fits(k_all.shape[-1], k_all.shape[-2], dense=cache.DENSE):
