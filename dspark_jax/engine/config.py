@@ -71,6 +71,12 @@ class EngineConfig:
     prefill_rows: int = 4
     # prompt tokens one prefill forward holds: the slots of a larger prefill go in groups of rows
     prefill_tokens: int = 8192
+    # where the engine splits the target's layers per layer (compiled for an accelerator), the
+    # model keeps its stacked decoder weights beside the split, the layers held twice; by default
+    # the model gives them up and reads the split (target/decode_weights.py). For a caller that
+    # runs arrays it took from the model before the engine was built (an `nnx.split` state, a
+    # trainer's), which the default would delete
+    keep_target_stacks: bool = False
 
     def __post_init__(self):
         for name in ("buckets", "prefill_buckets", "layer_ids", "kv_pages"):  # lists -> tuples (hashable)

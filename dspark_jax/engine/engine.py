@@ -83,7 +83,8 @@ class Engine:
     `target.kernels.per_layer_decode`), the target model gives up its stacked decoder weights
     for the engine's per-layer split and reads that split when called afterwards (with a mesh,
     the caller's model is laid out on it in place first): one copy of the layers, shared by the
-    model and every engine built on it. Elsewhere the programs read the model's own arrays.
+    model and every engine built on it (`config.keep_target_stacks` keeps the stacks beside the
+    split instead). Elsewhere the programs read the model's own arrays.
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, table=None, mesh=None,
@@ -97,7 +98,8 @@ class Engine:
         if mesh is not None:
             # where the layers are split per layer, the caller's model itself is laid out and then
             # holds the split (`decode_arrays`), so it reads the arrays the engine reads
-            tmodel = place_model(tmodel, mesh) if per_layer else shard_model(tmodel, mesh)
+            tmodel = place_model(tmodel, mesh) if per_layer and not cfg.keep_target_stacks else \
+                shard_model(tmodel, mesh)
             drafter = None if drafter is None else shard_model(drafter, mesh)
         self.target, self.drafter = tmodel, drafter
         self.kind = None if drafter is None else (kind or _kind_of(drafter))
@@ -147,7 +149,7 @@ class Engine:
         # The model gives up its stacked layers for this split and reads it from then on, and a
         # later engine on the same model takes it as it is: the layers are held once
         # (target/decode_weights.py)
-        self.tp = decode_arrays(tmodel, per_layer=per_layer, hold=True)
+        self.tp = decode_arrays(tmodel, per_layer=per_layer, hold=not cfg.keep_target_stacks)
         self.dp = {} if drafter is None else drafter.arrays() if not self.kind.decode_layout else \
             drafter_decode_arrays(drafter.arrays(), shape.cfg, per_layer, mesh)
         state_shape = self.state_shape = jax.eval_shape(self._fresh_state)

@@ -138,3 +138,13 @@ def test_with_a_mesh_the_callers_model_holds_the_split(per_layer):
     assert eng.target is model and model.layers.holds_per_layer
     assert model.arrays()["layers"][0]["down_proj"] is eng.tp["layers"][0]["down_proj"]
     assert live() - before < layers / 10
+
+
+def test_keep_target_stacks_leaves_the_model_as_it_was(per_layer):
+    """The opt-out for a caller that runs arrays it took from the model before the engine: the
+    stacks stay alive beside the engine's split."""
+    model = tiny_target(SCALED, logit_scale=1.0)
+    stacks = [getattr(model.layers, n)[...] for n in model.layers.names]
+    eng = Engine(model, None, dataclasses.replace(CONFIG, keep_target_stacks=True))
+    assert isinstance(eng.tp["layers"], tuple) and not model.layers.holds_per_layer
+    assert not any(a.is_deleted() for a in stacks)

@@ -94,7 +94,9 @@ def jax_regions() -> dict:
     # --- draft round and verification: a random drafter of the preset, one slot, context CONTEXT - NEW + NEW
     drafter = create_model(lambda: registry.build(cfg, bc.drafter, rngs=nnx.Rngs(1)))
     attach_target(drafter, target)
-    eng = Engine(target, drafter, EngineConfig(num_slots=1, max_len=2 * CONTEXT, buckets=(gamma + 1,), policy="fixed"))
+    # the regions above run the target's stacked state taken before this engine: it keeps the stacks
+    eng = Engine(target, drafter, EngineConfig(num_slots=1, max_len=2 * CONTEXT, buckets=(gamma + 1,), policy="fixed",
+                                               keep_target_stacks=True))
     sp = SamplingParams(1.0, 0, 1.0)
     ctl = eng.control(sp)
     st = eng.init_state()
