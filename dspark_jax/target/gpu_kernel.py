@@ -80,6 +80,7 @@ import re
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from dspark_jax.parallel.platform import device_kind
@@ -195,14 +196,15 @@ def _target_kind() -> str:
 
 
 def choose_gpu_kernel(dtype, head_dim: int, seq_or_page: int, dense: bool, interpret=False) -> str:
-    """"mosaic" where the program is compiled (not interpreted) for a Hopper or later GPU and the
-    Mosaic GPU kernel takes the cache (bf16 / f16: its float32 products would be TF32); else
-    "triton" (Pallas interpret mode runs the Triton kernel: Mosaic GPU's interpreter exists from
-    jax 0.12 only)."""
-    if interpret is False and mosaic_fits(dtype, head_dim, seq_or_page, dense) and _HOPPER_OR_LATER.search(
-            _target_kind()):
-        return "mosaic"
-    return "triton"
+    """"mosaic" where the Mosaic GPU kernel takes the cache (bf16 / f16: its float32 products would
+    be TF32) and the program is compiled for a Hopper or later GPU, or interpreted by Mosaic GPU's
+    interpreter (`interpret` a `plgpu.InterpretGPUParams`, jax 0.12); else "triton" (plain Pallas
+    interpret mode, `True`, and the checked interpreter run the Triton kernel)."""
+    if not mosaic_fits(dtype, head_dim, seq_or_page, dense):
+        return "triton"
+    if interpret is False:
+        return "mosaic" if _HOPPER_OR_LATER.search(_target_kind()) else "triton"
+    return "mosaic" if isinstance(interpret, getattr(plgpu, "InterpretGPUParams", ())) else "triton"
 
 
 def gpu_cache_attention_lse(layer, q, k_cache, v_cache, table, kv_len, q_start, *, dense: bool,

@@ -5,7 +5,8 @@ holding TMA copies and tensor-core products, one slot split to 256 programs); ch
 equal to the reference (dense cache and paged pool; rows that see all, some or none of their
 keys; two query blocks; key splits; unwritten positions holding NaN / inf) and reading nothing
 outside its arrays when a row claims more keys than it holds, page ids and a cache row lie past
-their arrays and the layer past the last."""
+their arrays and the layer past the last; a target forward over a bf16 cache lowered for an H100
+through it."""
 
 from __future__ import annotations
 
@@ -18,10 +19,17 @@ from jax._src.lib.mlir import ir
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dspark_jax.target import attention_backend as backend_mod
+from dspark_jax.target import kernels, kv_cache, paged_kernel
+from dspark_jax.target.attention import cache_update
+from dspark_jax.target.attention_backend import AttentionBackend
+from dspark_jax.target.forward import forward
 from dspark_jax.target.gpu_kernel import abstract_gpu, choose_gpu_kernel, gpu_cache_attention_lse
 from dspark_jax.target.gpu_mosaic import mosaic_cache_attention_lse, mosaic_fits
 from dspark_jax.target.gpu_splits import MIN_PROGRAMS, splits
+from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kernel import attention_lse
+from dspark_jax.testing.tiny import tiny_config, tiny_target
 
 MOSAIC = "mosaic_gpu_v2"
 TRITON = "__gpu$xla.gpu.triton"
@@ -213,3 +221,50 @@ def test_one_slot_is_split_to_fill_the_gpu():
                     yield from grids(inner)
 
     assert list(grids(jaxpr.jaxpr)) == [(1, 8, 32)]
+
+
+_R, _T, _S = 2, 8, 128  # the forward tests' rows, chunk length and cache length
+
+
+def _forward_program():
+    """A target forward (head dim 64) of two chunks over a dense cache: a prefill chunk, then a
+    second chunk reading it. A new function each time: jit's trace cache does not see a backend
+    patched in."""
+    cfg = tiny_config(vocab_size=48, hidden_size=64, num_layers=2).replace(num_heads=4, num_kv_heads=2, head_dim=64)
+    valid = jnp.ones((_R, _T), bool)
+
+    def two_chunks(p, toks, cache):
+        pos0 = jnp.broadcast_to(jnp.arange(_T, dtype=jnp.int32), (_R, _T))
+        out = forward(p, cfg, toks[0], pos0, cache_update(cache, pos0, valid))
+        cache = out.cache.with_lengths(jnp.full((_R,), _T, jnp.int32))
+        return forward(p, cfg, toks[1], pos0 + _T, cache_update(cache, pos0 + _T, valid)).logits
+
+    return cfg, two_chunks
+
+
+def test_a_target_forward_on_an_h100_reads_its_bf16_cache_through_mosaic(monkeypatch):
+    """The forward over a bf16 cache, compiled for GPU and lowered for an H100: the Mosaic GPU call
+    in each forward's layer loop, no Triton call."""
+    for mod in (backend_mod, kernels, paged_kernel):
+        monkeypatch.setattr(mod, "platform", lambda mesh=None: "gpu")
+    cfg, two_chunks = _forward_program()
+    params = tiny_target(cfg, seed=3).arrays()
+    cache = KVCache.create(cfg, _R, _S, dtype=jnp.bfloat16, impl="pallas")
+    text, modules = _lowered("NVIDIA H100 80GB HBM3", two_chunks, params, jnp.zeros((2, _R, _T), jnp.int32), cache)
+    assert text.count(MOSAIC) == 2 and len(modules) == 2 and TRITON not in text
+
+
+@needs_interpreter
+def test_a_target_forward_through_the_interpreted_mosaic_kernel_equals_the_reference(monkeypatch):
+    """The forward over a bf16 cache with the Mosaic GPU kernel under its interpreter (the second
+    chunk's queries read the first chunk's keys from the cache, their own block joined through
+    the log-sum-exp) gives the reference path's logits to bf16's precision."""
+    cfg, two_chunks = _forward_program()
+    params = tiny_target(cfg, seed=3).arrays()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, _R, _T)), jnp.int32)
+    ref = jax.jit(two_chunks)(params, tokens, KVCache.create(cfg, _R, _S, dtype=jnp.bfloat16, impl="reference"))
+    mosaic = AttentionBackend(kernel=True, interpret=plgpu.InterpretGPUParams(), forced=True, gpu=True)
+    monkeypatch.setattr(kv_cache, "attention_backend", lambda impl: mosaic)
+    cfg, two_chunks = _forward_program()
+    got = jax.jit(two_chunks)(params, tokens, KVCache.create(cfg, _R, _S, dtype=jnp.bfloat16, impl="pallas"))
+    assert np.abs(np.asarray(got) - np.asarray(ref)).max() < 2e-2 * np.abs(np.asarray(ref)).max()
