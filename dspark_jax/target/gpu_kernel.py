@@ -34,8 +34,8 @@ row's key blocks (flash decoding; target/gpu_splits.py, shared with the Mosaic G
 program takes its share of the keys the row holds at run time (the blocks up to its last visible
 key, divided evenly), not of the cache's capacity, so a short row is spread over all its programs
 too; each split returns its part's output and log-sum-exp and the parts are merged after the
-call (`merge_splits`). One Qwen3-8B row over
-2048 positions: 8 programs x 32 splits = 256; at 64 slots the grid is large enough unsplit.
+call (`merge_splits`). One Qwen3-8B row over 2048 positions: 8 programs x 32 splits = 256; at
+64 slots the grid is large enough unsplit.
 
 Every index the kernel computes is clamped to its array, as a GPU does not check it: the layer,
 the cache row or page id read from the table (an unused page is -1; a stale id may exceed the
@@ -65,10 +65,10 @@ it); pages of a power of two >= 16 positions. Others read the reference path (th
 Lowering without a GPU: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` gives the
 StableHLO with one `__gpu$xla.gpu.triton` custom call carrying the Triton module (bytecode); jax
 0.10.2 lowers it as is, jax 0.12 asks the device for its compute capability and needs an
-abstract GPU device (`abstract_gpu()`: an empty abstract mesh naming an H100). The Triton IR is
-compiled to GPU code only on a GPU host. The kernel runs in Pallas interpret mode on any host,
-which is how the tests compare it with the reference; its speed is measured only where a GPU is
-lent.
+abstract GPU device (`abstract_gpu()`: an empty abstract mesh naming an H100; it also names the
+GPU `choose_gpu_kernel` chooses for). The Triton IR is compiled to GPU code only on a GPU host.
+The kernel runs in Pallas interpret mode on any host, which is how the tests compare it with the
+reference; its speed is measured only where a GPU is lent.
 """
 
 from __future__ import annotations
