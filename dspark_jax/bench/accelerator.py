@@ -203,8 +203,9 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     Pallas interpret mode, as off a GPU) and by the reference (the row's whole cache gathered,
     masked): both compiled and timed, their outputs (normalised output and log-sum-exp) compared.
     -> {"shape", "reference", "kernel" (None off GPU or where the kernel does not take the shape),
-    "max_diff", "tolerance", "equal", "bytes", "flops"}."""
-    from dspark_jax.target.gpu_kernel import gpu_kernel_fits
+    "kernel_name" (target/gpu_kernel.py's choice: "mosaic" or "triton"), "max_diff", "tolerance",
+    "equal", "bytes", "flops"}."""
+    from dspark_jax.target.gpu_kernel import choose_gpu_kernel, gpu_kernel_fits
 
     R, T, S = slots, tokens, context
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -229,6 +230,7 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     if not gpu_kernel_fits(d, S, dense=True):
         out["kernel_note"] = f"the GPU kernel does not take head dim {d} / cache length {S}: skipped"
         return out
+    out["kernel_name"] = choose_gpu_kernel(dtype, d, S, dense=True, interpret=interpret)  # as the call chooses
     ker = jax.jit(functools.partial(gpu_kernel_call, interpret=interpret))
     out["kernel"] = {**compiled(ker, *args), **best_of(lambda _: ker(*args), repeats)}
     got, want = jax.device_get(ker(*args)), jax.device_get(ref(*args))
@@ -451,7 +453,7 @@ def _kernel_line(k: dict) -> str:
     if ker is None:
         return line + f"{'-':>11}{'-':>11}{'-':>12}  {k['kernel_note']}"
     return (line + f"{ker['ms']:>11.4g}{x(ker):>11}{k['max_diff']:>12.3g}  "
-            f"{'yes' if k['equal'] else 'NO'} (tolerance {k['tolerance']:g})")
+            f"{'yes' if k['equal'] else 'NO'} ({k['kernel_name']} kernel; tolerance {k['tolerance']:g})")
 
 
 def format_programs(rows: list[dict], header: bool = True) -> str:

@@ -140,7 +140,7 @@ def kernel_case():
 
 def test_kernel_equals_the_reference_in_interpret_mode(kernel_case):
     k = acc.kernel_against_reference(**kernel_case, gpu=True, interpret=True)
-    assert k["equal"] is True and k["max_diff"] < 1e-4
+    assert k["equal"] is True and k["max_diff"] < 1e-4 and k["kernel_name"] == "triton"
     assert _finite_positive(k["kernel"]["best_s"]) and k["kernel"]["memory"]["arguments"] > 0
     assert k["shape"] == {"slots": 2, "queries": 4, "heads": 2, "kv_heads": 1, "head_dim": 16, "context": 64,
                           "keys": 40, "dtype": "float32"}
@@ -159,18 +159,24 @@ def test_a_kernel_reading_one_key_too_few_is_not_equal(kernel_case, monkeypatch)
     assert k["equal"] is False and k["max_diff"] > k["tolerance"]
 
 
-def test_the_timed_kernel_lowers_for_cuda_as_one_triton_call(kernel_case):
-    """What the GPU branch times, lowered for CUDA on this CPU host (for an abstract H100 where
-    the GPU kernel's module provides one): one Triton call reading the cache in place."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,call", [
+    (2, 1, 16, jnp.float32, "__gpu$xla.gpu.triton"),  # the tiny shapes: Triton
+    (32, 8, 128, jnp.bfloat16, "mosaic_gpu_v2"),  # Qwen3-8B's in bf16 on an H100: Mosaic GPU
+], ids=["tiny-float32-triton", "qwen3-bf16-mosaic"])
+def test_the_timed_kernel_lowers_for_an_h100_as_one_kernel_call(heads, kv_heads, head_dim, dtype, call):
+    """What the GPU branch times, lowered for CUDA on this CPU host for an abstract H100: one call
+    of the kernel target/gpu_kernel.py chooses for the shape, reading the cache in place."""
     from dspark_jax.target import gpu_kernel
 
-    r, t, s, cfg = 2, 4, 64, kernel_case["cfg"]
-    q = jax.ShapeDtypeStruct((r, t, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, r, cfg.num_kv_heads, s, cfg.head_dim), jnp.bfloat16)
+    r, t, s = 2, 8, 256
+    q = jax.ShapeDtypeStruct((r, t, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, r, kv_heads, s, head_dim), dtype)
     kv_len = jax.ShapeDtypeStruct((r,), jnp.int32)
-    with getattr(gpu_kernel, "abstract_gpu", contextlib.nullcontext)():
+    with gpu_kernel.abstract_gpu():
+        assert gpu_kernel.choose_gpu_kernel(dtype, head_dim, s, dense=True) == \
+            ("mosaic" if call.startswith("mosaic") else "triton")
         text = jax.jit(acc.gpu_kernel_call).trace(q, kv, kv, kv_len).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "gather" not in text
+    assert text.count(call) == 1 and "gather" not in text
 
 
 @pytest.mark.parametrize("argv,msg", [
