@@ -5,8 +5,8 @@ holding TMA copies and tensor-core products, one slot split to 256 programs); ch
 equal to the reference (dense cache and paged pool; rows that see all, some or none of their
 keys; two query blocks; key splits; unwritten positions holding NaN / inf) and reading nothing
 outside its arrays when a row claims more keys than it holds, page ids and a cache row lie past
-their arrays and the layer past the last; a target forward over a bf16 cache lowered for an H100
-through it."""
+their arrays and the layer past the last; a target forward over a bf16 cache through it (lowered
+for an H100, and interpreted against the reference); per shard on a mesh of H100s."""
 
 from __future__ import annotations
 
@@ -268,3 +268,21 @@ def test_a_target_forward_through_the_interpreted_mosaic_kernel_equals_the_refer
     cfg, two_chunks = _forward_program()
     got = jax.jit(two_chunks)(params, tokens, KVCache.create(cfg, _R, _S, dtype=jnp.bfloat16, impl="pallas"))
     assert np.abs(np.asarray(got) - np.asarray(ref)).max() < 2e-2 * np.abs(np.asarray(ref)).max()
+
+
+def test_the_mosaic_kernel_runs_per_shard_on_a_mesh_of_h100s():
+    """On a 2 x 2 mesh of H100s (data x tensor) the paged read runs per shard: one Mosaic GPU call
+    inside the shard_map (rows over data, KV heads over tensor), the pool not gathered."""
+    _, args = _qwen_call(False, jnp.bfloat16, r=8)
+
+    def paged(layer, q, k, v, table, kv_len, q_start):
+        return paged_kernel.paged_attention_lse(q, k, v, table, kv_len, q_start, layer=layer[0], gpu=True,
+                                                interpret=False)
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(paged).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(MOSAIC) == 1 and TRITON not in text and "all-gather" not in text and "all_gather" not in text
+    assert text.count("sdy.manual_computation") == 1
