@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from dspark_jax.bench.roofline_measure import measure_programs
+from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine import engine as engine_mod
 from dspark_jax.target import decode_weights
@@ -128,7 +129,8 @@ def test_roofline_holds_one_engine_and_one_state_at_a_time(per_layer):
 
 def test_with_a_mesh_the_callers_model_holds_the_split(per_layer):
     """On a mesh the caller's model object is laid out in place and holds the engine's split
-    (a laid-out copy of the model would leave the caller's stacks alive beside it)."""
+    (a laid-out copy of the model would leave the caller's stacks alive beside it), and the
+    engine decodes what one off the mesh decodes."""
     from dspark_jax.parallel.sharding import make_mesh
 
     model = tiny_target(SCALED, logit_scale=1.0)
@@ -138,6 +140,10 @@ def test_with_a_mesh_the_callers_model_holds_the_split(per_layer):
     assert eng.target is model and model.layers.holds_per_layer
     assert model.arrays()["layers"][0]["down_proj"] is eng.tp["layers"][0]["down_proj"]
     assert live() - before < layers / 10
+    prompts, sampling = [[1, 2, 3], [4, 5]], SamplingParams(0.0, 0, 1.0)
+    plain = Engine(tiny_target(SCALED, logit_scale=1.0), None, CONFIG)  # the same weights, no mesh
+    assert ([r.tokens for r in eng.generate(prompts, max_new_tokens=6, sampling=sampling).results]
+            == [r.tokens for r in plain.generate(prompts, max_new_tokens=6, sampling=sampling).results])
 
 
 def test_keep_target_stacks_leaves_the_model_as_it_was(per_layer):
