@@ -109,7 +109,7 @@ def _cmd_predict(args) -> int:
     import jax
 
     from dspark_jax.config import ConfigError, served_config
-    from dspark_jax.engine.predict import predict_table
+    from dspark_jax.engine.predict import libtpu_version, predict_table
     from dspark_jax.parallel.slices import parse_slice
     from dspark_jax.parallel.topology import slice_devices
     from dspark_jax.scheduler.costs import FORMAT, write_checked
@@ -128,8 +128,9 @@ def _cmd_predict(args) -> int:
         only = {n.replace("@R", f"@{args.slots}") if n in ("round@R", "skip@R") else n
                 for n in args.programs.split(",") if n}
     log = lambda s: print(s, flush=True)
-    log(f"{args.config} on {slc.name} ({jax.__version__}, TPU compiler), mesh {mesh_shape}, {args.slots} slots x "
-        f"{args.context} tokens: compiling the draft, one round per bucket and the target-only step")
+    log(f"{args.config} on {slc.name} (jax {jax.__version__}, TPU compiler libtpu {libtpu_version()}), "
+        f"mesh {mesh_shape}, {args.slots} slots x {args.context} tokens: compiling the draft, one round per bucket "
+        "and the target-only step")
     try:
         d = predict_table(cfg, slots=args.slots, context=args.context, topology=slc.name, mesh_shape=mesh_shape,
                           gamma=args.gamma, kv_pages=args.kv_pages, temperature=args.temperature, buckets=buckets,
