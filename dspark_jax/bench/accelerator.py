@@ -48,12 +48,20 @@ import time
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.bench import roofline_model as rm
 from dspark_jax.bench.roofline_measure import best_of, device_rates, live_bytes, random_models, repeated, round_timing
+from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.engine.config import EngineConfig
+from dspark_jax.engine.engine import Engine
+from dspark_jax.engine.timing import engine_draft_timer, verify_gamma_policy
 from dspark_jax.io.compile_cache import compile_cache_dir, compile_seconds
+from dspark_jax.scheduler.costs import bucket_plan
+from dspark_jax.target.gpu_kernel import choose_gpu_kernel, gpu_kernel_fits
+from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse
 
 __all__ = ["Settings", "Budget", "run", "environment", "package_versions", "kernel_against_reference",
            "gpu_kernel_call", "reference_call", "KERNEL_TOLERANCE", "format_programs", "format_compiled",
@@ -117,7 +125,6 @@ def package_versions() -> dict:
 
 def environment() -> dict:
     """The backend this process runs on and what it is built from."""
-    import jax.extend
 
     devs = jax.devices()
     dev = devs[0]
@@ -181,7 +188,6 @@ def gpu_kernel_call(q, k, v, kv_len, interpret: bool = False):
     """The GPU kernel as the engine's attention backend calls it on a dense cache
     (`dense_attention_lse(..., gpu=True)`): q [R, T, Nq, D] over layer 0 of k, v [1, R, Nkv, S, D],
     the queries after each row's kv_len [R] keys (q_start = kv_len: each sees every key)."""
-    from dspark_jax.target.paged_kernel import dense_attention_lse
 
     return dense_attention_lse(q, k, v, kv_len, kv_len, layer=0, gpu=True, interpret=interpret)
 
@@ -189,7 +195,6 @@ def gpu_kernel_call(q, k, v, kv_len, interpret: bool = False):
 def reference_call(q, k, v, kv_len):
     """The reference path over the same cache: each row's whole cache gathered `[S, Nkv, D]` and
     masked to its kv_len keys, one softmax (`attention_lse`)."""
-    from dspark_jax.target.paged_kernel import attention_lse
 
     R, T, S = q.shape[0], q.shape[1], k.shape[3]
     mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < kv_len[:, None, None], (R, T, S))
@@ -205,7 +210,6 @@ def kernel_against_reference(cfg, dtype, *, slots: int, context: int, tokens: in
     -> {"shape", "reference", "kernel" (None off GPU or where the kernel does not take the shape),
     "kernel_name" (target/gpu_kernel.py's choice: "mosaic" or "triton"), "max_diff", "tolerance",
     "equal", "bytes", "flops"}."""
-    from dspark_jax.target.gpu_kernel import choose_gpu_kernel, gpu_kernel_fits
 
     R, T, S = slots, tokens, context
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -363,9 +367,6 @@ class _Run:
             self.save()
 
     def target_step(self, R: int) -> None:
-        from dspark_jax.decoding.sampling import SamplingParams
-        from dspark_jax.engine.config import EngineConfig
-        from dspark_jax.engine.engine import Engine
         target = self.models[0]
         fill = self._fill(self._gamma())
         sp = SamplingParams(0.0, 0, 1.0)
@@ -381,11 +382,6 @@ class _Run:
         del eng
 
     def engine(self, R: int) -> None:
-        from dspark_jax.decoding.sampling import SamplingParams
-        from dspark_jax.engine.config import EngineConfig
-        from dspark_jax.engine.engine import Engine
-        from dspark_jax.engine.timing import engine_draft_timer, verify_gamma_policy
-        from dspark_jax.scheduler.costs import bucket_plan
 
         target, drafter, _ = self.models
         G = self._gamma()
