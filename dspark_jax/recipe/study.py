@@ -213,7 +213,7 @@ def run_study(study: Study, out: Path, target: Path | None = None, *, stages=STA
             cmd = _py("eval", "--target", target, *[a for n in named for a in ("--drafter", n)],
                       "--prompts", data / "heldout_prompts.jsonl", "--num-prompts", study.num_heldout_prompts,
                       "--max-new-tokens", study.eval_max_new_tokens, "--temperature", t, "--top-p", top_p,
-                      "--top-k", top_k, "--mode", "engine" if t > 0 else "forced", "--no-sts-split", "--seed", 0,
+                      "--top-k", top_k, "--mode", "engine" if t > 0 else "forced", "--seed", 0,
                       "--out", res)
             run_stage(f"eval {res.name}", cmd, logs / f"eval_{res.name}.log", echo)
     summary = collect(study, out, target)
