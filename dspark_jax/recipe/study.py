@@ -64,10 +64,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dflash-l1": ("DFlash with DSpark's loss weighting 0.1 CE + 0.9 L1", ("drafter.kind=dflash",
                                                                          "train.loss_weights=config")),
 }
-# run unless --variants names others: the matched pair, and one change each for the position-1 question
-# (the L1 term, the BCE into shared weights, the head's capacity, the weighting)
-DEFAULT_VARIANTS = ("dspark", "dflash", "dspark-r4", "dflash-l13", "dspark-noseq", "dspark-ce", "dspark-nobce",
-                    "dspark-decay4")
+# run unless --variants names others: the parameter-matched pair, and one change each for the position-1
+# question (the L1 term: dspark-ce; the BCE into shared weights: dspark-nobce; the head's capacity:
+# dspark-r4). dspark-noseq and dspark-decay4 (the constant weighting) are selectable but left out so
+# that three seeds stay within 150 minutes on a 2-core machine (a DSpark run takes about 7 of them).
+DEFAULT_VARIANTS = ("dspark", "dflash", "dspark-r4", "dflash-l13", "dspark-ce", "dspark-nobce")
 
 
 @dataclass(frozen=True)
