@@ -281,6 +281,9 @@ def confidence_judgement(results: list[dict]) -> dict | None:
                      "tau": float(np.mean([sw["tau"] for sw, _ in per_seed])),
                      "verified_per_round": float(np.mean([sw["verified_per_round"] for sw, _ in per_seed])),
                      "fixed_verified_per_round": float(np.mean(fixed))})
+        shares = [sw["accepted_share"] for sw, _ in per_seed if "accepted_share" in sw]
+        if shares:  # of the verified drafts, the share accepted (the paper's threshold figure)
+            rows[-1]["accepted_share"] = float(np.mean(shares))
     out["sweep"] = rows
     return out
 
@@ -313,7 +316,8 @@ def collect(study: Study, out: Path, target) -> dict:
             _, plo, phi = prompt_bootstrap_tau(acc, rnd)
             per_variant[v] = {"tau": tau, "ci95": [lo, hi], "prompt_only_ci95": [plo, phi], "seeds": seeds,
                               "seed_taus": seed_taus(acc, rnd).tolist(), "prompts": int(acc.shape[1]),
-                              "acceptance_per_position": _nanmean_rows(pos)}
+                              "acceptance_per_position": _nanmean_rows(pos),
+                              "position1_per_seed": [float(p[0]) for p in pos]}
             judged = confidence_judgement(heads)
             if judged:
                 per_variant[v]["confidence"] = judged
@@ -374,7 +378,7 @@ def _params(counts) -> str:
     return ", ".join(f"{c / 1e6:.2f} M" for c in counts) if counts else "-"
 
 
-SHOWN_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+SHOWN_THRESHOLDS = (0.0, 0.3, 0.5, 0.8, 0.9)  # 0 -> 0.8: the paper's threshold figure
 
 
 def confidence_lines(s: dict) -> list[str]:
@@ -392,14 +396,40 @@ def confidence_lines(s: dict) -> list[str]:
                   "(a mixture of two lengths between integers): fewer tokens verified at the same tau is the "
                   "paper's case for the head.", "",
                   "| variant | ROC-AUC before -> after | ECE before -> after | threshold | tau | verified / round | "
-                  "fixed lengths verify |", "|---|---|---|---|---|---|---|"]
+                  "accepted share of verified | fixed lengths verify |", "|---|---|---|---|---|---|---|---|"]
         for v, j in judged.items():
             rows = [r for r in j["sweep"] if any(abs(r["threshold"] - x) < 1e-9 for x in SHOWN_THRESHOLDS)]
             for k, r in enumerate(rows):
                 head = (f"| {v} | {f(j['auc_before_mean'])} -> {f(j['auc_after_mean'])} | "
                         f"{f(j['ece_before_mean'])} -> {f(j['ece_after_mean'])} |" if k == 0 else "| | | |")
+                share = f"{100 * r['accepted_share']:.1f} %" if "accepted_share" in r else "-"
                 lines.append(f"{head} {r['threshold']:.1f} | {r['tau']:.3f} | {r['verified_per_round']:.2f} | "
-                             f"{f(r['fixed_verified_per_round'])} |")
+                             f"{share} | {f(r['fixed_verified_per_round'])} |")
+    return lines
+
+
+def position1_lines(s: dict) -> list[str]:
+    """The first draft position's conditional acceptance per variant and setting: the mean over
+    seeds, each seed's value, and the difference to DFlash's mean."""
+    settings = [t for t, per in s["eval"].items() if any("position1_per_seed" in r for r in per.values())]
+    if not settings:
+        return []
+    variants = [v for v in s["variants"] if any(v in s["eval"][t] for t in settings)]
+    lines = ["", "## Position 1: acceptance of the first draft (mean over seeds, each seed, minus DFlash's mean)", "",
+             "| variant | " + " | ".join(f"T = {t}" for t in settings) + " |", "|---|" + "---|" * len(settings)]
+    for v in variants:
+        cells = []
+        for t in settings:
+            r, b = s["eval"][t].get(v), s["eval"][t].get(BASELINE)
+            if not r or "position1_per_seed" not in r:
+                cells.append("-")
+                continue
+            m = float(np.mean(r["position1_per_seed"]))
+            cell = f"{m:.3f} ({', '.join(f'{x:.3f}' for x in r['position1_per_seed'])})"
+            if b and v != BASELINE and "position1_per_seed" in b:
+                cell += f", {m - float(np.mean(b['position1_per_seed'])):+.3f}"
+            cells.append(cell)
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -443,6 +473,7 @@ def report_markdown(s: dict) -> str:
                          f"{ratio} | {pos} |")
         if not per:
             lines.append("| not evaluated yet | | | | | |")
+    lines += position1_lines(s)
     lines += confidence_lines(s)
     steps = sorted({p["step"] for c in s["curves"].values() for p in c})
     if steps:

@@ -55,6 +55,11 @@ def test_study_runs_end_to_end_then_resumes_without_work(embedded_tiny_dir, tmp_
             assert np.isnan(r["fixed_verified_per_round"]) or 0 <= r["fixed_verified_per_round"] <= 4
         assert j["sweep"][0]["threshold"] == 0.0 and j["sweep"][0]["verified_per_round"] == 4  # no threshold: full
     assert "## The confidence head at T = 1: calibration and tokens verified at equal tau" in report
+    for t in s["eval"]:  # position 1 per seed: what the variants' first-position means are made of
+        for r in s["eval"][t].values():
+            assert len(r["position1_per_seed"]) == 2
+            assert np.isclose(np.nanmean(r["position1_per_seed"]), r["acceptance_per_position"][0], equal_nan=True)
+    assert "## Position 1: acceptance of the first draft" in report
     assert (out / "study.png").is_file()
 
     docs = tmp_path / "study.md"
@@ -99,11 +104,12 @@ def test_confidence_judgement_averages_seeds_and_prices_fixed_lengths_at_equal_t
     tau 2.0 verifying 1.0 (fixed lengths need 1.0). The means: tau 2.25, 1.25 verified, 1.5 fixed."""
     fixed = [{"length": n, "verified_per_round": float(n), "tau": 1.5 + n / 2} for n in (1, 2, 3)]
     sts = {"auc_before_mean": 0.6, "auc_after_mean": 0.7, "ece_before_mean": 0.2, "ece_after_mean": 0.1}
-    sweep = lambda tau, v: [{"threshold": 0.5, "tau": tau, "verified_per_round": v}]
+    sweep = lambda tau, v: [{"threshold": 0.5, "tau": tau, "verified_per_round": v, "accepted_share": (tau - 1) / v}]
     seeds = [{"threshold_sweep": sweep(2.5, 1.5), "fixed_length_sweep": fixed, "sts_split": sts},
              {"threshold_sweep": sweep(2.0, 1.0), "fixed_length_sweep": fixed, "sts_split": {"error": "too few"}},
              {"per_request": {}}]  # a drafter without a confidence head is left out
     j = confidence_judgement(seeds)
     assert j["seeds"] == 2 and j["auc_before_mean"] == 0.6 and j["ece_after_mean"] == 0.1
-    assert j["sweep"] == [{"threshold": 0.5, "tau": 2.25, "verified_per_round": 1.25, "fixed_verified_per_round": 1.5}]
+    assert j["sweep"] == [{"threshold": 0.5, "tau": 2.25, "verified_per_round": 1.25, "fixed_verified_per_round": 1.5,
+                           "accepted_share": 1.0}]
     assert confidence_judgement([{"per_request": {}}]) is None
