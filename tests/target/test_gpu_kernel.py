@@ -27,12 +27,12 @@ from dspark_jax.target.gpu_kernel import (
     MIN_PROGRAMS,
     QUERY_BLOCK,
     _splits,
-    abstract_gpu,
     gpu_cache_attention_lse,
     gpu_kernel_fits,
 )
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kernel import attention_lse, dense_attention_lse, paged_attention_lse
+from dspark_jax.testing.gpu_lowering import custom_call_configs, lower_for_gpu
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -103,27 +103,15 @@ def test_paged_kernel_equals_reference():
 
 
 def _lowered_for(kind, f, *args):
-    """f lowered for CUDA on this CPU host, for an abstract GPU of that kind (jax 0.12's Triton
-    lowering asks the device for its compute capability; 0.10.2 lowers without): the StableHLO
-    text and, per Triton call, its Triton module as text and its grid's program count."""
-    with abstract_gpu(kind):
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    """f lowered for CUDA on this CPU host for an abstract GPU of that kind: the StableHLO text and,
+    per Triton call, its Triton module as text and its grid's program count."""
+    lowered = lower_for_gpu(kind, f, *args)
     calls = []
-
-    def walk(op):
-        op = op.operation
-        if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value == TRITON:
-            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-            programs = int(np.prod([ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz"]))
-            with ir.Context() as ctx:  # the call carries the Triton module as bytecode
-                tt_dialect.register_dialect(ctx)
-                calls.append((str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)), programs))
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    walk(inner)
-
-    walk(lowered.compiler_ir("stablehlo"))
+    for config in custom_call_configs(lowered, TRITON):
+        programs = int(np.prod([ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz"]))
+        with ir.Context() as ctx:  # the call carries the Triton module as bytecode
+            tt_dialect.register_dialect(ctx)
+            calls.append((str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)), programs))
     return lowered.as_text(), calls
 
 

@@ -29,6 +29,7 @@ from dspark_jax.target.gpu_mosaic import mosaic_cache_attention_lse, mosaic_fits
 from dspark_jax.target.gpu_splits import MIN_PROGRAMS, splits
 from dspark_jax.target.kv_cache import KVCache
 from dspark_jax.target.paged_kernel import attention_lse
+from dspark_jax.testing.gpu_lowering import custom_call_configs, lower_for_gpu
 from dspark_jax.testing.tiny import tiny_config, tiny_target
 
 MOSAIC = "mosaic_gpu_v2"
@@ -145,24 +146,13 @@ def _lowered(kind, f, *args):
     """f lowered for CUDA for an abstract GPU of that kind: the StableHLO text and the Mosaic GPU
     modules of its calls as text (their dialect registered, the GPU dialects they carry read as
     unregistered operations)."""
-    with abstract_gpu(kind):
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(kind, f, *args)
     modules = []
-
-    def walk(op):
-        op = op.operation
-        if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value == MOSAIC:
-            blob = ir.StringAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])["module"]).value_bytes
-            with jax_mlir.make_ir_context() as ctx:
-                mgpu.dialect.register_dialect(ctx)
-                ctx.allow_unregistered_dialects = True
-                modules.append(str(ir.Module.parse(blob)))
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    walk(inner)
-
-    walk(lowered.compiler_ir("stablehlo"))
+    for config in custom_call_configs(lowered, MOSAIC):
+        with jax_mlir.make_ir_context() as ctx:
+            mgpu.dialect.register_dialect(ctx)
+            ctx.allow_unregistered_dialects = True
+            modules.append(str(ir.Module.parse(ir.StringAttr(config["module"]).value_bytes)))
     return lowered.as_text(), modules
 
 
