@@ -4,7 +4,8 @@ Prefill writes each row's prompt into the cache in one forward pass, then the de
 loop samples one token per row per step. Both run the engine's decode path: the one forward
 (target/forward.py) over the weights as the engine's programs hold them
 (`decode_weights.decode_arrays`: one array per layer where `kernels.per_layer_decode` says so,
-each weight read once a step) and the cache read by the attention backend the engine's
+each weight read once a step; the model then holds that split in place of its stacks, so the
+weights are on the devices once) and the cache read by the attention backend the engine's
 programs use (target/attention_backend.py). The whole loop is one compiled ``lax.while_loop``
 that exits early once every row is done (stop token or its own max-new-tokens), so the
 host is not in the loop. ``generate_host_loop`` runs the same step from Python (one
@@ -133,7 +134,7 @@ def _prepare(model, prompts, prompt_lens, max_new_tokens, sample_index, seed, sa
     t, k, tp = sampling if sampling is not None else SamplingParams()
     sampling = SamplingParams(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(tp, jnp.float32))
     stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-    tp = decode_arrays(model, per_layer=per_layer_decode())
+    tp = decode_arrays(model, per_layer=per_layer_decode(), hold=True)  # the model keeps the split: one copy
     return (model.cfg, tp, prompts, jnp.asarray(lens, jnp.int32), row_keys(seed, idx),
             jnp.asarray(mx, jnp.int32), sampling, stops)
 

@@ -1,6 +1,7 @@
 """One copy of the target's weights on the devices: an engine that splits the layers per layer (as
 compiled for an accelerator, forced here on the CPU) leaves its model holding that split instead
-of its stacks, a second engine adds no weights, `plan engine` counts what a built engine holds,
+of its stacks, a second engine adds no weights, target-only generation holds them once while it
+runs, `plan engine` counts what a built engine holds,
 and `bench roofline` holds one engine and one decode state at a time.
 
 The model is scaled so that one copy of its decoder layers outweighs everything else a check
@@ -17,7 +18,7 @@ from dspark_jax.bench.roofline_measure import measure_programs
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig
 from dspark_jax.engine import engine as engine_mod
-from dspark_jax.target import decode_weights
+from dspark_jax.target import decode_weights, generation
 from dspark_jax.target.config import ModelConfig
 from dspark_jax.testing.tiny import tiny_drafter, tiny_target
 
@@ -74,6 +75,33 @@ def test_engines_and_model_hold_the_layers_once(per_layer):
     assert layers > 10 * state
     # a decode state and the engines' small arrays (controls, tables), no copy of the layers
     assert grown < state + layers / 10, (grown, state, layers)
+
+
+def _live_while_generating(monkeypatch, hold: bool) -> tuple[int, int]:
+    """(the layers' bytes, the bytes the model and generation add to the live arrays while the
+    compiled decode loop runs) for `generate` with per-layer weights forced, the split held by the
+    model (`hold`) or copied beside its stacks (the broken variant)."""
+    monkeypatch.setattr(generation, "per_layer_decode", lambda mesh=None: True)
+    real_split, real_loop = generation.decode_arrays, generation._generate_jit
+    monkeypatch.setattr(generation, "decode_arrays", lambda *a, **k: real_split(*a, **{**k, "hold": hold}))
+    seen = []
+    monkeypatch.setattr(generation, "_generate_jit", lambda *a, **k: seen.append(live()) or real_loop(*a, **k))
+    before = live()
+    model = tiny_target(SCALED, logit_scale=1.0)
+    layers = nbytes(model.layers.arrays())
+    prompts = jax.numpy.ones((2, 8), jax.numpy.int32)
+    generation.generate(model, prompts, [8, 8], max_new_tokens=4, sampling=SamplingParams(0.0, 0, 1.0))
+    return layers, seen[0] - before
+
+
+def test_generation_holds_the_layers_once(monkeypatch):
+    layers, during = _live_while_generating(monkeypatch, hold=True)
+    assert during < 1.2 * layers, (during, layers)
+
+
+def test_the_generation_measure_sees_a_second_copy(monkeypatch):
+    layers, during = _live_while_generating(monkeypatch, hold=False)
+    assert during >= 1.9 * layers, (during, layers)
 
 
 def test_plan_counts_what_an_engine_holds(per_layer):

@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.parallel.sharding import create_model
+from dspark_jax.target import TargetModel
 from dspark_jax.target.generation import _generate_jit, generate, generate_host_loop
 
 N = 8  # max new tokens
@@ -106,16 +108,22 @@ def test_bad_input_is_named(micro_target, prompts):
         generate(micro_target, prompts, LENS, max_new_tokens=N, max_new=N + 1)
 
 
-def test_per_layer_decode_path_gives_the_same_tokens(micro_target, prompts, reference, monkeypatch):
+def test_per_layer_decode_path_gives_the_same_tokens(micro_cfg, prompts, reference, monkeypatch):
     """Where the engine's programs run the layers over per-layer weights (accelerators), so does
-    generation: forced here on the CPU, the greedy tokens still equal the no-cache reference, and
-    the weights the loop was given were the per-layer tuple."""
+    generation: forced here on the CPU (on a fresh copy of the session's model, which the split
+    changes), the greedy tokens still equal the no-cache reference, the model holds the per-layer
+    split afterwards (one copy of the weights), and a second call over it gives the same tokens."""
     import dspark_jax.target.generation as generation
 
     monkeypatch.setattr(generation, "per_layer_decode", lambda mesh=None: True)
     seen = []
     real = generation.decode_arrays
     monkeypatch.setattr(generation, "decode_arrays", lambda *a, **k: seen.append(k) or real(*a, **k))
-    out = generate(micro_target, prompts, LENS, max_new_tokens=N, sampling=SamplingParams(0.0, 0, 1.0))
+    model = create_model(lambda: TargetModel(micro_cfg.target.model, rngs=nnx.Rngs(0)))  # as micro_target
+    greedy = SamplingParams(0.0, 0, 1.0)
+    out = generate(model, prompts, LENS, max_new_tokens=N, sampling=greedy)
     np.testing.assert_array_equal(np.asarray(out.tokens), reference(prompts, LENS, N))
-    assert seen == [{"per_layer": True}]
+    assert seen == [{"per_layer": True, "hold": True}]
+    assert isinstance(model.arrays()["layers"], tuple)  # held per layer: the stacks are gone
+    again = generate(model, prompts, LENS, max_new_tokens=N, sampling=greedy)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
