@@ -8,7 +8,8 @@ chi-square at significance alpha = 1e-4 (df = non-zero cells - 1). Power: for a
 deviation of total variation d, the noncentrality is >= N * (2d)^2 (Cauchy-Schwarz), so
 TV 0.02 gives lambda >= 80 and, at df 63, power >= 0.9 (computed in `test_power`).
 Deliberately broken verifiers (no residual resampling; q not filtered as sampled) must
-fail the same test.
+fail the same test. The default scheduling (production lengths, a round that skips drafting) is
+tested the same way on the second and third tokens, which mix both sources.
 """
 
 from __future__ import annotations
@@ -121,6 +122,73 @@ def test_distribution_matches_target(target, drafters, kind, setting):
     counts = sample_cells(target, drafters[kind], sp)
     pv = chi2_pvalue(counts, reference(target, sp))
     assert pv > ALPHA, f"{kind} @ {setting}: p-value {pv:.2e}"
+
+
+# The default scheduling (`EngineConfig(policy="auto")`: DSpark's production scheduler on its
+# survivals and the "known" skip rule) on a table where a draft costs 1.2 target steps and
+# verifying every slot's block costs 5 % more than one token a slot, so that all-accepted drafts
+# would pay (3 tokens for 2.25 steps) and these drafters' survivals do not. Round 0 drafts (nothing
+# is known yet; the production scheduler's capacity before any survival is known admits every
+# block: admission that varies is tests/engine/test_lossless_scheduler.py's), and later rounds skip
+# drafting (target-only steps). Of the 3 new tokens, a request takes x2 and x3 from round 0, x3
+# from a skipped step, or both from skipped steps, by how many drafts round 0 accepted: the
+# cells (x2, x3) mix all three.
+DEFAULT_BUCKETS = (N, N * (G + 1))
+DEFAULT_T_VERIFY = (1.0, 1.05)
+
+
+def default_engine(target, drafter, verifier="exact"):
+    key = ("default", verifier)
+    if key not in _ENGINES:
+        kw = {"verify": broken.verify_no_residual} if verifier == "no_residual" else {}
+        config = EngineConfig(num_slots=N, max_len=len(PROMPT) + 3 + G + 2, buckets=DEFAULT_BUCKETS,
+                              prefill_buckets=(len(PROMPT),))
+        _ENGINES[key] = Engine(target, drafter, config, **kw)
+    return _ENGINES[key]
+
+
+def reference_x2_x3(target, sp: SamplingParams) -> np.ndarray:
+    """Exact P(x2, x3) [V, V] under the target with the sampling transform (x1 summed out)."""
+    V = target.cfg.vocab_size
+    p1 = sampling_probs(target(jnp.asarray([PROMPT])).logits[0, -1], *sp)
+    p2 = sampling_probs(target(jnp.asarray([PROMPT + [a] for a in range(V)])).logits[:, -1], *sp)  # [x1, x2]
+    seqs = jnp.asarray([PROMPT + [a, b] for a in range(V) for b in range(V)])
+    p3 = sampling_probs(target(seqs).logits[:, -1], *sp).reshape(V, V, V)  # [x1, x2, x3]
+    return np.asarray(jnp.einsum("a,ab,abc->bc", p1, p2, p3), np.float64)
+
+
+def sample_default_cells(target, drafter, sp, verifier="exact") -> tuple[np.ndarray, np.ndarray, dict]:
+    """(x2, x3) counts [V, V], the rounds each request took, and the traces, under the default scheduling."""
+    from dspark_jax.scheduler.prefix import make_table
+
+    eng = default_engine(target, drafter, verifier)
+    table = make_table(DEFAULT_BUCKETS, t_verify=DEFAULT_T_VERIFY, t_draft=1.2)
+    res = eng.generate([PROMPT] * N, max_new_tokens=3, sampling=sp, seed=0, table=table, traces=True)
+    toks = np.asarray([r.tokens for r in res.results])
+    assert toks.shape == (N, 3)
+    V = target.cfg.vocab_size
+    counts = np.bincount(toks[:, 1] * V + toks[:, 2], minlength=V * V).reshape(V, V)
+    return counts, np.asarray([r.rounds for r in res.results]), res.traces.arrays()
+
+
+def test_default_scheduling_with_a_skipped_round_matches_target(target, drafters):
+    sp = SETTINGS["t1"]
+    counts, rounds, tr = sample_default_cells(target, drafters["dspark"], sp)
+    drafted = {int(r) for r in np.unique(tr["round"]) if (tr["conf_logits"][tr["round"] == r] != 0).any()}
+    assert drafted == {0} and len(np.unique(tr["round"])) == 3  # round 0 drafted, rounds 1 and 2 skipped
+    assert np.all(tr["length"][tr["round"] > 0] == 0)
+    # informative: every mix of sources is common (1 round: all from round 0; 2: x3 skipped; 3: x2, x3 skipped)
+    share = np.bincount(rounds, minlength=4)[1:] / N
+    assert np.all(share > 0.05), share
+    pv = chi2_pvalue(counts, reference_x2_x3(target, sp))
+    assert pv > ALPHA, f"default scheduling @ t1: p-value {pv:.2e}"
+
+
+def test_default_scheduling_with_the_broken_verifier_fails(target, drafters):
+    sp = SETTINGS["t1"]
+    counts, _, _ = sample_default_cells(target, drafters["dspark"], sp, verifier="no_residual")
+    pv = chi2_pvalue(counts, reference_x2_x3(target, sp))
+    assert pv < ALPHA, f"resampling from p instead of the residual went undetected (p-value {pv:.3f})"
 
 
 def test_broken_no_residual_fails(target, drafters):
