@@ -30,8 +30,10 @@ def _build_engine(args):
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     drafter_dir = args.drafter if Path(args.drafter).is_dir() else None
     e3 = args.drafter == EAGLE3.name  # the random Eagle3 drafter fuses target layer 0
+    # a skip rule (any: every timed round is pinned) so that the round that skips drafting is
+    # compiled and timed too: the table's `t_skip`, what a skipped round costs the scheduler
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
-              policy=verify_gamma_policy)
+              policy=verify_gamma_policy, skip_drafting="best_case")
     if (Path(args.model) / "config.json").is_file():
 
         lt, drafter, _ = load_models(args.model, drafter_dir, None if drafter_dir else "ar", args.dtype)
@@ -86,6 +88,8 @@ def _cmd_measure(args) -> int:
         for r, t in zip(rs, tds):
             log(f"draft per round at {r:4d} requests: {1e3 * t:.3f} ms")
         extra = {"draft_requests": rs, "t_draft_by_requests": tds}
+    if "t_skip" in res:
+        extra["t_skip"] = res["t_skip"]
     path = save_cost_file(
         args.out, res["buckets"], res["t_verify"], res["t_draft"], backend=jax.default_backend(),
         device_kind=dev.device_kind,

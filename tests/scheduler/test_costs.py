@@ -247,6 +247,7 @@ def test_measure_a_checkpoint_and_its_trained_drafter(tmp_path, embedded_tiny_di
                  "--out", str(out)]) == 0
     d = load_cost_file(out, expect_backend=jax.default_backend())
     assert d["engine"]["gamma"] == 4 and d["buckets"] == [1, 2, 4, 5] and d["t_draft"] > 0
+    assert d["t_skip"] > 0  # the round that skips drafting, timed: what the skip rule prices a skipped round at
     assert "the checkpoint weights" in d["provenance"]
     with pytest.raises(SystemExit):
         main(["measure", "--drafter", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "x.json")])
