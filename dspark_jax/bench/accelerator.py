@@ -57,7 +57,7 @@ from dspark_jax.bench.roofline_measure import best_of, device_rates, live_bytes,
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.engine import Engine
-from dspark_jax.engine.timing import engine_draft_timer, verify_gamma_policy
+from dspark_jax.engine.timing import engine_draft_timer
 from dspark_jax.io.compile_cache import compile_cache_dir, compile_seconds
 from dspark_jax.scheduler.costs import bucket_plan
 from dspark_jax.target.gpu_kernel import choose_gpu_kernel, gpu_kernel_fits
@@ -387,7 +387,7 @@ class _Run:
         G = self._gamma()
         fill = self._fill(G)
         sp = SamplingParams(0.0, 0, 1.0)
-        eng = Engine(target, drafter, EngineConfig(num_slots=R, max_len=self.s.context, policy=verify_gamma_policy,
+        eng = Engine(target, drafter, EngineConfig(num_slots=R, max_len=self.s.context, policy="fixed",
                                                    buckets=self._buckets(R, G)))
         prompt = max(min(16, fill), eng.min_prompt_len, 2)
         st = eng.state_shape  # compiled for its shapes, no state made

@@ -27,7 +27,7 @@ from dspark_jax.engine.buckets import bucket_for
 from dspark_jax.engine.config import EngineConfig
 from dspark_jax.engine.drafter_fit import draft_shape
 from dspark_jax.engine.engine import Engine
-from dspark_jax.engine.timing import engine_draft_timer, prefilled_state, verify_gamma_policy
+from dspark_jax.engine.timing import engine_draft_timer, prefilled_state
 from dspark_jax.scheduler.costs import MeasureError, bucket_plan
 from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
 
@@ -182,7 +182,7 @@ def measure_programs(target, drafter, *, slots: int, context: int, fill: float, 
     del ar
     live["target_step"] = live_bytes()
 
-    ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy=verify_gamma_policy))
+    ds = Engine(target, drafter, EngineConfig(num_slots=slots, max_len=context, policy="fixed"))
     st = ds.state_shape
     m = rm.model_shapes(ds.spec, ds.tp, rm.named_leaves(ds.dp), st)
     for b, (k, g) in sorted(bucket_plan(ds.priced_buckets, ds.R, ds.G).items()):

@@ -24,7 +24,6 @@ def _build_engine(args):
     from dspark_jax.drafter.kinds.eagle3 import EAGLE3
     from dspark_jax.drafter.random_models import random_drafter, random_target, tiny_config
     from dspark_jax.engine import Engine, EngineConfig
-    from dspark_jax.engine.timing import verify_gamma_policy
     from dspark_jax.io.loading import load_models
 
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
@@ -33,7 +32,7 @@ def _build_engine(args):
     # a skip rule (any: every timed round is pinned) so that the round that skips drafting is
     # compiled and timed too: the table's `t_skip`, what a skipped round costs the scheduler
     kw = dict(max_len=args.max_len, gamma=args.gamma if e3 else None, layer_ids=(0,) if e3 else None,
-              policy=verify_gamma_policy, skip_drafting="best_case")
+              policy="fixed", skip_drafting="best_case")
     if (Path(args.model) / "config.json").is_file():
 
         lt, drafter, _ = load_models(args.model, drafter_dir, None if drafter_dir else "ar", args.dtype)

@@ -11,15 +11,8 @@ import jax.numpy as jnp
 from dspark_jax.engine.state import PIN_SKIP
 from dspark_jax.scheduler.costs import MeasureError, bucket_plan, measure_table, time_stat
 
-__all__ = ["verify_gamma_policy", "prefilled_state", "engine_draft_timer", "engine_round_timer", "measure_engine",
+__all__ = ["prefilled_state", "engine_draft_timer", "engine_round_timer", "measure_engine",
            "draft_time", "engine_skip_timer"]
-
-
-def verify_gamma_policy(a, active, ctl, a_stale, stale_valid):
-    """Measurement policy: every active slot verifies ``ctl.gamma`` drafts, so a round with k
-    active slots packs exactly k * (1 + gamma) tokens and lands in a bucket chosen by (k, gamma)."""
-
-    return jnp.where(active, ctl.gamma, 0).astype(jnp.int32)
 
 
 def prefilled_state(engine, k: int, seed: int = 0, prompt: int | None = None, fill: int | None = None):

@@ -24,7 +24,7 @@ for the expected backend and bucket set (a table from other hardware is fine for
 not for scheduling a live engine).
 
 Measurement (:func:`measure_engine`) times the engine's own compiled round (`Engine.step`)
-once per bucket: the engine is built with :func:`verify_gamma_policy`, so k active slots
+once per bucket, each round's length pinned (`Control.pin`), so k active slots
 verifying g drafts each pack k * (1 + g) tokens and the round runs that bucket's branch of
 its `lax.switch` (checked on `RoundOut.bucket`). The draft part is the engine's draft
 function timed on the same state, alternating with the rounds; ``t_verify(b) = t_round(b) -

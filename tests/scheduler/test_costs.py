@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.engine.timing import measure_engine, verify_gamma_policy
+from dspark_jax.engine.timing import measure_engine
 from dspark_jax.scheduler.costs import (
     MEASURED_ON,
     PREDICTED_ON,
@@ -129,7 +129,7 @@ def tiny_engine():
     target = tiny_target(tiny_config())
     drafter = tiny_drafter("dspark", target, gamma=2)
     return Engine(target, drafter, EngineConfig(num_slots=2, max_len=16, buckets=[1, 2, 3, 4, 6],
-                                                policy=verify_gamma_policy))
+                                                policy="fixed"))
 
 
 @pytest.mark.filterwarnings("ignore:bucket .* clipped:RuntimeWarning")  # timing noise, not under test here
