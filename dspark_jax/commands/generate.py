@@ -54,15 +54,18 @@ def parse_args(argv=None):
                     help="scheduler objective: tau*SPS(B) (paper) or tau/(T_draft+T_verify(B))")
     ap.add_argument("--cost-model", default=None, choices=("interp", "step"),
                     help="price of B tokens between buckets (default: the policy's own)")
-    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto", choices=("known", "best_case"),
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto",
+                    choices=("known", "acceptance", "best_case"),
                     help="with an explicit --policy: skip the drafter in rounds where the cost table says no "
                          "speculation pays: 'known' (without a value) on the last known survivals, probing every "
-                         "8 rounds; 'best_case' only when even perfect drafts would not pay. --policy auto "
-                         "chooses its own")
+                         "8 rounds; 'acceptance' on the acceptance of past rounds (any drafter, policy fixed); "
+                         "'best_case' only when even perfect drafts would not pay. --policy auto chooses its own")
     ap.add_argument("--probe-every", type=int, default=8,
-                    help="--skip-drafting known: rounds skipped before drafting again to refresh the survivals")
+                    help="--skip-drafting known / acceptance: rounds skipped before drafting again to refresh "
+                         "the survivals")
     ap.add_argument("--probe-max", type=int, default=64,
-                    help="--skip-drafting known: that interval doubles up to this while drafting does not pay")
+                    help="--skip-drafting known / acceptance: that interval doubles up to this while drafting "
+                         "does not pay")
     ap.add_argument("--calibrated", action="store_const", const=True, default="auto",
                     help="require the STS temperatures stored with the drafter for this sampling (python -m "
                          "dspark_jax calibrate). Default: used where the drafter has them")

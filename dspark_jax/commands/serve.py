@@ -60,7 +60,8 @@ def parse_args(argv=None):
                          "batch). Default: the fit at temperature 1 where the drafter has one")
     ap.add_argument("--no-sts", dest="calibrated", action="store_const", const=None,
                     help="no STS temperatures, even where the drafter has them")
-    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto", choices=("known", "best_case"),
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default="auto",
+                    choices=("known", "acceptance", "best_case"),
                     help="with an explicit --policy: skip the drafter in rounds where the cost table says "
                          "speculation does not pay (python -m dspark_jax generate --help); --policy auto "
                          "chooses its own")

@@ -23,7 +23,8 @@ __all__ = ["AUTO", "EngineConfig", "EngineConfigError", "SKIP_RULES"]
 AUTO = "auto"  # policy / skip_drafting: the drafter kind's default (`DrafterKind.default_scheduling`)
 
 # accepted `skip_drafting` values -> the rule the compiled round applies (None: always draft)
-SKIP_RULES = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case"}
+SKIP_RULES = {False: None, None: None, "none": None, True: "known", "known": "known", "best_case": "best_case",
+              "acceptance": "acceptance"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class EngineConfig:
     theta: str = "latency"
     # how a scheduler prices B tokens: "interp" / "step"; None = the policy's own default
     cost: str | None = None
-    # skip the whole draft when it cannot pay: None, "best_case" or "known" (True = "known");
+    # skip the whole draft when it cannot pay: None, "best_case", "known" (on the confidence head's
+    # survivals; True = "known") or "acceptance" (on past rounds' acceptance, any drafter);
     # "auto": the kind's default with policy "auto", else None
     skip_drafting: str | bool | None = "auto"
     # a scheduled engine given no cost table measures its own on its compiled programs, read back
@@ -54,7 +56,7 @@ class EngineConfig:
     own_costs: bool = True
     # timed calls per bucket when it measures (after one untimed; the median)
     own_costs_repeats: int = 3
-    # "known" rule: rounds between probes that refresh the survivals ...
+    # rules on survivals ("known", "acceptance"): rounds between probes that refresh them ...
     probe_every: int = 8
     # ... doubled while fresh survivals say no, up to this
     probe_max: int = 64
@@ -109,7 +111,7 @@ class EngineConfig:
             raise EngineConfigError(f"EngineConfig: {e}") from None
         if self.skip_drafting != AUTO and self.skip_drafting not in SKIP_RULES:
             raise EngineConfigError(f"EngineConfig.skip_drafting={self.skip_drafting!r}: use 'auto', None, "
-                                    "'best_case' or 'known' (True = 'known')")
+                                    "'best_case', 'known' (True = 'known') or 'acceptance'")
         _at_least("own_costs_repeats", self.own_costs_repeats, 1, "one timed call a bucket at least")
         if not (_is_int(self.probe_every) and _is_int(self.probe_max) and 1 <= self.probe_every <= self.probe_max):
             raise EngineConfigError(f"EngineConfig needs 1 <= probe_every <= probe_max, got {self.probe_every} and "
@@ -130,12 +132,12 @@ class EngineConfig:
 
     @property
     def skip_rule(self) -> str | None:
-        """The skip rule the config names, by its one name: None, "best_case" or "known" ("auto":
+        """The skip rule the config names, by its one name: None, "best_case", "known" or "acceptance" ("auto":
         None here; the drafter kind decides, `scheduling`)."""
         return SKIP_RULES[None if self.skip_drafting == AUTO else self.skip_drafting]
 
     def scheduling(self, kind, drafter) -> tuple[str | Callable, str | None]:
-        """(policy, skip rule by its one name: None, "best_case" or "known") for a drafter of
+        """(policy, skip rule by its one name: None, "best_case", "known" or "acceptance") for a drafter of
         `kind` (None: target-only): "auto" takes the kind's `default_scheduling`; an explicit
         policy with skip_drafting "auto" skips nothing."""
         if kind is None:
@@ -144,7 +146,12 @@ class EngineConfig:
         if policy == AUTO:
             policy, default_skip = kind.default_scheduling(drafter)
             skip = default_skip if skip == AUTO else skip
-        return policy, SKIP_RULES[None if skip == AUTO else skip]
+        rule = SKIP_RULES[None if skip == AUTO else skip]
+        if rule == "acceptance" and policy != "fixed":
+            raise EngineConfigError(f"EngineConfig.skip_drafting='acceptance' prices rounds of the fixed length, and "
+                                    f"the policy is {policy!r}: use skip_drafting 'known' with a scheduler, or "
+                                    "policy 'fixed'")
+        return policy, rule
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with `changes` (checked like a new config)."""

@@ -34,5 +34,5 @@ def check_confidence_head(drafter, config: EngineConfig, G: int, skip_rule, mode
     if reads and not getattr(getattr(drafter, "dcfg", None), "confidence_head", False):
         what = f"policy {policy!r}" if policy != "fixed" else f"skip_drafting={config.skip_drafting!r}"
         raise EngineError(f"{what} schedules verification from the drafter's confidence head, and this {mode} "
-                          "drafter has none: use policy 'fixed' (and no skip_drafting, or 'best_case'), or a "
-                          "DSpark drafter trained with its confidence head")
+                          "drafter has none: use policy 'fixed' (and skip_drafting 'acceptance', 'best_case' or "
+                          "none), or a DSpark drafter trained with its confidence head")

@@ -374,12 +374,12 @@ class Engine:
 
     def round_programs(self) -> dict:
         """The programs a host loop of rounds runs, by name ("round", or under a skip rule
-        "plain", "settled" (the "known" rule's only) and "drafting")."""
+        "plain", "settled" (rules on survivals only) and "drafting")."""
         if self._rounds is None:
             return {"round": self._round}
         rounds = {"plain": self._rounds[ROUND_PLAIN], "settled": self._rounds[ROUND_SETTLED],
                   "drafting": self._rounds[ROUND_DRAFTING]}
-        if self.spec.skip_drafting != "known":
+        if not self.spec.reads_survivals:
             del rounds["settled"]
         return rounds
 

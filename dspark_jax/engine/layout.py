@@ -56,7 +56,8 @@ def fresh_state(spec: Spec, tcfg: ModelConfig, drafter, R: int, dtype, pages=Non
         out=put(np.zeros((R, S), np.int32)), a_hist=put(np.full((2, R, spec.Gs), -1.0, np.float32)),
         step=put(np.int32(0)), since_draft=put(np.int32(0)), probe_gap=put(np.int32(spec.probe_every)),
         probe_credit=put(np.float32(0.0)), calib_expected=put(np.float32(0.0)),
-        calib_accepted=put(np.float32(0.0)), finish=zi(), plen=zi(), joined=zi(),
+        calib_accepted=put(np.float32(0.0)), run_counts=put(np.zeros((2, spec.Gs), np.float32)),
+        finish=zi(), plen=zi(), joined=zi(),
         prompt=put(np.zeros((R, S if chunked else 1), np.int32)))
 
 
@@ -87,4 +88,5 @@ def decode_shardings(state: DecodeState, mesh):
 
     out = jax.tree.map(per_slot, state._replace(cache=None, dcache=None))
     hist = one(state.a_hist, (None, "batch", None))
-    return out._replace(cache=cache(state.cache), dcache=cache(state.dcache), a_hist=hist)
+    return out._replace(cache=cache(state.cache), dcache=cache(state.dcache), a_hist=hist,
+                        run_counts=one(state.run_counts, (None, None)))

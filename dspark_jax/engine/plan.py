@@ -223,9 +223,9 @@ def plan(cfg, slots: int, context: int, mesh_shape: tuple[int, int, int], gamma:
             "admit": lambda: jax.jit(admit, out_shardings=st_sh, donate_argnums=(0,)).lower(
                 st_a, *join_args(context)),
         }
-        if "host_rounds" in programs and eng.spec.skip_drafting in ("best_case", "known"):
+        if "host_rounds" in programs and eng.spec.chooses_rounds:
             host = dict(zip(("round_plain", "round_settled", "round_drafting"), chosen_rounds(spec)))
-            if eng.spec.skip_drafting != "known":
+            if not eng.spec.reads_survivals:
                 del host["round_settled"]
             for key, fn in host.items():
                 lowerings[key] = (lambda fn: lambda: jax.jit(

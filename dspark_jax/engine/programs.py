@@ -78,7 +78,7 @@ def _programs(spec: Spec, state_sh) -> Programs:
     state_kw = {} if state_sh is None else {"out_shardings": state_sh}
     round_kw = {} if state_sh is None else {"out_shardings": (state_sh, None)}
     static = (spec, state_sh)  # what the programs close over: the key of their stored executables
-    chosen = bool(spec.G) and spec.skip_drafting in ("best_case", "known")
+    chosen = spec.chooses_rounds
     return Programs(
         prefill=stored_jit(_prefill, "engine_prefill", static, donate_argnums=(2,), **state_kw),
         round=stored_jit(functools.partial(round_step, spec), "engine_round", static, donate_argnums=(2,),

@@ -191,23 +191,54 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     round that may lose (the lower bound of its gain on the known survivals, `prefix.drafting_gain`,
     is negative: a probe, or a "yes" within its sampling error) drafts only while `probe_credit`,
     what earlier drafted rounds saved, covers that loss; a round with no survivals yet drafts.
-    `settled` ("known" only): the round skips and expects no draft at this load (the best case
-    does not pay, a settled "no" holds, or the credit does not cover the next draft), so it need
-    not keep the drafter's context. Plain decoding is priced as what a round without a draft
+    "acceptance": the same on the survivals of the past rounds' acceptance (`_running_verdict`),
+    for drafters without a confidence head.
+    `settled` (rules on survivals): the round skips and expects no draft at this load (the best
+    case does not pay, a settled "no" holds, or the credit does not cover the next draft), so it
+    need not keep the drafter's context. Plain decoding is priced as what a round without a draft
     costs (`prefix.plain_time`)."""
     best = prefix.speculation_pays(jnp.sum(act), ctl.table, max_tokens, mode=spec.theta, cost="interp")
-    if spec.skip_drafting != "known":
+    if not spec.reads_survivals:
         return best, jnp.bool_(False)
-    known = st.a_hist[0]
-    # a "no" on the realised acceptance holds at any load where the known survivals, scaled by
-    # the most it may be, still say no (`_probe_schedule`): no probe needs to ask again
-    most = _acceptance_ratio(st.calib_expected, st.calib_accepted, prefix.SETTLE_Z)
-    settled = _settled(st, act) | ((most < 1.0) & ~_verdict(spec, known * most, act, ctl).pays)
-    v = _verdict(spec, known * _calibration(st), act, ctl)
+    if spec.skip_drafting == "acceptance":
+        known = st.run_counts[0, 0] > 0.0
+        settled = _settled(st, act)
+        v = _running_verdict(spec, st.run_counts, act, ctl)
+    else:
+        a_known = st.a_hist[0]
+        known = _known(a_known, act)
+        # a "no" on the realised acceptance holds at any load where the known survivals, scaled by
+        # the most it may be, still say no (`_probe_schedule`): no probe needs to ask again
+        most = _acceptance_ratio(st.calib_expected, st.calib_accepted, prefix.SETTLE_Z)
+        settled = _settled(st, act) | ((most < 1.0) & ~_verdict(spec, a_known * most, act, ctl).pays)
+        v = _verdict(spec, a_known * _calibration(st), act, ctl)
     funded = (v.low >= 0.0) | (st.probe_credit + v.low >= 0.0)
     probe = (st.since_draft + 1 >= st.probe_gap) & ~settled
-    pays = best & (~_known(known, act) | (funded & (probe | v.pays)))
+    pays = best & (~known | (funded & (probe | v.pays)))
     return pays, ~pays & (~best | settled | ~funded)
+
+
+def _running_verdict(spec: Spec, counts, act, ctl: Control) -> prefix.Verdict:
+    """The verdict on a round of the fixed length (`Control.gamma`) at this load, on the survivals
+    of the drafted rounds' acceptance (`prefix.running_survivals`): the "acceptance" rule's. From
+    past rounds only, it cannot bias the output (docs/method.md §3)."""
+    s, rows = prefix.running_survivals(counts)
+    return prefix.fixed_verdict(s, rows, jnp.sum(act), jnp.minimum(ctl.gamma, spec.G), ctl.table, mode=spec.theta,
+                                cost="step")
+
+
+RUNNING_DECAY = 0.98  # weight of a drafted round's rows in the next one's (`_count_acceptance`)
+
+
+def _count_acceptance(counts, lengths, acc, act):
+    """The running counts (`DecodeState.run_counts`) after a drafted round: decayed by
+    RUNNING_DECAY (about the last 50 drafted rows of each slot: enough for one slot's evidence
+    to settle a "no", `prefix.fixed_verdict`), plus per draft position the rows that verified it
+    and the rows whose draft there was accepted."""
+    k = jnp.arange(counts.shape[1])[None]
+    verified = (k < lengths[:, None]) & act[:, None]
+    accepted = verified & (k < acc[:, None])
+    return RUNNING_DECAY * counts + jnp.stack([jnp.sum(verified, 0), jnp.sum(accepted, 0)]).astype(jnp.float32)
 
 
 CALIBRATION_DECAY = 0.9  # weight of a drafted round's counts in the next one's (`_calibration`)
@@ -231,7 +262,7 @@ def _calibration(st: DecodeState):
     return _acceptance_ratio(st.calib_expected, st.calib_accepted)
 
 
-def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control, expected, accepted):
+def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control, expected, accepted, counts=None):
     """(since_draft, probe_gap, probe_credit) after a round that drafted, on its fresh survivals
     `a` scaled by the realised acceptance (`_acceptance_ratio` of the decayed counts `expected`,
     `accepted`, this round's included): the gap resets when they say speculation pays and
@@ -241,15 +272,21 @@ def _probe_schedule(spec: Spec, st: DecodeState, a, act, ctl: Control, expected,
     significantly fewer drafts than the head expected and the survivals scaled by the most the
     acceptance may be (`SETTLE_Z` standard errors above it) still say no: evidence over rounds
     (and requests), which one slot can give. The credit gains what the round saved by its
-    scaled survivals (`prefix.drafting_gain`; negative: what it cost)."""
-    if spec.skip_drafting != "known":
+    scaled survivals (`prefix.drafting_gain`; negative: what it cost). The "acceptance" rule
+    reads the running counts `counts` (this round's included; None: the state's) instead: their
+    verdict's "no" by more than the estimate's error settles."""
+    if not spec.reads_survivals:
         return st.since_draft, st.probe_gap, st.probe_credit
     n = jnp.sum(act).astype(jnp.int32)
-    v = _verdict(spec, a * _acceptance_ratio(expected, accepted), act, ctl)
-    most = _acceptance_ratio(expected, accepted, prefix.SETTLE_Z)
-    by_rounds = (most < 1.0) & ~_verdict(spec, a * most, act, ctl).pays
+    if spec.skip_drafting == "acceptance":
+        v = _running_verdict(spec, st.run_counts if counts is None else counts, act, ctl)
+        settles = v.settled_no
+    else:
+        v = _verdict(spec, a * _acceptance_ratio(expected, accepted), act, ctl)
+        most = _acceptance_ratio(expected, accepted, prefix.SETTLE_Z)
+        settles = v.settled_no | ((most < 1.0) & ~_verdict(spec, a * most, act, ctl).pays)
     backoff = jnp.minimum(2 * jnp.maximum(st.probe_gap, spec.probe_every // 2), spec.probe_max)
-    gap = jnp.where(v.pays, spec.probe_every, jnp.where(v.settled_no | by_rounds, -n, backoff))
+    gap = jnp.where(v.pays, spec.probe_every, jnp.where(settles, -n, backoff))
     credit = st.probe_credit + v.gain
     return jnp.zeros_like(st.since_draft), gap.astype(jnp.int32), credit.astype(jnp.float32)
 
@@ -399,7 +436,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     skip rule says no slot drafts: the same target program and the skip rule's round count, plus,
     with `keep_drafter`, the drafter's context for the one verified position (`kind.skip`, the
     target's features, `kind.plain`) and the prompt chunks of joining slots. Without it (the
-    "known" rule's settled rounds, which expect no draft at this load) the round is the
+    settled rounds of a rule on survivals, which expect no draft at this load) the round is the
     target-only engine's and the drafter's state is left as it is: positions those rounds commit,
     prompt chunks included, are missing from its context when drafting resumes (lossless; only
     acceptance can suffer)."""
@@ -435,7 +472,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
                                            act & ~done)
             dcache, last = _chunk_to_drafter(spec, drafter_params, dcache, last, vo, chunk, take)
         # no survivals of its own: the last known ones are carried (-1 = none yet)
-        since = st.since_draft + 1 if spec.skip_drafting == "known" else st.since_draft
+        since = st.since_draft + 1 if spec.reads_survivals else st.since_draft
         new = new._replace(dcache=dcache, last=last, a_hist=jnp.stack([st.a_hist[0], st.a_hist[0]]),
                            since_draft=since.astype(jnp.int32))
     z = jnp.zeros((r, spec.Gs), jnp.float32)
@@ -490,16 +527,17 @@ def drafting_round(spec: Spec, target_params, drafter_params, st: DecodeState, c
     verified = (jnp.arange(G)[None] < lengths[:, None]) & act[:, None]
     expected = CALIBRATION_DECAY * st.calib_expected + jnp.sum(jnp.where(verified, a, 0.0))
     accepted = CALIBRATION_DECAY * st.calib_accepted + jnp.sum(jnp.where(act, acc, 0)).astype(jnp.float32)
-    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl, expected, accepted)
+    counts = _count_acceptance(st.run_counts, lengths, acc, act)
+    since_draft, probe_gap, probe_credit = _probe_schedule(spec, st, a, act, ctl, expected, accepted, counts)
     new = st._replace(**fields, dcache=dcache, last=last, a_hist=jnp.stack([a, st.a_hist[0]]),
                       since_draft=since_draft, probe_gap=probe_gap, probe_credit=probe_credit,
-                      calib_expected=expected, calib_accepted=accepted)
+                      calib_expected=expected, calib_accepted=accepted, run_counts=counts)
     return new, RoundOut(z[:, : spec.Gs].astype(jnp.float32), lengths, acc_kept, n_keep, act, b_idx, cut,
                          jnp.bool_(True))
 
 
 # which round a skip rule runs (`round_choice`): the plain round (drafter context kept), the plain
-# round that leaves the drafter as it is (the "known" rule's settled rounds), the drafting round
+# round that leaves the drafter as it is (settled rounds of a rule on survivals), the drafting round
 ROUND_PLAIN, ROUND_SETTLED, ROUND_DRAFTING = 0, 1, 2
 
 
@@ -577,7 +615,7 @@ def round_step(spec: Spec, target_params, drafter_params, st: DecodeState, ctl: 
     zi, zb = jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool)
     out = RoundOut(jnp.zeros((r, spec.Gs), jnp.float32), zi, zi, zi, zb, jnp.int32(0), zb, jnp.bool_(False))
     rounds = chosen_rounds(spec)
-    choices = (ROUND_PLAIN, ROUND_SETTLED, ROUND_DRAFTING) if spec.skip_drafting == "known" else \
+    choices = (ROUND_PLAIN, ROUND_SETTLED, ROUND_DRAFTING) if spec.reads_survivals else \
         (ROUND_PLAIN, ROUND_DRAFTING)
     for choice in choices:
         st, out = at_most_once(choice, rounds[choice], st, out)

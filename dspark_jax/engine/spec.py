@@ -13,7 +13,13 @@ from dspark_jax.decoding import rejection
 from dspark_jax.drafter.kinds.base import DrafterKind, DraftShape
 from dspark_jax.target.config import ModelConfig
 
-__all__ = ["Spec"]
+__all__ = ["Spec", "SURVIVAL_RULES", "CHOOSING_RULES"]
+
+# skip rules that decide on survivals: the confidence head's ("known") or the running acceptance
+# of past rounds ("acceptance", drafters without a head); both probe, settle and fund rounds alike
+SURVIVAL_RULES = ("known", "acceptance")
+# skip rules that choose each round's program (the plain, settled or drafting round)
+CHOOSING_RULES = ("best_case", *SURVIVAL_RULES)
 
 
 @dataclass(frozen=True)
@@ -25,11 +31,11 @@ class Spec:
     max_len: int
     policy: Callable
     verify: Callable = rejection.verify  # batched rejection sampling (tests inject broken variants)
-    # None | "best_case" | "known": when to skip the draft (engine.py); "always" (cost predictions
-    # only, engine/predict.py): every round skips, so the compiled round is the skipped one
+    # None | "best_case" | "known" | "acceptance": when to skip the draft (engine/round.py); "always"
+    # (cost predictions only, engine/predict.py): every round skips, so the compiled round is the skipped one
     skip_drafting: str | None = None
     theta: str = "latency"  # throughput objective of the skip rule ("sps" | "latency")
-    probe_every: int = 8  # "known" rule: first probe interval (rounds) to refresh the survivals ...
+    probe_every: int = 8  # rules on survivals: first probe interval (rounds) to refresh them ...
     probe_max: int = 64  # ... doubled after each draft whose survivals say no speculation pays, up to this
     prefill_chunk: int = 0  # prompt tokens a round forwards for joining slots (0: prompts are prefilled whole)
     prefill_rows: int = 0  # ... spread over at most this many slots
@@ -42,6 +48,16 @@ class Spec:
     def G(self) -> int:
         """Compiled block size (draft tokens per round); 0 for target-only."""
         return 0 if self.draft is None else self.draft.G
+
+    @property
+    def reads_survivals(self) -> bool:
+        """The skip rule decides on survivals (`SURVIVAL_RULES`): it probes, settles and keeps a credit."""
+        return bool(self.G) and self.skip_drafting in SURVIVAL_RULES
+
+    @property
+    def chooses_rounds(self) -> bool:
+        """A skip rule picks each round's program (`round.round_choice`)."""
+        return bool(self.G) and self.skip_drafting in CHOOSING_RULES
 
     @property
     def Gs(self) -> int:

@@ -45,17 +45,21 @@ class DecodeState(NamedTuple):
     # [2, R, G'] prefix survivals of the last two rounds (carried through skipped rounds; -1 = none yet)
     a_hist: jax.Array
     step: jax.Array  # scalar int32 rounds run by the engine
-    since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" skip rule)
+    since_draft: jax.Array  # scalar int32 rounds since the last round that drafted ("known" / "acceptance")
     # scalar int32 rounds between probes; doubles while fresh survivals say "no"; -n after a settled
     # "no" with n slots decoding (no probes while at least n decode)
     probe_gap: jax.Array
     # scalar float32 seconds the rounds that drafted saved against plain decoding, as their own
-    # survivals expect (`prefix.drafting_gain`, "known" skip rule): what funds rounds that may lose
+    # survivals expect (`prefix.drafting_gain`, the skip rules on survivals): what funds rounds that may lose
     probe_credit: jax.Array
     # scalar float32 decayed sums over the rounds that drafted: drafts the confidence head's
     # survivals expected accepted among those verified, and drafts accepted (`round._calibration`)
     calib_expected: jax.Array
     calib_accepted: jax.Array
+    # [2, G'] float32 decayed sums over the rounds that drafted, per draft position k: rows that
+    # verified position k, and rows whose draft at k was accepted (the "acceptance" skip rule's
+    # survivals, `round._running_survivals`: for drafters without a confidence head)
+    run_counts: jax.Array
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
     plen: jax.Array  # [R] int32 prompt length of the slot's request
     joined: jax.Array  # [R] int32 `step` at which it joined (chunked prefill serves the earliest first)

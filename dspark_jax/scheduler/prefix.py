@@ -40,7 +40,7 @@ __all__ = [
     "prefix_survival", "verify_time", "theta", "bucket_index", "greedy_rank",
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
     "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
-    "settled_no", "drafting_gain", "verdict", "Verdict", "SETTLE_Z",
+    "settled_no", "drafting_gain", "verdict", "Verdict", "SETTLE_Z", "running_survivals", "fixed_verdict",
 ]
 
 
@@ -374,3 +374,44 @@ def drafting_gain(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", 
     a round whose `low` is negative only while the credit covers it. 0 without active slots."""
     v = verdict(a_rows, active, table, z, mode, cost)
     return v.gain, v.low
+
+
+# ----------------------------------------------------------------------------------------
+# the running acceptance: survivals of a drafter without a confidence head
+# ----------------------------------------------------------------------------------------
+
+def running_survivals(counts):
+    """Survivals from past rounds' acceptance, for a drafter without a confidence head.
+    `counts` [2, G]: (decayed) rows that verified draft position k, and rows whose draft at k was
+    accepted -> (s [G], rows): s_k = (accepted_k + 1) / (verified_k + 2) (one accepted and one
+    rejected draft of prior), made non-increasing; 0 where no row verified position k (a
+    fixed-length engine verifying gamma < G never learns of the positions past gamma). `rows`:
+    the rows behind s_1, the weight of the evidence."""
+    verified, accepted = counts[0], counts[1]
+    s = jnp.where(verified > 0.0, (accepted + 1.0) / (verified + 2.0), 0.0)
+    return jax.lax.cummin(s, axis=0), verified[0]
+
+
+def fixed_verdict(s, rows, n_active, gamma, table: CostTable, z=SETTLE_Z, mode="latency", cost="step") -> Verdict:
+    """`verdict` for a round in which each of `n_active` slots verifies `gamma` drafts, on the
+    survivals `s` [G] shared by all slots (`running_survivals`): tau = n (1 + sum_{k<=gamma} s_k)
+    expected tokens from B = n (1 + gamma) verified, against plain decoding's n / plain_time(n).
+    The standard error is that of the estimate: the accepted count's spread (P(X >= k) = s_k)
+    over the `rows` behind it, relative to the tokens a row expects, so evidence gathered over
+    rounds settles a "no" for one slot as well (from two rows on)."""
+    s = jnp.clip(jnp.asarray(s, jnp.float32), 0.0, 1.0)
+    n = jnp.asarray(n_active, jnp.float32)
+    k = jnp.arange(1, s.shape[0] + 1, dtype=jnp.float32)
+    s = jnp.where(k <= jnp.asarray(gamma, jnp.float32), s, 0.0)
+    mean = jnp.sum(s)  # accepted drafts a row expects
+    var = jnp.maximum(jnp.sum((2.0 * k - 1.0) * s) - mean ** 2, 0.0)
+    se = jnp.where(rows >= 2.0, jnp.sqrt(var / jnp.maximum(rows, 1.0)) / (1.0 + mean), 0.0)
+    tau = n * (1.0 + mean)
+    th = theta(tau, n * (1.0 + jnp.asarray(gamma, jnp.float32)), table, mode, cost)
+    plain = plain_time(n, table, cost)
+    rho = th * plain / jnp.maximum(n, 1.0)
+    t = tau / jnp.maximum(th, 1e-30)
+    gain = tau * plain / jnp.maximum(n, 1.0) - t
+    ok = (n > 0.0) & (jnp.asarray(gamma) > 0) & jnp.isfinite(gain)
+    return Verdict(pays=ok & (th > n / plain), settled_no=ok & (rows >= 2.0) & (1.0 - rho > z * se),
+                   gain=jnp.where(ok, gain, 0.0), low=jnp.where(ok, gain - z * se * t, 0.0))

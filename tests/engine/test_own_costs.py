@@ -38,8 +38,8 @@ def measured(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kind,policy,skip", [("dspark", "production", "known"), ("dflash", "fixed", "best_case"),
-                                              ("mtp1", "fixed", "best_case")])
+@pytest.mark.parametrize("kind,policy,skip", [("dspark", "production", "known"), ("dflash", "fixed", "acceptance"),
+                                              ("mtp1", "fixed", "acceptance")])
 def test_the_default_scheduling_is_the_drafter_kinds(target, kind, policy, skip):
     eng = Engine(target, tiny_drafter(kind, target), EngineConfig(num_slots=2, max_len=48))
     assert (eng.policy_name, eng.spec.skip_drafting, eng.needs_table) == (policy, skip, True)

@@ -16,7 +16,7 @@ __all__ = [
     "prefix_survival_np", "bucket_index_np", "verify_time_np", "theta_np", "greedy_rank_np",
     "schedule_early_stop_np", "schedule_retroactive_lossy_np", "schedule_static_np", "capacity_from_stale_np",
     "schedule_production_np", "schedule_threshold_np", "plain_time_np", "speculation_pays_np",
-    "known_speculation_pays_np", "settled_no_np",
+    "known_speculation_pays_np", "settled_no_np", "running_survivals_np", "fixed_verdict_np",
 ]
 
 
@@ -207,3 +207,31 @@ def settled_no_np(a_fresh, active, table: CostTable, z=2.0, mode="latency", cost
     t = 1.0 + a[act].sum(axis=1)
     se = t.std(ddof=1) / (t.mean() * np.sqrt(n))
     return bool(1.0 - rho > z * se)
+
+
+def running_survivals_np(counts):
+    verified, accepted = (np.asarray(c, np.float64) for c in counts)
+    s, low = [], 1.0
+    for v, a in zip(verified, accepted):
+        low = min(low, (a + 1.0) / (v + 2.0) if v > 0 else 0.0)
+        s.append(low)
+    return np.asarray(s), float(verified[0])
+
+
+def fixed_verdict_np(s, rows, n, gamma, table: CostTable, z=2.0, mode="latency", cost="step"):
+    """(pays, settled_no, gain) of a round where n slots each verify gamma drafts, survivals s."""
+    if n == 0 or gamma == 0:
+        return False, False, 0.0
+    s = [float(x) if k < gamma else 0.0 for k, x in enumerate(s)]
+    # the accepted count X per row: P(X = k) = s_k - s_{k+1} (s_0 = 1)
+    ext = [1.0, *s, 0.0]
+    p = [ext[k] - ext[k + 1] for k in range(len(s) + 1)]
+    mean = sum(k * pk for k, pk in enumerate(p))
+    var = sum((k - mean) ** 2 * pk for k, pk in enumerate(p))
+    tau = n * (1.0 + mean)
+    th = theta_np(tau, n * (1 + gamma), table, mode, cost)
+    plain = plain_time_np(n, table, cost)
+    th0 = n / plain
+    gain = tau / th0 - tau / th
+    se = np.sqrt(var / rows) / (1.0 + mean) if rows >= 2 else 0.0
+    return bool(th > th0), bool(rows >= 2 and 1.0 - th / th0 > z * se), float(gain)

@@ -149,7 +149,8 @@ def parse_args(argv=None):
     ap.add_argument("--calibrated", action="store_true",
                     help="scheduled configurations use the drafter's STS temperatures fitted at --temperature "
                          "(default: auto configurations use a stored fit at temperature 1 where there is one)")
-    ap.add_argument("--skip-drafting", nargs="?", const="known", default=False, choices=("known", "best_case"),
+    ap.add_argument("--skip-drafting", nargs="?", const="known", default=False,
+                    choices=("known", "acceptance", "best_case"),
                     help="scheduled configurations with an explicit @POLICY skip the drafter where the cost table "
                          "says it does not pay")
     ap.add_argument("--prompts", default=None, help="prompt set jsonl ({\"turns\": [...]}), first user turn of each")

@@ -62,9 +62,10 @@ class DrafterKind(ABC):
     def default_scheduling(self, drafter) -> tuple[str, str]:
         """(length policy, skip rule) an engine runs this drafter with when its config asks for
         neither (`EngineConfig(policy="auto")`): fixed-length verification, drafting skipped in
-        rounds where the engine's cost table says even drafts all accepted could not beat plain
-        decoding. Kinds whose drafter has a confidence head schedule on it (BlockKind)."""
-        return "fixed", "best_case"
+        rounds where the engine's cost table and the acceptance of past rounds say it does not
+        pay (the "acceptance" rule, docs/scheduler.md). Kinds whose drafter has a confidence head
+        schedule on it (BlockKind)."""
+        return "fixed", "acceptance"
 
     def __hash__(self):
         return hash((type(self), self.name))
