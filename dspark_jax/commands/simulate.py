@@ -173,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--skip", default="known", choices=["none", "known", "best_case", "stale"],
                     help="when the scheduled variants skip drafting (module doc); 'known' is the engine's default")
+    ap.add_argument("--fixed-skip", default="none", choices=["none", "acceptance"],
+                    help="when the fixed-length variants (DFlash, DSpark gamma=7) skip drafting: 'acceptance' is "
+                         "the engine's default for drafters without a confidence head (module doc)")
     ap.add_argument("--probe-every", type=int, default=8, help="'known' rule: first probe interval (rounds)")
     ap.add_argument("--probe-max", type=int, default=64,
                     help="'known' rule: the interval doubles up to this while probes say drafting does not pay")
@@ -268,7 +271,7 @@ def main(argv=None) -> int:
     traces, source = _acceptance(args, cost, ap)
     temps, temps_src = _load_temps(args, traces["dspark"])
     conc = [int(c) for c in (args.concurrency or "1,2,4,8,16,32,64,128,256").split(",")]
-    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces)
+    methods = default_methods(args.threshold, args.skip, have_dflash="dflash" in traces, fixed_skip=args.fixed_skip)
     results = run_sweep(methods, conc, cost, traces, temps, n_rounds=args.rounds, seed=args.seed,
                         mtp_accept=args.mtp_accept, mode=args.theta, charge=args.charge, turnover=args.turnover,
                         probe_every=args.probe_every, probe_max=args.probe_max)

@@ -192,7 +192,7 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     is negative: a probe, or a "yes" within its sampling error) drafts only while `probe_credit`,
     what earlier drafted rounds saved, covers that loss; a round with no survivals yet drafts.
     "acceptance": the same on the survivals of the past rounds' acceptance (`_running_verdict`),
-    for drafters without a confidence head.
+    for drafters without a confidence head; known once `prefix.RUNNING_MIN_ROWS` rows verified.
     `settled` (rules on survivals): the round skips and expects no draft at this load (the best
     case does not pay, a settled "no" holds, or the credit does not cover the next draft), so it
     need not keep the drafter's context. Plain decoding is priced as what a round without a draft
@@ -201,7 +201,7 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     if not spec.reads_survivals:
         return best, jnp.bool_(False)
     if spec.skip_drafting == "acceptance":
-        known = st.run_counts[0, 0] > 0.0
+        known = st.run_counts[0, 0] >= prefix.RUNNING_MIN_ROWS
         settled = _settled(st, act)
         v = _running_verdict(spec, st.run_counts, act, ctl)
     else:
@@ -227,18 +227,14 @@ def _running_verdict(spec: Spec, counts, act, ctl: Control) -> prefix.Verdict:
                                 cost="step")
 
 
-RUNNING_DECAY = 0.98  # weight of a drafted round's rows in the next one's (`_count_acceptance`)
-
-
 def _count_acceptance(counts, lengths, acc, act):
     """The running counts (`DecodeState.run_counts`) after a drafted round: decayed by
-    RUNNING_DECAY (about the last 50 drafted rows of each slot: enough for one slot's evidence
-    to settle a "no", `prefix.fixed_verdict`), plus per draft position the rows that verified it
-    and the rows whose draft there was accepted."""
+    `prefix.RUNNING_DECAY`, plus per draft position the rows that verified it and the rows whose
+    draft there was accepted."""
     k = jnp.arange(counts.shape[1])[None]
     verified = (k < lengths[:, None]) & act[:, None]
     accepted = verified & (k < acc[:, None])
-    return RUNNING_DECAY * counts + jnp.stack([jnp.sum(verified, 0), jnp.sum(accepted, 0)]).astype(jnp.float32)
+    return prefix.RUNNING_DECAY * counts + jnp.stack([jnp.sum(verified, 0), jnp.sum(accepted, 0)]).astype(jnp.float32)
 
 
 CALIBRATION_DECAY = 0.9  # weight of a drafted round's counts in the next one's (`_calibration`)

@@ -41,6 +41,7 @@ __all__ = [
     "schedule_early_stop", "schedule_static", "capacity_from_stale", "schedule_production",
     "schedule_threshold", "schedule_fixed", "plain_time", "speculation_pays", "known_speculation_pays",
     "settled_no", "drafting_gain", "verdict", "Verdict", "SETTLE_Z", "running_survivals", "fixed_verdict",
+    "RUNNING_DECAY", "RUNNING_MIN_ROWS",
 ]
 
 
@@ -379,6 +380,15 @@ def drafting_gain(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", 
 # ----------------------------------------------------------------------------------------
 # the running acceptance: survivals of a drafter without a confidence head
 # ----------------------------------------------------------------------------------------
+
+# the running counts' weight after each drafted round: about the last 50 drafted rows of a slot,
+# enough for one slot's evidence to settle a "no" (`fixed_verdict`)
+RUNNING_DECAY = 0.98
+# rows of evidence before the "acceptance" rule decides on them: until then every round drafts (a
+# first round's few rows, pulled towards 1/2 by the prior, would otherwise stop a drafter that pays
+# before its own rounds could show it)
+RUNNING_MIN_ROWS = 8.0
+
 
 def running_survivals(counts):
     """Survivals from past rounds' acceptance, for a drafter without a confidence head.

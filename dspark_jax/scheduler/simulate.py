@@ -39,7 +39,10 @@ the rule starts from the survivals of the round before it (and that round's gain
 as the production scheduler's stale input does. ``--skip best_case``
 (``prefix.speculation_pays``) only the first part. ``--skip stale`` is an idealisation no
 engine can run: it reads the survivals of two rounds ago even when that round skipped drafting
-(so produced none).
+(so produced none). ``--fixed-skip acceptance``: the fixed-length variants skip by the engine's
+"acceptance" rule (``EngineConfig(skip_drafting="acceptance")``, the default of drafters without
+a confidence head): the "known" rule on survivals from the drafted rounds' own acceptance counts,
+priced at the fixed length (``prefix.running_survivals``, ``prefix.fixed_verdict``).
 """
 
 from __future__ import annotations
@@ -71,14 +74,17 @@ class Method:
     traces: str | None = "dspark"  # which trace set supplies acceptance: dspark | dflash | mtp1 | None
     gamma: int | None = None  # fixed-gamma length (default: the traces' gamma)
     threshold: float = 0.5
-    skip: str = "none"  # none | known | best_case | stale (scheduled kinds only)
+    skip: str = "none"  # none | known | best_case | stale (scheduled kinds) | acceptance (fixed)
 
 
-def default_methods(threshold: float = 0.5, skip: str = "known", have_dflash: bool = True) -> list[Method]:
+def default_methods(threshold: float = 0.5, skip: str = "known", have_dflash: bool = True,
+                    fixed_skip: str = "none") -> list[Method]:
+    """The simulated methods; `skip`: the scheduled variants' skip rule, `fixed_skip`: the
+    fixed-length ones' ("none" or "acceptance")."""
     out = [Method("target-only", "ar", None), Method("MTP-1", "mtp1", "mtp1")]
     if have_dflash:
-        out.append(Method("DFlash gamma=7", "fixed", "dflash", gamma=7))
-    out += [Method("DSpark gamma=7", "fixed", "dspark", gamma=7),
+        out.append(Method("DFlash gamma=7", "fixed", "dflash", gamma=7, skip=fixed_skip))
+    out += [Method("DSpark gamma=7", "fixed", "dspark", gamma=7, skip=fixed_skip),
             Method(f"DSpark threshold {threshold:g}", "threshold", "dspark", threshold=threshold),
             Method("DSpark early-stop", "early_stop", "dspark", skip=skip),
             Method("DSpark static-shape", "static", "dspark", skip=skip),
@@ -275,6 +281,50 @@ def _skip_rounds(rule, a, a_stale, R, t_draft, table_np, G, mode, charge, probe_
     raise ValueError(f"unknown skip rule {rule!r}")
 
 
+@lru_cache(maxsize=None)
+def _fixed_verdict_fn(mode: str, cost: str):
+    def verdict(counts, n, gamma, table):
+        s, rows = prefix.running_survivals(counts)
+        return prefix.fixed_verdict(s, rows, n, gamma, table, mode=mode, cost=cost)
+
+    return jax.jit(verdict)
+
+
+def _acceptance_rounds(k, gamma, best_case_pays, R, table, charge, probe_every, probe_max=64, mode="latency"):
+    """The engine's "acceptance" rule (fixed-length drafters without a confidence head), round by
+    round -> (skip [T], settled [T]): the "known" rule (`_known_rounds`) on the survivals of the
+    drafted rounds' own acceptance: decayed counts per draft position of the rows that verified
+    it and of those accepted there (`k` [T, R]: each row's accepted count at full gamma), and the
+    verdict on a round of `gamma` drafts a slot (`prefix.running_survivals`,
+    `prefix.fixed_verdict`). Rounds draft until `prefix.RUNNING_MIN_ROWS` rows are known."""
+    T = k.shape[0]
+    if not best_case_pays:
+        return np.ones(T, bool), np.ones(T, bool)
+    verdict_fn = _fixed_verdict_fn(mode, charge)
+    pos = np.arange(gamma)
+    counts = np.zeros((2, gamma), np.float32)
+    skip, final = np.zeros(T, bool), np.zeros(T, bool)
+    v, settled, since, gap, credit = None, False, 0, probe_every, np.float32(0.0)  # float32: the engine's
+    for t in range(T):
+        if counts[0, 0] >= prefix.RUNNING_MIN_ROWS:
+            pays, low = bool(v.pays), np.float32(v.low)
+            funded = low >= 0.0 or credit + low >= 0.0
+            skip[t] = not (funded and (pays or (not settled and since + 1 >= gap)))
+            if skip[t]:
+                final[t] = settled or not funded
+                since += 1
+                continue
+        acc = np.minimum(k[t], gamma)
+        counts = np.float32(prefix.RUNNING_DECAY) * counts + np.stack(
+            [np.full(gamma, R), (pos[None] < acc[:, None]).sum(0)]).astype(np.float32)
+        v = verdict_fn(counts, R, gamma, table)
+        settled = bool(v.settled_no) and not bool(v.pays)
+        gap = probe_every if bool(v.pays) else -R if settled else min(2 * max(gap, probe_every // 2), probe_max)
+        credit = credit + np.float32(v.gain)
+        since = 0
+    return skip, final
+
+
 def _carried_stale(a_all, skip):
     """The engine's stale input of round t: the survivals of the last round <= t - 2 that drafted.
     a_all [T + 2, R, G] (the two leading rounds drafted); skip [T]."""
@@ -317,7 +367,16 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         a_all = np.cumprod(1.0 / (1.0 + np.exp(-z / t)), axis=-1)  # [T+2, R, G]
         a, a_stale, k = a_all[2:], a_all[:-2], k_all[2:]
         if method.kind == "fixed":
-            l = np.full((T, R), G if method.gamma is None else min(method.gamma, G), np.int64)
+            gamma = G if method.gamma is None else min(method.gamma, G)
+            l = np.full((T, R), gamma, np.int64)
+            if method.skip == "acceptance":
+                tab = prefix.make_table(cost["buckets"], t_verify=cost["t_verify"], t_draft=t_draft,
+                                        skip_extra=float(table_np.skip_extra))
+                best = _best_case_pays(R, table_np, t_draft, R * G, mode)
+                skip, settled = _acceptance_rounds(k, gamma, best, R, tab, charge, probe_every, probe_max, mode)
+            elif method.skip != "none":
+                raise ValueError(f"method {method.name!r}: a fixed length skips by 'acceptance' only, "
+                                 f"got {method.skip!r}")
         elif method.kind == "threshold":
             l = np.cumprod(a >= method.threshold, axis=-1).sum(-1)
         elif method.kind in SCHEDULED:
@@ -339,13 +398,14 @@ def simulate_method(method: Method, R: int, cost: dict, traces: dict, temps, *, 
         else:
             raise ValueError(f"unknown method kind {method.kind!r}")
     drafted = np.full(T, method.kind != "ar")
-    if method.kind in SCHEDULED:
+    skips = method.kind in SCHEDULED or (method.kind == "fixed" and method.skip == "acceptance")
+    if skips:
         drafted &= ~skip
         l = np.where(skip[:, None], 0, l)
     acc = np.minimum(k, l)
     B = np.sum(1 + l, axis=1)
     times = np.where(drafted, t_draft, 0.0) + _verify_cost(B, table_np, charge)
-    if method.kind in SCHEDULED:
+    if skips:
         # a skipped round keeps the drafter's context (`skipped_round_cost`) unless it is settled:
         # then it is the target-only step
         plain = np.where(settled, target_only_cost(cost, R, table_np, charge),

@@ -38,8 +38,9 @@ def _drafted_rounds(engine, prompts, table):
 def test_an_untrained_drafter_is_skipped_and_the_output_is_the_targets(setup):
     """A table on which all-accepted drafts would pay (a draft costs 0.6 of a step) and this
     untrained drafter's acceptance does not: the default scheduling (policy fixed, the
-    "acceptance" rule) drafts in round 0 (nothing known yet), then what round 0 lost leaves no
-    credit for a probe, so it drafts again only where a changed load has no settled "no"; the
+    "acceptance" rule) drafts until it knows 8 rows (3 rounds at 3 slots), then what those rounds
+    lost leaves no credit for a probe, so it drafts again only where a changed load has no
+    settled "no"; the
     "best_case" rule, which does not read the acceptance, drafts every round."""
     target, prompts, reference, dflash = setup
     table = prefix.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)

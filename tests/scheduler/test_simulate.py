@@ -293,3 +293,60 @@ def test_vs_target_only_command(tmp_path):
     assert {r["origin"] for r in rows} == {"predicted (XLA:TPU cost model, v6e-8)", "measured (cpu)"}
     md = (tmp_path / "o/ratios.md").read_text()
     assert "| r8 | predicted (XLA:TPU cost model, v6e-8) | 8 |" in md and "Lowest of 4 points" in md
+
+
+def test_the_acceptance_rule_is_the_engines():
+    """The simulator's "acceptance" rule (fixed-length drafters without a confidence head) makes
+    the engine's decisions: the same rounds drafted and settled as `round._skip_decision` /
+    `_count_acceptance` / `_probe_schedule` stepped on the same accepted counts, for a drafter
+    that never pays (its first three rounds only), one that always pays (every round) and mixed ones; and in a
+    simulation the hopeless drafter's fixed method then costs about target-only."""
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding.sampling import SamplingParams
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.engine import round as round_mod
+    from dspark_jax.scheduler import prefix
+    from dspark_jax.scheduler.simulate import _acceptance_rounds
+    from dspark_jax.testing.tiny import tiny_config, tiny_drafter, tiny_target
+
+    buckets, gamma, R = (3, 6, 12), 3, 3
+    target = tiny_target(tiny_config(vocab_size=16, hidden_size=32, num_layers=2))
+    eng = Engine(target, tiny_drafter("dflash", target, gamma=gamma),
+                 EngineConfig(num_slots=R, max_len=40, buckets=buckets, prefill_buckets=(20,), probe_every=4))
+    assert eng.spec.skip_drafting == "acceptance"
+    table = prefix.make_table(buckets, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
+    assert numpy_ref.speculation_pays_np(R, prefix.make_table(buckets, t_verify=(1.0, 1.15, 2.2), t_draft=0.6,
+                                                              as_numpy=True), R * gamma, mode="latency")
+    ctl = eng.control(SamplingParams(0.0, 0, 1.0), table=table)
+    act = jnp.ones(R, bool)
+    rng = np.random.default_rng(0)
+    drop = np.concatenate([np.full((20, R), gamma), np.zeros((40, R))]).astype(np.int64)  # pays, then not
+    cases = {"never": np.zeros((60, R), np.int64), "always": np.full((60, R), gamma, np.int64), "drop": drop,
+             **{f"mixed{i}": rng.binomial(gamma, p, (60, R)) for i, p in enumerate((0.5, 0.6, 0.8))}}
+    drafted_counts = {}
+    for name, k in cases.items():
+        skip, settled = _acceptance_rounds(k, gamma, True, R, table, "step", 4, 64, "latency")
+        st = eng.init_state()._replace(active=act)
+        for t in range(k.shape[0]):
+            pays, final = (bool(x) for x in round_mod._skip_decision(eng.spec, st, act, ctl, R * gamma))
+            assert (pays, final) == (not skip[t], bool(settled[t])), (name, t)
+            if pays:
+                lengths, acc = jnp.full(R, gamma, jnp.int32), jnp.asarray(np.minimum(k[t], gamma), jnp.int32)
+                counts = round_mod._count_acceptance(st.run_counts, lengths, acc, act)
+                since, gap, credit = round_mod._probe_schedule(eng.spec, st, st.a_hist[0], act, ctl, 0.0, 0.0, counts)
+                st = st._replace(run_counts=counts, since_draft=since, probe_gap=gap, probe_credit=credit)
+            else:
+                st = st._replace(since_draft=st.since_draft + 1)
+        drafted_counts[name] = int((~skip).sum())
+    # the hopeless drafter drafts until 8 rows are known (3, 5.94, 8.82 after 1, 2, 3 rounds), then stops
+    assert drafted_counts["never"] == 3 and drafted_counts["always"] == 60
+    assert 20 < drafted_counts["drop"] < 60, drafted_counts  # drafts while it pays, stops after the drop
+    # simulated: the hopeless DFlash-like method skips all but its first round
+    cost = {"buckets": list(buckets), "t_verify": [1.0, 1.15, 2.2], "t_draft": 0.6}
+    hopeless = TraceSet(conf_logits=np.zeros((80, G), np.float32), accepted=np.zeros(80, np.int64),
+                        verify_len=np.full(80, G), full=np.ones(80, bool), request=np.repeat(np.arange(8), 10),
+                        round=np.tile(np.arange(10), 8), meta={"sampling": {"temperature": 0.0}})
+    res = simulate_method(Method("DFlash", "fixed", "dflash", gamma=gamma, skip="acceptance"), R, cost,
+                          {"dflash": hopeless}, None, n_rounds=100)
+    assert res.skip_frac == pytest.approx(0.97)
