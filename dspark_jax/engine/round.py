@@ -229,12 +229,12 @@ def _running_verdict(spec: Spec, counts, act, ctl: Control) -> prefix.Verdict:
 
 def _count_acceptance(counts, lengths, acc, act):
     """The running counts (`DecodeState.run_counts`) after a drafted round: decayed by
-    `prefix.RUNNING_DECAY`, plus per draft position the rows that verified it and the rows whose
-    draft there was accepted."""
+    `prefix.RUNNING_DECAY`, plus per draft position the rows at risk there (verified it, every
+    draft before it accepted) and the rows whose draft there was accepted."""
     k = jnp.arange(counts.shape[1])[None]
-    verified = (k < lengths[:, None]) & act[:, None]
-    accepted = verified & (k < acc[:, None])
-    return prefix.RUNNING_DECAY * counts + jnp.stack([jnp.sum(verified, 0), jnp.sum(accepted, 0)]).astype(jnp.float32)
+    at_risk = (k < lengths[:, None]) & (k <= acc[:, None]) & act[:, None]
+    accepted = at_risk & (k < acc[:, None])
+    return prefix.RUNNING_DECAY * counts + jnp.stack([jnp.sum(at_risk, 0), jnp.sum(accepted, 0)]).astype(jnp.float32)
 
 
 CALIBRATION_DECAY = 0.9  # weight of a drafted round's counts in the next one's (`_calibration`)

@@ -56,9 +56,9 @@ class DecodeState(NamedTuple):
     # survivals expected accepted among those verified, and drafts accepted (`round._calibration`)
     calib_expected: jax.Array
     calib_accepted: jax.Array
-    # [2, G'] float32 decayed sums over the rounds that drafted, per draft position k: rows that
-    # verified position k, and rows whose draft at k was accepted (the "acceptance" skip rule's
-    # survivals, `round._running_survivals`: for drafters without a confidence head)
+    # [2, G'] float32 decayed sums over the rounds that drafted, per draft position k: rows at
+    # risk at k (verified it, every draft before it accepted), and rows whose draft at k was
+    # accepted (the "acceptance" skip rule's survivals, `prefix.running_survivals`)
     run_counts: jax.Array
     finish: jax.Array  # [R] int32 why the slot's request ended (FINISH_*; 0 while running)
     plen: jax.Array  # [R] int32 prompt length of the slot's request

@@ -392,14 +392,16 @@ RUNNING_MIN_ROWS = 8.0
 
 def running_survivals(counts):
     """Survivals from past rounds' acceptance, for a drafter without a confidence head.
-    `counts` [2, G]: (decayed) rows that verified draft position k, and rows whose draft at k was
-    accepted -> (s [G], rows): s_k = (accepted_k + 1) / (verified_k + 2) (one accepted and one
-    rejected draft of prior), made non-increasing; 0 where no row verified position k (a
-    fixed-length engine verifying gamma < G never learns of the positions past gamma). `rows`:
-    the rows behind s_1, the weight of the evidence."""
-    verified, accepted = counts[0], counts[1]
-    s = jnp.where(verified > 0.0, (accepted + 1.0) / (verified + 2.0), 0.0)
-    return jax.lax.cummin(s, axis=0), verified[0]
+    `counts` [2, G]: (decayed) rows at risk at draft position k (they verified k and accepted
+    every draft before it) and rows whose draft at k was accepted -> (s [G], rows): the chance
+    of accepting k given k - 1 accepted, (accepted_k + 1) / (at_risk_k + 2) (one accepted and
+    one rejected draft of prior for each), multiplied up to k. Per-position priors alone would
+    each add about 1 / (rows + 2) to the drafts a round expects, seven of them at gamma 7: half
+    a draft a round promised by a drafter that never had one accepted. `rows`: the rows behind
+    s_1, the weight of the evidence. Positions past the verified length are the caller's to cut
+    (`fixed_verdict`)."""
+    at_risk, accepted = counts[0], counts[1]
+    return jnp.cumprod((accepted + 1.0) / (at_risk + 2.0), axis=0), at_risk[0]
 
 
 def fixed_verdict(s, rows, n_active, gamma, table: CostTable, z=SETTLE_Z, mode="latency", cost="step") -> Verdict:

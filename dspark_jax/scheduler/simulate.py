@@ -293,8 +293,8 @@ def _fixed_verdict_fn(mode: str, cost: str):
 def _acceptance_rounds(k, gamma, best_case_pays, R, table, charge, probe_every, probe_max=64, mode="latency"):
     """The engine's "acceptance" rule (fixed-length drafters without a confidence head), round by
     round -> (skip [T], settled [T]): the "known" rule (`_known_rounds`) on the survivals of the
-    drafted rounds' own acceptance: decayed counts per draft position of the rows that verified
-    it and of those accepted there (`k` [T, R]: each row's accepted count at full gamma), and the
+    drafted rounds' own acceptance: decayed counts per draft position of the rows at risk there
+    and of those accepted there (`k` [T, R]: each row's accepted count at full gamma), and the
     verdict on a round of `gamma` drafts a slot (`prefix.running_survivals`,
     `prefix.fixed_verdict`). Rounds draft until `prefix.RUNNING_MIN_ROWS` rows are known."""
     T = k.shape[0]
@@ -316,7 +316,7 @@ def _acceptance_rounds(k, gamma, best_case_pays, R, table, charge, probe_every, 
                 continue
         acc = np.minimum(k[t], gamma)
         counts = np.float32(prefix.RUNNING_DECAY) * counts + np.stack(
-            [np.full(gamma, R), (pos[None] < acc[:, None]).sum(0)]).astype(np.float32)
+            [(pos[None] <= acc[:, None]).sum(0), (pos[None] < acc[:, None]).sum(0)]).astype(np.float32)
         v = verdict_fn(counts, R, gamma, table)
         settled = bool(v.settled_no) and not bool(v.pays)
         gap = probe_every if bool(v.pays) else -R if settled else min(2 * max(gap, probe_every // 2), probe_max)

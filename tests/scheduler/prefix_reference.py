@@ -210,12 +210,12 @@ def settled_no_np(a_fresh, active, table: CostTable, z=2.0, mode="latency", cost
 
 
 def running_survivals_np(counts):
-    verified, accepted = (np.asarray(c, np.float64) for c in counts)
-    s, low = [], 1.0
-    for v, a in zip(verified, accepted):
-        low = min(low, (a + 1.0) / (v + 2.0) if v > 0 else 0.0)
-        s.append(low)
-    return np.asarray(s), float(verified[0])
+    at_risk, accepted = (np.asarray(c, np.float64) for c in counts)
+    s, prod = [], 1.0
+    for n, a in zip(at_risk, accepted):
+        prod *= (a + 1.0) / (n + 2.0)
+        s.append(prod)
+    return np.asarray(s), float(at_risk[0])
 
 
 def fixed_verdict_np(s, rows, n, gamma, table: CostTable, z=2.0, mode="latency", cost="step"):

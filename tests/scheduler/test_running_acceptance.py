@@ -16,16 +16,23 @@ BUCKETS = (3, 6, 12)
 def test_running_survivals_match_the_reference_and_never_rise():
     rng = np.random.default_rng(0)
     for _ in range(40):
-        verified = np.sort(rng.uniform(0, 30, 4))[::-1] * (rng.random(4) < 0.8)
-        accepted = verified * rng.uniform(0, 1, 4)
-        s, rows = prefix.running_survivals(np.stack([verified, accepted]).astype(np.float32))
-        want, want_rows = numpy_ref.running_survivals_np((verified, accepted))
+        at_risk = np.sort(rng.uniform(0, 30, 4))[::-1] * (rng.random(4) < 0.8)
+        accepted = at_risk * rng.uniform(0, 1, 4)
+        s, rows = prefix.running_survivals(np.stack([at_risk, accepted]).astype(np.float32))
+        want, want_rows = numpy_ref.running_survivals_np((at_risk, accepted))
         np.testing.assert_allclose(np.asarray(s), want, rtol=1e-5, atol=1e-7)
         assert float(rows) == pytest.approx(want_rows, rel=1e-6)
         assert np.all(np.diff(np.asarray(s)) <= 1e-7)
-    # a position no row verified says nothing: 0, not the prior's 1/2
-    s, _ = prefix.running_survivals(np.array([[10.0, 10.0, 0.0], [9.0, 8.0, 0.0]], np.float32))
-    assert float(s[2]) == 0.0 and float(s[1]) == pytest.approx(9.0 / 12.0)
+
+
+def test_a_drafter_never_accepted_promises_little():
+    """Twelve rows, no draft accepted: the conditional prior gives s_k = (1/14) (1/2)^(k-1),
+    about 0.14 drafts a round at gamma 7; a prior per position, (0 + 1) / (12 + 2) each, would
+    promise 0.5 (and on a 1-slot CPU table that made drafting look worth it)."""
+    counts = np.array([[12.0] + [0.0] * 6, [0.0] * 7], np.float32)
+    s, rows = prefix.running_survivals(counts)
+    np.testing.assert_allclose(np.asarray(s), [(1 / 14) * 0.5 ** k for k in range(7)], rtol=1e-6)
+    assert float(np.sum(s)) < 0.15 and float(rows) == 12.0
 
 
 def test_fixed_verdict_matches_the_reference():
@@ -68,7 +75,7 @@ def test_evidence_over_rounds_settles_one_slot():
     """One slot: a "no" settles once enough rows say it by more than the estimate's error; the
     same survivals from two rows do not settle it."""
     table = prefix.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
-    s, rows = prefix.running_survivals(np.array([[40.0, 40.0, 0.0], [4.0, 1.0, 0.0]], np.float32))
+    s, rows = prefix.running_survivals(np.array([[40.0, 4.0, 0.0], [4.0, 1.0, 0.0]], np.float32))
     assert float(rows) == 40.0
     v_few = prefix.fixed_verdict(s, np.float32(2.0), 1, 2, table)
     v_many = prefix.fixed_verdict(s, rows, 1, 2, table)
