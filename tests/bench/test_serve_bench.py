@@ -27,6 +27,9 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
         assert all(lv["requests"] == 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
+    # the servers' own warm-up compiled every program serving reached (the skip rule's settled
+    # round included): nothing compiled inside a timed level
+    assert whole["meta"]["compiled_while_timed"] == {"target-only": 0, "dspark": 0}
 
 
 def test_each_configuration_names_its_own_policy():

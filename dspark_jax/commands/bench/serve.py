@@ -71,6 +71,11 @@ def run_level(client, model, prompts, concurrency: int, requests: int, max_secon
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
 
 
+def _compiled(engine) -> int:
+    """Executables the engine's round programs and prefill hold (what a timed level must not add)."""
+    return sum(p._cache_size() for p in engine.round_programs().values()) + engine._prefill._cache_size()
+
+
 def warm_up(client, served, prompts, temperature) -> None:
     """One short request per prefill bucket the prompts fall in, so no compilation is timed."""
     from dspark_jax.text.chat import render_prompt
@@ -185,6 +190,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     peak_pages: dict = {}
+    compiled_while_timed: dict = {}  # per configuration: executables compiled inside the timed levels
     slots = args.slots or max(args.concurrency)
     # every configuration's server is up at once: the levels alternate between them
     running, clients, about = [], {}, {}
@@ -196,8 +202,10 @@ def main(argv=None) -> int:
                 calibrated=(args.temperature if args.calibrated and scheduled
                             else "auto" if policy == "auto" else None),
                 skip_drafting="auto" if policy == "auto" else args.skip_drafting if scheduled else False)
+            # the server's own warm-up (as `serve` runs it): every round program a skip rule may
+            # choose is compiled before the levels are timed, not when serving first reaches it
             app, served = build(args.target, drafter, slots=slots, max_len=args.max_len,
-                                max_queue=max(4 * slots, max(args.concurrency)),
+                                max_queue=max(4 * slots, max(args.concurrency)), warmup=True,
                                 kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
             server, thread, port = serve_in_thread(app)
             running.append((name, served, server, thread))
@@ -208,6 +216,7 @@ def main(argv=None) -> int:
             print(f"[bench serve] {name}: policy {served.about['policy']}; "
                   f"cost table {served.loop.engine.table_source}", flush=True)
         # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
+        compiled_before = {name: _compiled(served.loop.engine) for name, served, _, _ in running}
         for c in args.concurrency:
             for name, served, _, _ in running:
                 lv = run_level(clients[name], served.model, prompts, c, args.requests or max(2 * c, 8),
@@ -218,6 +227,11 @@ def main(argv=None) -> int:
                       f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms "
                       f"p99 {lv['itl_p99'] * 1e3:6.1f} ms",
                       flush=True)
+        for name, served, _, _ in running:
+            compiled_while_timed[name] = _compiled(served.loop.engine) - compiled_before[name]
+            if compiled_while_timed[name]:
+                print(f"[bench serve] {name}: {compiled_while_timed[name]} program(s) compiled inside the timed "
+                      "levels: its rows include compile time", flush=True)
     finally:
         for name, served, server, thread in running:
             server.should_exit = True
@@ -236,7 +250,8 @@ def main(argv=None) -> int:
             "configs": {name: {"drafter": d, "policy": pol, "scheduling": about.get(name),
                                "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
                         for name, d, pol in configs},
-            "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None}
+            "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None,
+            "compiled_while_timed": compiled_while_timed}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "pareto.png")
     print(f"[bench serve] {out / 'results.json'}, {out / 'pareto.png'}")
