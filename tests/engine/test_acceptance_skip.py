@@ -25,7 +25,8 @@ def setup():
     prompts = [rng.integers(0, 15, n).tolist() for n in (3, 9, 17, 5, 2)]
     ref = Engine(target, None, EngineConfig(policy="fixed", **{**CONFIG, "buckets": (3,)}))
     reference = [r.tokens for r in ref.generate(prompts, max_new_tokens=20, sampling=GREEDY).results]
-    return target, prompts, reference, tiny_drafter("dflash", target, gamma=3)
+    dflash = tiny_drafter("dflash", target, gamma=3)
+    return target, prompts, reference, dflash, Engine(target, dflash, EngineConfig(**CONFIG))
 
 
 def _drafted_rounds(engine, prompts, table):
@@ -42,11 +43,10 @@ def test_an_untrained_drafter_is_skipped_and_the_output_is_the_targets(setup):
     lost leaves no credit for a probe, so it drafts again only where a changed load has no
     settled "no"; the
     "best_case" rule, which does not read the acceptance, drafts every round."""
-    target, prompts, reference, dflash = setup
+    target, prompts, reference, dflash, default = setup
     table = prefix.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6)
     assert numpy_ref.speculation_pays_np(3, prefix.make_table(BUCKETS, t_verify=(1.0, 1.15, 2.2), t_draft=0.6,
                                                               as_numpy=True), 9, mode="latency")
-    default = Engine(target, dflash, EngineConfig(**CONFIG))
     assert default.scheduling == "fixed, skip rule acceptance"
     res, drafted, n_rounds = _drafted_rounds(default, prompts, table)
     assert [r.tokens for r in res.results] == reference
@@ -60,14 +60,14 @@ def test_an_untrained_drafter_is_skipped_and_the_output_is_the_targets(setup):
 
 def test_drafts_that_pay_keep_the_drafter_running(setup):
     """Free drafts and a flat verification price: any acceptance pays, so every round drafts."""
-    target, prompts, reference, dflash = setup
+    _, prompts, reference, _, default = setup
     table = prefix.make_table(BUCKETS, t_verify=(1.0, 1.0, 1.0), t_draft=0.0)
-    res, drafted, n_rounds = _drafted_rounds(Engine(target, dflash, EngineConfig(**CONFIG)), prompts, table)
+    res, drafted, n_rounds = _drafted_rounds(default, prompts, table)
     assert [r.tokens for r in res.results] == reference and len(drafted) == n_rounds
 
 
 def test_the_rule_prices_fixed_rounds_only(setup):
-    target, _, _, _ = setup
+    target = setup[0]
     with pytest.raises(EngineConfigError, match="skip_drafting 'known' with a scheduler"):
         Engine(target, tiny_drafter("dspark", target, gamma=3),
                EngineConfig(**CONFIG, policy="production", skip_drafting="acceptance"))
