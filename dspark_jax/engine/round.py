@@ -442,6 +442,10 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
     samp = ctl.sampling
     lengths = jnp.zeros((r,), jnp.int32)
     chunk, take, b_idx = _bucket(spec, st, act, lengths, filling, ctl.table)
+    # without prompt chunks a round of one token a slot fits the smallest bucket holding R rows:
+    # larger ones are not compiled into it (each branch adds to the program's launch cost)
+    buckets = spec.buckets if spec.prefill_chunk else spec.buckets[: 1 + sum(b < r for b in spec.buckets)]
+    b_idx = jnp.minimum(b_idx, len(buckets) - 1)
     toks, valid = st.anchor[:, None], act[:, None]
     path = sampling_path(*samp, spec.tcfg.vocab_size)
     # the drafter reads the target's features of the verified positions and of prompt chunks
@@ -456,7 +460,7 @@ def plain_round(spec: Spec, target_params, drafter_params, st: DecodeState, ctl:
 
         return run
 
-    vo, out = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], st.cache)
+    vo, out = jax.lax.switch(b_idx, [branch(b) for b in buckets], st.cache)
     fields, acc, done, n_keep, acc_kept, cut = _commit(spec, st, ctl, act, vo, valid, out, jnp.ones((r,), jnp.int32),
                                                        jnp.zeros((r,), jnp.int32), chunk, take)
     new = st._replace(**fields)
