@@ -21,6 +21,8 @@ form the step runs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,10 +58,12 @@ def product_shapes(cfg: ModelConfig, tensor: int, merged: MergeChoice | None = N
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _bare_seconds(device, rows: int, name: str, weight: tuple[int, ...], dtype) -> float:
     """One product of `rows` token rows with weight `name` of shape `weight` ([K, N]; the merged
     forms as target/merged.py holds and multiplies them: q/k/v [N, K], gate/up [2, K, N]),
-    compiled alone for `device`."""
+    compiled alone for `device`. Kept per process: a step, its rounds and its skipped round price
+    the same products at the same rows, and each is a TPU compile."""
     mesh = Mesh(np.array([device]), ("x",))
     rep = NamedSharding(mesh, P())
     product, width = MERGED_PRODUCTS.get(name, (lambda a, b: a @ b, -2))

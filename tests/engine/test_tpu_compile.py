@@ -26,17 +26,19 @@ def micro():
 @pytest.mark.parametrize("policy,drafter", [("fixed", False), ("fixed", True), ("scheduled", True)],
                          ids=["target_only", "dspark_fixed", "dspark_scheduled"])
 def test_engine_programs_compile_for_tpu_with_paged_kernel(micro, policy, drafter):
-    """The scheduled engine also compiles the programs its host loop runs (the skip rule's choice
-    and each round it chooses, the rounds' prompt chunks read by the drafter in a loop of zero or
-    one iteration)."""
+    """The scheduled engine compiles the programs its host loop runs (the skip rule's choice and
+    each round it chooses, the rounds' prompt chunks read by the drafter in a loop of zero or one
+    iteration). Its compiled loop's round, which holds those rounds in loops of zero or one
+    iteration, is compiled below at Qwen3-8B's shapes."""
+    scheduled = policy == "scheduled"
+    rounds = ("host_rounds",) if scheduled else ("round",)
     res = engine_plan.plan(micro, 4, 64, MESH, compile_round=True, kv_pages=(16, 8), prefill_chunk=8,
-                           topology="v6e-4", policy=policy, drafter=drafter,
-                           programs=("round", "host_rounds", "prefill", "admit"))
+                           topology="v6e-4", policy=policy, drafter=drafter, programs=(*rounds, "prefill", "admit"))
     assert res["platform"] == "tpu" and res["devices"] == 4
     assert res["paged_attention"] == "pallas"  # chosen for the slice, not for this CPU host
-    host = {"round_choice", "round_plain", "round_settled", "round_drafting"} if policy == "scheduled" else set()
-    assert set(res["programs"]) == {"round", "prefill", "admit"} | host
-    for name in ("round", "prefill", *sorted(host - {"round_choice"})):
+    host = {"round_choice", "round_plain", "round_settled", "round_drafting"} if scheduled else {"round"}
+    assert set(res["programs"]) == {"prefill", "admit"} | host
+    for name in ("prefill", *sorted(host - {"round_choice"})):
         m = res["programs"][name]
         assert m["kernels"] >= 1, f"{name}: no Mosaic kernel in the TPU program"
         assert m["arguments"] > 0 and m["temporaries"] > 0 and m["aliased"] > 0  # the state donated
