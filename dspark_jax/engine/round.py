@@ -171,6 +171,17 @@ def _known(a, act):
     return jnp.all((a >= 0.0) | ~act[:, None])
 
 
+def _borrowed(a, act):
+    """Survivals [R, G] for the skip rule: an active slot without its own yet (it joined since the
+    last drafted round) takes the mean of the active slots that have them, so a join at a load
+    where drafting does not pay forces no drafting round (one that also carries the other joins'
+    prompt chunks in a large bucket: docs/serving.md, the SmolLM2 section). With no slot known
+    the survivals stay unknown (-1) and the round drafts to learn them."""
+    has = jnp.all(a >= 0.0, axis=1) & act
+    mean = jnp.sum(jnp.where(has[:, None], a, 0.0), axis=0) / jnp.maximum(jnp.sum(has), 1)
+    return jnp.where((act & ~has)[:, None] & jnp.any(has), mean[None], a)
+
+
 def _settled(st: DecodeState, act):
     """A settled "no" holds: the last probe's survivals said no by more than their sampling error
     (`probe_gap` = -n, n the slots then decoding) and at least as many slots decode now."""
@@ -186,11 +197,13 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
     """(drafts, settled) for this round. "best_case": draft when some admission count beats plain
     decoding even with every draft accepted. "known": also on the last known survivals (past
     rounds only, so lossless), except after `probe_gap` skipped rounds (or with no survivals yet),
-    when the round drafts to refresh them; no probe while a settled "no" holds (`_settled`, or
+    when the round drafts to refresh them (a slot that joined since takes the others' survivals:
+    `_borrowed`); no probe while a settled "no" holds (`_settled`, or
     the known survivals scaled by the most the realised acceptance may be say no at this load). A
     round that may lose (the lower bound of its gain on the known survivals, `prefix.drafting_gain`,
     is negative: a probe, or a "yes" within its sampling error) drafts only while `probe_credit`,
-    what earlier drafted rounds saved, covers that loss; a round with no survivals yet drafts.
+    what earlier drafted rounds saved, covers that loss; a round where no slot has survivals yet
+    drafts.
     "acceptance": the same on the survivals of the past rounds' acceptance (`_running_verdict`),
     for drafters without a confidence head; known once `prefix.RUNNING_MIN_ROWS` rows verified.
     `settled` (rules on survivals): the round skips and expects no draft at this load (the best
@@ -205,7 +218,7 @@ def _skip_decision(spec: Spec, st: DecodeState, act, ctl: Control, max_tokens: i
         settled = _settled(st, act)
         v = _running_verdict(spec, st.run_counts, act, ctl)
     else:
-        a_known = st.a_hist[0]
+        a_known = _borrowed(st.a_hist[0], act)
         known = _known(a_known, act)
         # a "no" on the realised acceptance holds at any load where the known survivals, scaled by
         # the most it may be, still say no (`_probe_schedule`): no probe needs to ask again

@@ -192,8 +192,8 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
 
 def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     """With a table where perfect drafts would pay but these drafters' survivals do not (draft
-    time 0.6 of a step), the "known" rule drafts in round 0 (no survivals yet) and when a request
-    without survivals joins, but probes no more: round 0's draft cost more than it saved, so no
+    time 0.6 of a step), the "known" rule drafts in round 0 (no survivals yet; a request that
+    joins later takes the others' survivals), but probes no more: round 0's draft cost more than it saved, so no
     credit covers a probe (`prefix.drafting_gain`; probing with credit:
     test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it); "best_case" never skips;
     the output is unchanged."""
@@ -256,6 +256,31 @@ def test_a_settled_no_stops_probes_until_fewer_slots_decode(setup):
     for act, probes in (((True, True, True), False), ((True, True, False), True)):
         pays, settled = round_mod._skip_decision(eng.spec, st, jnp.asarray(act), ctl, 9)
         assert bool(pays) is probes and bool(settled) is not probes, act
+
+
+def test_a_join_borrows_the_survivals_of_the_slots_that_have_them(setup):
+    """A slot that joined since the last drafted round has no survivals of its own (-1); it takes
+    the mean of the other decoding slots' survivals, so a settled "no" holds across the join and
+    the round does not draft (it drafted before: a forced drafting round per join, the SmolLM2
+    server's loss at c = 4, docs/serving.md). With no slot known the round still drafts."""
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import round as round_mod
+
+    eng, ctl, _ = _known_rule_engine(setup[0])
+    alike = np.cumprod(np.array([[0.3] * 3, [0.4] * 3, [-1.0] * 3]), axis=1)
+    alike[2] = -1.0  # slot 2 joined: nothing known of it
+    st = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(alike, jnp.float32)] * 2), since_draft=jnp.int32(1),
+                                   probe_gap=jnp.int32(-2))
+    three = jnp.ones(3, bool)
+    borrowed = np.asarray(round_mod._borrowed(jnp.asarray(alike, jnp.float32), three))
+    np.testing.assert_allclose(borrowed[2], alike[:2].mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(borrowed[:2], alike[:2], rtol=1e-6)
+    pays, settled = round_mod._skip_decision(eng.spec, st, three, ctl, 9)
+    assert not bool(pays) and bool(settled)
+    nothing = st._replace(a_hist=jnp.full_like(st.a_hist, -1.0), probe_gap=jnp.int32(8))
+    pays, _ = round_mod._skip_decision(eng.spec, nothing, three, ctl, 9)
+    assert bool(pays)
 
 
 def test_one_slot_settles_on_the_realised_acceptance(setup):
