@@ -25,6 +25,11 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
     for levels in res.values():
         assert [lv["concurrency"] for lv in levels] == [1, 3]
         assert all(lv["requests"] == 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
+        # each level's rounds from the server's /metrics counters (a round decodes a token or forwards a prompt)
+        for lv in levels:
+            assert 0 < lv["rounds"] <= lv["tokens"] + lv["requests"] and 0 < lv["round_seconds"] < lv["seconds"]
+            assert 0 <= lv["skipped_rounds"] <= lv["rounds"]
+    assert all(lv["skipped_rounds"] == 0 for lv in res["target-only"])  # no drafter: nothing to skip
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
     # the servers' own warm-up compiled every program serving reached (the skip rule's settled

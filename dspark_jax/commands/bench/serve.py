@@ -71,6 +71,18 @@ def run_level(client, model, prompts, concurrency: int, requests: int, max_secon
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
 
 
+def round_counts(metrics) -> dict:
+    """The server's rounds so far, from its /metrics counters: all of them, those that skipped
+    drafting, and their wall seconds (a level's are the difference across it)."""
+    if metrics is None:
+        return {"rounds": 0, "skipped_rounds": 0, "round_seconds": 0.0}
+    reg = metrics.registry
+    rounds = sum(x.value for m in reg.collect() if m.name == "dspark_rounds" for x in m.samples
+                 if x.name == "dspark_rounds_total")
+    return {"rounds": int(rounds), "skipped_rounds": int(reg.get_sample_value("dspark_skipped_rounds_total") or 0),
+            "round_seconds": float(reg.get_sample_value("dspark_round_seconds_sum") or 0.0)}
+
+
 def _compiled(engine) -> int:
     """Executables the engine's round programs and prefill hold (what a timed level must not add)."""
     return sum(p._cache_size() for p in engine.round_programs().values()) + engine._prefill._cache_size()
@@ -219,13 +231,16 @@ def main(argv=None) -> int:
         compiled_before = {name: _compiled(served.loop.engine) for name, served, _, _ in running}
         for c in args.concurrency:
             for name, served, _, _ in running:
+                before = round_counts(served.metrics)
                 lv = run_level(clients[name], served.model, prompts, c, args.requests or max(2 * c, 8),
                                args.max_seconds, args.max_tokens, args.temperature)
+                lv.update({k: v - before[k] for k, v in round_counts(served.metrics).items()})
                 results[name].append(lv)
                 print(f"[bench serve] {name:<12} c={c:<3} {lv['requests']:>4} req  {lv['throughput']:8.1f} tok/s total "
                       f"{lv['per_user']:7.1f} tok/s/user  TTFT p50 {lv['ttft_p50'] * 1e3:7.0f} ms p99 "
                       f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms "
-                      f"p99 {lv['itl_p99'] * 1e3:6.1f} ms",
+                      f"p99 {lv['itl_p99'] * 1e3:6.1f} ms  rounds {lv['rounds']} "
+                      f"({lv['skipped_rounds']} skipped drafting)",
                       flush=True)
         for name, served, _, _ in running:
             compiled_while_timed[name] = _compiled(served.loop.engine) - compiled_before[name]
