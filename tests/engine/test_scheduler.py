@@ -193,8 +193,8 @@ def test_production_after_skipped_rounds_uses_default_capacity(setup):
 def test_skip_on_known_survivals_probes_and_stays_lossless(setup):
     """With a table where perfect drafts would pay but these drafters' survivals do not (draft
     time 0.6 of a step), the "known" rule drafts in round 0 (no survivals yet; a request that
-    joins later takes the others' survivals), but probes no more: round 0's draft cost more than it saved, so no
-    credit covers a probe (`prefix.drafting_gain`; probing with credit:
+    joins later takes the others' survivals), but probes no more: round 0's draft cost more than
+    it saved, so no credit covers a probe (`prefix.drafting_gain`; probing with credit:
     test_a_round_that_may_lose_drafts_only_while_the_credit_covers_it); "best_case" never skips;
     the output is unchanged."""
     target, prompts, reference = setup
@@ -268,7 +268,7 @@ def test_a_join_borrows_the_survivals_of_the_slots_that_have_them(setup):
     from dspark_jax.engine import round as round_mod
 
     eng, ctl, _ = _known_rule_engine(setup[0])
-    alike = np.cumprod(np.array([[0.3] * 3, [0.4] * 3, [-1.0] * 3]), axis=1)
+    alike = np.cumprod(np.array([[0.3] * 3, [0.4] * 3, [1.0] * 3]), axis=1)
     alike[2] = -1.0  # slot 2 joined: nothing known of it
     st = eng.init_state()._replace(a_hist=jnp.stack([jnp.asarray(alike, jnp.float32)] * 2), since_draft=jnp.int32(1),
                                    probe_gap=jnp.int32(-2))
