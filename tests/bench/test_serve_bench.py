@@ -14,7 +14,7 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
 
     assert main(["--target", str(embedded_tiny_dir), "--drafter", f"dspark={tiny_dspark_drafter_dir}",
                  "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8", "--num-prompts", "4",
-                 "--max-len", "128", "--kv-pages", "12,16", "--out", str(tmp_path)]) == 0
+                 "--max-len", "128", "--kv-pages", "12,16", "--repeats", "2", "--out", str(tmp_path)]) == 0
     whole = json.loads((tmp_path / "results.json").read_text())
     res = whole["results"]
     # paged KV (12 pages of 16 tokens, half of 3 slots x 128): both configurations used the pool
@@ -24,17 +24,37 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
     assert list(res) == ["target-only", "dspark"]
     for levels in res.values():
         assert [lv["concurrency"] for lv in levels] == [1, 3]
-        assert all(lv["requests"] == 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
+        assert all(lv["requests"] == 2 * 3 and lv["tokens"] > 0 and lv["throughput"] > 0 for lv in levels)
         # each level's rounds from the server's /metrics counters (a round decodes a token or forwards a prompt)
         for lv in levels:
             assert 0 < lv["rounds"] <= lv["tokens"] + lv["requests"] and 0 < lv["round_seconds"] < lv["seconds"]
             assert 0 <= lv["skipped_rounds"] <= lv["rounds"]
     assert all(lv["skipped_rounds"] == 0 for lv in res["target-only"])  # no drafter: nothing to skip
+    # two runs a level: its figures are their medians (of two: the mean), its counts their totals,
+    # and the drafter's ratio the median of the two runs' own ratios
+    for levels in res.values():
+        for lv in levels:
+            a, b = lv["repeats"]
+            assert a["requests"] == b["requests"] == 3 and lv["tokens"] == a["tokens"] + b["tokens"]
+            assert lv["throughput"] == pytest.approx((a["throughput"] + b["throughput"]) / 2)
+    for lv, base in zip(res["dspark"], res["target-only"], strict=True):
+        mine = [r["throughput"] / t["throughput"] for r, t in zip(lv["repeats"], base["repeats"], strict=True)]
+        assert lv["ratios"] == pytest.approx(mine) and lv["ratio"] == pytest.approx(sum(mine) / 2)
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
     # the servers' own warm-up compiled every program serving reached (the skip rule's settled
     # round included): nothing compiled inside a timed level
     assert whole["meta"]["compiled_while_timed"] == {"target-only": 0, "dspark": 0}
+
+
+def test_repeats_alternate_the_order_and_refuse_zero(capsys):
+    from dspark_jax.commands.bench.serve import in_turn, parse_args
+
+    # A B C, C B A, A B C: a drift linear over two repeats costs each configuration alike
+    assert [in_turn(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1 (got 0)" in capsys.readouterr().err
 
 
 def test_each_configuration_names_its_own_policy():

@@ -10,6 +10,11 @@ Every configuration runs in this process behind a real HTTP server on 127.0.0.1 
 configuration in turn, so a drift of a noisy machine hits them alike. Clients are threads
 streaming chat completions through the `openai` client, bounded by --requests per level and
 --max-seconds per level.
+
+With --repeats N every level runs each configuration N times, the order reversed on alternate
+repeats (A B C, C B A, A B C, ...). A level's figures are then the medians over its runs (its
+counts the totals), and a drafter's ratio to target-only is the median of the ratios taken within
+each repeat, printed with their range: one slow run of a shared machine moves the median little.
 """
 
 from __future__ import annotations
@@ -81,6 +86,31 @@ def round_counts(metrics) -> dict:
                  if x.name == "dspark_rounds_total")
     return {"rounds": int(rounds), "skipped_rounds": int(reg.get_sample_value("dspark_skipped_rounds_total") or 0),
             "round_seconds": float(reg.get_sample_value("dspark_round_seconds_sum") or 0.0)}
+
+
+COUNTS = ("requests", "tokens", "seconds", "rounds", "skipped_rounds", "round_seconds")
+
+
+def summarise(runs: list[dict]) -> dict:
+    """A level's runs (one per repeat) as one level: medians of the rates and latencies, totals of
+    the counts, and the runs themselves under "repeats" when there are several."""
+    if len(runs) == 1:
+        return runs[0]
+    level = {k: (sum(r[k] for r in runs) if k in COUNTS else float(np.median([r[k] for r in runs])))
+             for k in runs[0] if k != "concurrency"}
+    return {"concurrency": runs[0]["concurrency"], **level, "repeats": runs}
+
+
+def paired_ratios(runs: list[dict], base_runs: list[dict]) -> list[float]:
+    """Throughput over target-only's within each repeat (the two ran minutes apart at most)."""
+    return [r["throughput"] / b["throughput"] if b["throughput"] > 0 else float("nan")
+            for r, b in zip(runs, base_runs, strict=True)]
+
+
+def in_turn(running: list, repeat: int) -> list:
+    """The configurations in this repeat's order: reversed on odd repeats, so a drift that is linear
+    over two repeats costs every configuration alike."""
+    return running if repeat % 2 == 0 else running[::-1]
 
 
 def _compiled(engine) -> int:
@@ -178,6 +208,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_tokens", type=int, default=64,
                     help="per request (the OpenAI max_tokens; default 64)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each configuration per level, in alternating order; figures are medians "
+                         "and ratios the median of each repeat's (default 1)")
     ap.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency)")
     ap.add_argument("--max-len", type=int, default=1024)
     from dspark_jax.cli import add_kv_pages_argument, add_prefill_chunk_argument
@@ -186,7 +219,19 @@ def parse_args(argv=None):
     add_kv_pages_argument(ap)
     add_prefill_chunk_argument(ap, SERVE_PREFILL_CHUNK)
     ap.add_argument("--out", default="bench_serve", help="results.json and pareto.png go here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1 (got {args.repeats}): the number of runs of each configuration "
+                 "per level")
+    return args
+
+
+def _print_level(name: str, lv: dict, which: str) -> None:
+    print(f"[bench serve] {name:<12} c={lv['concurrency']:<3}{which} {lv['requests']:>4} req  "
+          f"{lv['throughput']:8.1f} tok/s total {lv['per_user']:7.1f} tok/s/user  TTFT p50 "
+          f"{lv['ttft_p50'] * 1e3:7.0f} ms p99 {lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms "
+          f"p99 {lv['itl_p99'] * 1e3:6.1f} ms  rounds {lv['rounds']} ({lv['skipped_rounds']} skipped drafting)",
+          flush=True)
 
 
 def main(argv=None) -> int:
@@ -230,18 +275,20 @@ def main(argv=None) -> int:
         # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
         compiled_before = {name: _compiled(served.loop.engine) for name, served, _, _ in running}
         for c in args.concurrency:
-            for name, served, _, _ in running:
-                before = round_counts(served.metrics)
-                lv = run_level(clients[name], served.model, prompts, c, args.requests or max(2 * c, 8),
-                               args.max_seconds, args.max_tokens, args.temperature)
-                lv.update({k: v - before[k] for k, v in round_counts(served.metrics).items()})
-                results[name].append(lv)
-                print(f"[bench serve] {name:<12} c={c:<3} {lv['requests']:>4} req  {lv['throughput']:8.1f} tok/s total "
-                      f"{lv['per_user']:7.1f} tok/s/user  TTFT p50 {lv['ttft_p50'] * 1e3:7.0f} ms p99 "
-                      f"{lv['ttft_p99'] * 1e3:7.0f} ms  ITL p50 {lv['itl_p50'] * 1e3:6.1f} ms "
-                      f"p99 {lv['itl_p99'] * 1e3:6.1f} ms  rounds {lv['rounds']} "
-                      f"({lv['skipped_rounds']} skipped drafting)",
-                      flush=True)
+            runs = {name: [] for name, _, _, _ in running}
+            for repeat in range(args.repeats):
+                for name, served, _, _ in in_turn(running, repeat):
+                    before = round_counts(served.metrics)
+                    lv = run_level(clients[name], served.model, prompts, c, args.requests or max(2 * c, 8),
+                                   args.max_seconds, args.max_tokens, args.temperature)
+                    lv.update({k: v - before[k] for k, v in round_counts(served.metrics).items()})
+                    runs[name].append(lv)
+                    _print_level(name, lv, f" run {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
+            for name, level_runs in runs.items():
+                results[name].append(summarise(level_runs))
+                if name != "target-only":
+                    ratios = paired_ratios(level_runs, runs["target-only"])
+                    results[name][-1].update(ratio=float(np.median(ratios)), ratios=ratios)
         for name, served, _, _ in running:
             compiled_while_timed[name] = _compiled(served.loop.engine) - compiled_before[name]
             if compiled_while_timed[name]:
@@ -254,14 +301,15 @@ def main(argv=None) -> int:
             served.loop.stop()
             if served.loop.engine.pages is not None:
                 peak_pages[name] = served.loop.engine.pages.peak
-    base = {lv["concurrency"]: lv["throughput"] for lv in results["target-only"]}
     for name, levels in results.items():
         if name != "target-only":
-            print(f"[bench serve] {name} / target-only throughput: " +
-                  ", ".join(f"c={lv['concurrency']}: {lv['throughput'] / base[lv['concurrency']]:.2f}x"
-                            for lv in levels))
+            print(f"[bench serve] {name} / target-only throughput: " + ", ".join(
+                f"c={lv['concurrency']}: {lv['ratio']:.2f}x" + (
+                    f" ({min(lv['ratios']):.2f}-{max(lv['ratios']):.2f} over {len(lv['ratios'])} repeats)"
+                    if len(lv["ratios"]) > 1 else "") for lv in levels))
     meta = {"command": "python -m dspark_jax bench serve " + " ".join(sys.argv[2:] if argv is None else argv),
-            "prompts": args.prompts, "max_tokens": args.max_tokens, "temperature": args.temperature, "slots": slots,
+            "prompts": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "temperature": args.temperature, "slots": slots,
             "configs": {name: {"drafter": d, "policy": pol, "scheduling": about.get(name),
                                "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
                         for name, d, pol in configs},
