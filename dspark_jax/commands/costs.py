@@ -98,7 +98,7 @@ def _cmd_measure(args) -> int:
                     "t_verify(b) = compiled round "
                     "landing in bucket b minus the engine's draft function on the same state"),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
-        clipped=res["clipped"],
+        clipped=res["clipped"], repriced=res["repriced"],
         engine={"num_slots": eng.R, "gamma": eng.G, "mode": eng.mode, "max_len": eng.S, "model": args.model,
                 "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
                 "dtype": args.dtype},

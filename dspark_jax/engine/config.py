@@ -54,8 +54,8 @@ class EngineConfig:
     # from the user cache when an engine of the same key measured it (engine/own_costs.py);
     # False: it needs table=
     own_costs: bool = True
-    # timed calls per bucket when it measures (after one untimed; the median)
-    own_costs_repeats: int = 3
+    # timed sweeps of the buckets when it measures its own table (after one untimed; the medians)
+    own_costs_repeats: int = 7
     # rules on survivals ("known", "acceptance"): rounds between probes that refresh them ...
     probe_every: int = 8
     # ... doubled while fresh survivals say no, up to this
@@ -112,7 +112,7 @@ class EngineConfig:
         if self.skip_drafting != AUTO and self.skip_drafting not in SKIP_RULES:
             raise EngineConfigError(f"EngineConfig.skip_drafting={self.skip_drafting!r}: use 'auto', None, "
                                     "'best_case', 'known' (True = 'known') or 'acceptance'")
-        _at_least("own_costs_repeats", self.own_costs_repeats, 1, "one timed call a bucket at least")
+        _at_least("own_costs_repeats", self.own_costs_repeats, 1, "one timed sweep of the buckets at least")
         if not (_is_int(self.probe_every) and _is_int(self.probe_max) and 1 <= self.probe_every <= self.probe_max):
             raise EngineConfigError(f"EngineConfig needs 1 <= probe_every <= probe_max, got {self.probe_every} and "
                                     f"{self.probe_max}")

@@ -4,8 +4,8 @@ the user cache under a key of everything that decides those times.
 A scheduled engine (docs/scheduler.md) prices verification with measured times: the round at every
 verification bucket, the draft, the round that skips drafting. `costs measure` takes them as a
 separate, longer step; an engine without a table takes them itself, on the programs it compiled
-anyway (`timing.measure_engine`: each timed round's length pinned, `Control.pin`), `repeats` calls
-each after one untimed call, their median. The table is written to
+anyway (`timing.measure_engine`: each timed round's length pinned, `Control.pin`), in `repeats`
+sweeps of the buckets after one untimed sweep, their medians (`costs.measure_table`). The table is written to
 ``$DSPARK_JAX_CACHE/cost_tables/<key>.json``; the next engine with the same key reads it back
 instead of timing again, and one with any other key never reads it
 (``$DSPARK_JAX_COST_TABLES`` moves the directory). The key (`table_key`) hashes
@@ -47,12 +47,12 @@ __all__ = ["OwnTable", "TABLES_ENV", "table_key", "table_path", "tables_dir", "o
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REPEATS = 3  # timed calls per bucket (after one untimed): the median of three
+DEFAULT_REPEATS = 7  # timed sweeps of the buckets (after one untimed): medians of seven
 
 
 @dataclass(frozen=True)
 class OwnTable:
-    """A cost table and where it came from: "measured" (now, `repeats` calls each) or "read back"
+    """A cost table and where it came from: "measured" (now, `repeats` sweeps) or "read back"
     (from `path`, measured by an earlier engine of the same key)."""
 
     table: object  # scheduler.CostTable
@@ -62,7 +62,7 @@ class OwnTable:
     seconds: float  # spent measuring (0 when read back)
 
     def describe(self) -> str:
-        what = (f"measured now ({self.repeats} timed calls a bucket, median; {self.seconds:.1f} s)"
+        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {self.seconds:.1f} s)"
                 if self.source == "measured" else "read back")
         return f"own cost table {what}: {self.path}"
 
@@ -103,7 +103,7 @@ def planned(engine, sampling: SamplingParams | None = None) -> str:
     path = table_path(table_key(engine, sampling or SamplingParams()))
     if path.exists():
         return f"own, read back from {path}"
-    return (f"own, measured at start-up ({engine.config.own_costs_repeats} timed calls a bucket, median), "
+    return (f"own, measured at start-up ({engine.config.own_costs_repeats} timed sweeps of the buckets, median), "
             f"written to {path}")
 
 
@@ -159,11 +159,13 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
         device_kind=key["device_kind"],
         provenance=(f"measured by the engine on its own compiled programs at start-up ({key['backend']}, "
                     f"{key['device_kind']}): t_verify(b) = the round landing in bucket b minus the draft alone, "
-                    f"median of {repeats} calls after one untimed"
+                    f"median of {repeats} sweeps of the buckets after one untimed"
+                    + (f"; {res['repriced']} repriced (a larger bucket measured cheaper, not in every sweep)"
+                       if res["repriced"] else "")
                     + (f"; buckets {beyond} (prompt chunks only) in proportion to tokens from {last_b}"
                        if beyond else "")),
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
-        clipped=res["clipped"], extrapolated=beyond,
+        clipped=res["clipped"], repriced=res["repriced"], extrapolated=beyond,
         engine={"num_slots": engine.R, "gamma": engine.G, "mode": engine.mode, "max_len": engine.S},
         measure={"repeats": repeats, "warmup": 1, "stat": "median", "seconds": seconds,
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}, key=key, **extra)

@@ -109,7 +109,8 @@ def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "media
     """Cost table of ``engine`` measured on its compiled round (whatever its policy: each timed
     round's length is pinned): `measure_table` over `engine_round_timer` and `engine_draft_timer`,
     plus the plan (active slots, verify length, tokens per bucket), the bucket index every timed
-    round used and, for an engine with a skip rule, ``t_skip``: its round that skips drafting.
+    round used and, for an engine with a skip rule, ``t_skip``: its round that skips drafting
+    (`engine_skip_timer`, timed in the same sweeps).
     `buckets`: the priced buckets to time (default all); `state`: `prefilled_state`'s prompt / fill
     for the timed states."""
     if warmup < 1 or repeats < 1:
@@ -117,16 +118,13 @@ def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "media
     buckets = engine.priced_buckets if buckets is None else tuple(buckets)
     state = state or {}
     round_fn, plan, used = engine_round_timer(engine, sampling, buckets, **state)
+    skip = engine_skip_timer(engine, sampling, **state) if engine.G and engine.spec.skip_drafting is not None \
+        else None
     res = measure_table(round_fn, buckets, engine_draft_timer(engine, sampling, **state),
-                        repeats=repeats, warmup=warmup, stat=stat, log=log)
+                        repeats=repeats, warmup=warmup, stat=stat, log=log, skip_fn=skip)
     res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
                    for b, (k, g) in sorted(plan.items())]
     res["buckets_used"] = {b: used[b] for b in res["buckets"]}
-    if engine.G and engine.spec.skip_drafting is not None:
-        skip = engine_skip_timer(engine, sampling, **state)
-        res["t_skip"] = time_stat([skip() for _ in range(warmup + repeats)][warmup:], stat)
-        if log:
-            log(f"round that skips drafting: {1e3 * res['t_skip']:.3f} ms")
     return res
 
 

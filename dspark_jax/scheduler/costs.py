@@ -261,52 +261,87 @@ def time_stat(ts, stat: str) -> float:
 
 
 def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[[], float] | None = None, *,
-                  repeats: int = 5, warmup: int = 1, stat: str = "median", log=None, floor: float = FLOOR_S) -> dict:
-    """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped"} from one-sample
-    timers ``round_fn(bucket) -> seconds`` (one whole round landing in that bucket) and
-    ``draft_fn() -> seconds`` (the round's draft part).
+                  repeats: int = 5, warmup: int = 1, stat: str = "median", log=None, floor: float = FLOOR_S,
+                  skip_fn: Callable[[], float] | None = None) -> dict:
+    """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped", "repriced"} (and
+    "t_skip" with ``skip_fn``) from one-sample timers ``round_fn(bucket) -> seconds`` (one whole
+    round landing in that bucket), ``draft_fn() -> seconds`` (the round's draft part) and
+    ``skip_fn() -> seconds`` (the round that skips drafting).
 
-    Per bucket, draft and round calls alternate (after ``warmup`` untimed pairs), so both see
-    the same load on a shared host; ``t_verify(b) = stat(rounds) - stat(drafts of that window)``
-    and ``t_draft`` is ``stat`` over all draft samples. Everything in the round besides
-    drafting (verification, sampling, rejection, rollback, drafter update) is thus charged to
-    verification, and ``t_draft + t_verify(b)`` is the measured round (up to load drift between
-    windows). A non-positive difference (noise when drafting dominates the round) is clipped to
-    ``floor`` with a warning and listed in ``clipped``.
+    The buckets are timed in sweeps: each sweep calls every bucket once, a draft then a round, and
+    then the skipped round, so a load that comes and goes on a shared host hits them all alike
+    (``warmup`` untimed sweeps first, then ``repeats`` timed ones). ``t_verify(b) = stat(rounds at b)
+    - stat(the drafts paired with them)`` and ``t_draft`` is ``stat`` over all draft samples.
+    Everything in the round besides drafting (verification, sampling, rejection, rollback, drafter
+    update) is thus charged to verification, and ``t_draft + t_verify(b)`` is the measured round. A
+    non-positive difference (noise when drafting dominates the round) is clipped to ``floor`` with
+    a warning (``clipped``).
+
+    A larger bucket priced below a smaller one stands only when its round was the faster of the two
+    in every sweep; otherwise the smaller bucket takes its price (``repriced``). The same program
+    holding fewer tokens does not cost more, so such an inversion is noise unless each sweep repeats
+    it (on a TPU a larger bucket can be cheaper: docs/performance.md); a round picks the cheapest
+    bucket its table prices (`round._bucket`), and a noisy price would send it to a larger one for
+    good, where no round is left to correct the smaller one's (engine/live_costs.py).
     """
     bs = sorted(int(x) for x in buckets)
-    tr, tv, tdp, clipped, d_all = [], [], [], [], []
-    for b in bs:
-        for _ in range(warmup):
+    r = {b: [] for b in bs}
+    d = {b: [] for b in bs}
+    skips = []
+    for sweep in range(warmup + repeats):
+        timed = sweep >= warmup
+        for b in bs:
             if draft_fn is not None:
-                draft_fn()
-            round_fn(b)
-        r, d = [], []
-        for _ in range(repeats):
-            if draft_fn is not None:
-                d.append(float(draft_fn()))
-            r.append(float(round_fn(b)))
-        d_all += d
-        tr.append(time_stat(r, stat))
-        tdp.append(time_stat(d, stat) if d else 0.0)
-        t = tr[-1] - tdp[-1]
+                t = float(draft_fn())
+                d[b] += [t] if timed else []
+            t = float(round_fn(b))
+            r[b] += [t] if timed else []
+        if skip_fn is not None:
+            t = float(skip_fn())
+            skips += [t] if timed else []
+    tr = [time_stat(r[b], stat) for b in bs]
+    tdp = [time_stat(d[b], stat) if d[b] else 0.0 for b in bs]
+    tv, clipped = [], []
+    for b, t_round, t_draft in zip(bs, tr, tdp, strict=True):
+        t = t_round - t_draft
         if not t > 0:
             clipped.append(b)
-            msg = (f"bucket {b}: round {1e3 * tr[-1]:.3f} ms <= draft {1e3 * tdp[-1]:.3f} ms, so t_verify is clipped "
+            msg = (f"bucket {b}: round {1e3 * t_round:.3f} ms <= draft {1e3 * t_draft:.3f} ms, so t_verify is clipped "
                    f"to {floor:g} s; timing noise dominates: re-measure on a quieter host or with more --repeats")
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             if log:
                 log("WARNING: " + msg)
             t = floor
         tv.append(t)
-        if log:
-            log(f"bucket {b:6d}: round {1e3 * tr[-1]:9.3f} ms  draft {1e3 * tdp[-1]:9.3f} ms  verify {1e3 * t:9.3f} ms")
+    tv, repriced = _noise_inversions_repriced(bs, tv, r)
+    if log:
+        for b, t_round, t_draft, t in zip(bs, tr, tdp, tv, strict=True):
+            log(f"bucket {b:6d}: round {1e3 * t_round:9.3f} ms  draft {1e3 * t_draft:9.3f} ms  verify {1e3 * t:9.3f} ms"
+                + ("  (repriced: a larger bucket measured cheaper, not in every sweep)" if b in repriced else ""))
+    d_all = [x for b in bs for x in d[b]]
     td = time_stat(d_all, stat) if d_all else 0.0
     if log:
         log(f"draft per round: {1e3 * td:.3f} ms")
-    return {"buckets": bs, "t_verify": tv, "t_draft": td, "t_round": tr, "t_draft_paired": tdp, "clipped": clipped}
+    out = {"buckets": bs, "t_verify": tv, "t_draft": td, "t_round": tr, "t_draft_paired": tdp, "clipped": clipped,
+           "repriced": repriced}
+    if skip_fn is not None:
+        out["t_skip"] = time_stat(skips, stat)
+        if log:
+            log(f"round that skips drafting: {1e3 * out['t_skip']:.3f} ms")
+    return out
 
 
+def _noise_inversions_repriced(bs, tv, rounds) -> tuple[list[float], list[int]]:
+    """(t_verify, repriced buckets): each bucket priced above a larger one whose round was not the
+    faster in every sweep takes the cheapest such larger bucket's price (`measure_table`)."""
+    out, repriced = list(tv), []
+    for i, b in enumerate(bs):
+        noisy = [tv[j] for j in range(i + 1, len(bs)) if tv[j] < tv[i]
+                 and not all(x < y for x, y in zip(rounds[bs[j]], rounds[b], strict=True))]
+        if noisy:
+            out[i] = min(noisy)
+            repriced.append(b)
+    return out, repriced
 
 
 def bucket_plan(buckets, num_slots: int, gamma: int) -> dict[int, tuple[int, int]]:

@@ -79,17 +79,18 @@ def test_a_pinned_round_verifies_what_it_is_told_or_skips(target, dspark):
 def test_the_table_is_measured_written_read_back_and_keyed(target, dspark, tables, measured, monkeypatch):
     cfg = EngineConfig(num_slots=2, max_len=48)
     eng = Engine(target, dspark, cfg)
-    assert eng.table_source.startswith("own, measured at start-up (3 timed calls")
+    assert eng.table_source.startswith(f"own, measured at start-up ({own_costs.DEFAULT_REPEATS} timed sweeps")
     ref = Engine(target, None, EngineConfig(num_slots=2, max_len=48)).generate(PROMPTS, max_new_tokens=6,
                                                                              sampling=GREEDY)
     res = eng.generate(PROMPTS, max_new_tokens=6, sampling=GREEDY)
     assert [r.tokens for r in res.results] == [r.tokens for r in ref.results]  # lossless on its own table
     own = eng.own_table
-    assert (own.source, own.path.parent, own.repeats, len(measured)) == ("measured", tables, 3, 1)
+    repeats = own_costs.DEFAULT_REPEATS
+    assert (own.source, own.path.parent, own.repeats, len(measured)) == ("measured", tables, repeats, 1)
     saved = json.loads(own.path.read_text())
     assert saved["key"] == own_costs.table_key(eng, SamplingParams())
     assert saved["buckets"] == list(eng.priced_buckets) and len(saved["t_verify"]) == len(eng.priced_buckets)
-    assert saved["t_skip"] > 0 and saved["measure"]["repeats"] == 3 and "start-up" in saved["provenance"]
+    assert saved["t_skip"] > 0 and saved["measure"]["repeats"] == repeats and "start-up" in saved["provenance"]
 
     again = Engine(target, dspark, cfg)  # the same key: read back, not timed
     assert again.table_source.startswith("own, read back from")
