@@ -9,6 +9,9 @@ drafted rounds' median at b less the draft's time (which a round cannot separate
 verification, so it stays as measured), and the skipped rounds' price beyond t_verify (the
 table's `skip_extra`) from theirs. A bucket too few rounds landed in keeps its measured time. A
 round that takes more than `outlier` times what the table says (a compile, a pause) is left out.
+The rebuilt table keeps the measured order of the buckets (`_in_measured_order`): a round runs in
+the bucket its table prices cheapest among those that hold its tokens, so a median that put a
+larger bucket below a smaller one would move rounds there on the strength of one busy window.
 `changes` says what moved.
 """
 
@@ -67,6 +70,7 @@ class LiveTable:
             return None
         drafted, skipped = self._medians(self.drafted), self._medians(self.skipped)
         t_verify = np.where(np.isnan(drafted), self.t_verify, np.maximum(drafted - self.t_draft, FLOOR_S))
+        t_verify = _in_measured_order(t_verify, self.measured, ~np.isnan(drafted))
         seen = ~np.isnan(skipped)
         skip_extra = float(np.mean(np.maximum(skipped[seen] - t_verify[seen], 0.0))) if seen.any() \
             else self.skip_extra
@@ -91,3 +95,21 @@ class LiveTable:
             was, now = 1e3 * self.measured_skip_extra, 1e3 * self.skip_extra
             parts.append(f"skipped round's extra: {was:.3g} -> {now:.3g} ms")
         return ", ".join(parts) or "unchanged"
+
+
+def _in_measured_order(t, measured, observed) -> np.ndarray:
+    """`t` (per priced bucket, ascending) with every pair the measured table priced in order (the
+    smaller bucket no dearer) kept in order: a bucket no round reached rises to the price of a
+    smaller one above it (the load that raised one raised the other), then a bucket priced above a
+    larger one takes that one's price (the tie sends rounds to the smaller bucket). Pairs the
+    measured table priced out of order (a larger bucket cheaper in every sweep of its measurement:
+    scheduler/costs.py `measure_table`) stay free."""
+    t = np.asarray(t, np.float64).copy()
+    n = len(t)
+    ordered = lambda i, j: measured[i] <= measured[j]
+    for j in range(n):
+        if not observed[j]:
+            t[j] = max([t[j]] + [t[i] for i in range(j) if ordered(i, j)])
+    for i in reversed(range(n)):
+        t[i] = min([t[i]] + [t[j] for j in range(i + 1, n) if ordered(i, j)])
+    return t
