@@ -7,7 +7,7 @@ of the last `window` rounds that landed there, drafted and skipped apart, and ev
 rebuilds the table from their medians (once a bucket has `least` of them): t_verify(b) = the
 drafted rounds' median at b less the draft's time (which a round cannot separate from its
 verification, so it stays as measured), and the skipped rounds' price beyond t_verify (the
-table's `skip_extra`) from theirs. A bucket too few rounds landed in keeps its measured time. A
+table's `skip_extra`, at most the draft's) from theirs. A bucket too few rounds landed in keeps its measured time. A
 round that takes more than `outlier` times what the table says (a compile, a pause) is left out.
 The rebuilt table keeps the measured order of the buckets (`_in_measured_order`): a round runs in
 the bucket its table prices cheapest among those that hold its tokens, so a median that put a
@@ -72,7 +72,10 @@ class LiveTable:
         t_verify = np.where(np.isnan(drafted), self.t_verify, np.maximum(drafted - self.t_draft, FLOOR_S))
         t_verify = _in_measured_order(t_verify, self.measured, ~np.isnan(drafted))
         seen = ~np.isnan(skipped)
-        skip_extra = float(np.mean(np.maximum(skipped[seen] - t_verify[seen], 0.0))) if seen.any() \
+        # a round that skips drafting does less than one that drafts in the same bucket: its extra
+        # beyond t_verify is at most the draft (more would make a draft that cannot pay look cheaper
+        # than not drafting; the skipped rounds' medians swing with the load, the draft's price does not)
+        skip_extra = min(float(np.mean(np.maximum(skipped[seen] - t_verify[seen], 0.0))), self.t_draft) if seen.any() \
             else self.skip_extra
         old = np.append(self.t_verify, self.skip_extra + 1e-12)
         new = np.append(t_verify, skip_extra + 1e-12)

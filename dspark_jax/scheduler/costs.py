@@ -152,15 +152,17 @@ def skipped_round_price(d: dict) -> float | None:
 def skip_extra(d: dict) -> float:
     """Seconds a round without a draft costs beyond ``t_verify`` of the tokens it verifies (the
     CostTable's `skip_extra`; `prefix.plain_time`), from a cost dict: `skipped_round_price` at
-    the table's slot count R (``engine.num_slots``) minus ``t_verify(R)`` (interpolated), and no
-    less than 0; 0 for a table that prices neither (or does not say R): then ``t_verify`` is all
-    it knows of plain decoding. ``t_verify(b)`` is a round minus the draft timed alone, which
+    the table's slot count R (``engine.num_slots``) minus ``t_verify(R)`` (interpolated), no
+    less than 0 and no more than ``t_draft`` (a round that skips drafting does less than one that
+    drafts in the same bucket; more is noise, and would make a draft that cannot pay look cheaper
+    than not drafting); 0 for a table that prices neither (or does not say R): then ``t_verify`` is
+    all it knows of plain decoding. ``t_verify(b)`` is a round minus the draft timed alone, which
     costs more than it adds to a round, so ``t_verify(R)`` alone under-prices plain decoding."""
     r = (d.get("engine") or {}).get("num_slots")
     t = skipped_round_price(d)
     if r is None or t is None:
         return 0.0
-    return max(t - float(np.interp(r, d["buckets"], d["t_verify"])), 0.0)
+    return float(np.clip(t - float(np.interp(r, d["buckets"], d["t_verify"])), 0.0, float(d["t_draft"])))
 
 
 def load_cost_table(path, expect_backend=None, expect_buckets=None, as_numpy=False) -> CostTable:

@@ -40,10 +40,10 @@ def test_skipped_rounds_price_plain_decoding_and_outliers_are_left_out():
     live.observe(3, True, 1e-3)  # the chunk-only bucket: not priced
     assert live.rounds == 0
     for _ in range(4):
-        live.observe(0, False, 3e-3)  # plain rounds at bucket 4: 1 ms verify + 2 ms beyond
+        live.observe(0, False, 1.8e-3)  # plain rounds at bucket 4: 1 ms verify + 0.8 ms beyond
     t = live.refreshed()
-    assert float(np.asarray(t.skip_extra)) == pytest.approx(2e-3)
-    assert live.changes() == "skipped round's extra: 0.5 -> 2 ms"
+    assert float(np.asarray(t.skip_extra)) == pytest.approx(0.8e-3)
+    assert live.changes() == "skipped round's extra: 0.5 -> 0.8 ms"
     np.testing.assert_allclose(np.asarray(t.t_verify), [1e-3, 2e-3, 4e-3], rtol=1e-6)
 
 
@@ -68,3 +68,12 @@ def test_the_rebuilt_table_keeps_the_measured_order_of_the_buckets():
     for _ in range(4):
         live.observe(1, True, 6e-3)  # 8 reached: 5 ms; 16 stays at 2 ms below it
     np.testing.assert_allclose(np.asarray(live.refreshed().t_verify), [1e-3, 5e-3, 2e-3], rtol=1e-6)
+
+
+def test_a_skipped_round_is_never_priced_above_a_drafting_one():
+    live = _live(every=4)
+    for _ in range(4):  # skipped rounds at bucket 4 in a busy window: 4 ms beyond its 1 ms verify
+        live.observe(0, False, 5e-3)
+    # at most the draft (1 ms): a round that skips drafting does less than one that drafts there,
+    # and a larger extra would make drafting that cannot pay look cheaper than not drafting
+    assert float(np.asarray(live.refreshed().skip_extra)) == pytest.approx(1e-3)

@@ -46,8 +46,10 @@ def test_skip_extra_reads_the_skipped_round_else_the_target_step():
     assert skip_extra(_cost()) == 0.0  # a table pricing neither: t_verify(R) is all it knows
     assert skip_extra({**V6E, "t_skip": T_SKIP}) == 0.0  # no slot count: no R to price it at
     # a table at R = 8 whose buckets start below R: t_verify(R) interpolated
-    d = {"buckets": [1, 16], "t_verify": [1.0, 2.5], "t_draft": 0.1, "engine": {"num_slots": 8}, "t_skip": 3.0}
+    d = {"buckets": [1, 16], "t_verify": [1.0, 2.5], "t_draft": 2.0, "engine": {"num_slots": 8}, "t_skip": 3.0}
     assert skip_extra(d) == pytest.approx(3.0 - (1.0 + 7 * 1.5 / 15))
+    # no more than the draft: a round that skips drafting does less than one that drafts in its bucket
+    assert skip_extra({**d, "t_draft": 0.1}) == pytest.approx(0.1)
     # a predicted table says which program its skip@R priced: t_skip is read only where that is the
     # engine's round without a draft (round.plain_round); an older skipped round (rejection and the
     # drafter update over the whole block) is not what the engine runs, so the target-only step prices it
