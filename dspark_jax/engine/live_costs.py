@@ -7,8 +7,9 @@ of the last `window` rounds that landed there, drafted and skipped apart, and ev
 rebuilds the table from their medians (once a bucket has `least` of them): t_verify(b) = the
 drafted rounds' median at b less the draft's time (which a round cannot separate from its
 verification, so it stays as measured), and the skipped rounds' price beyond t_verify (the
-table's `skip_extra`, at most the draft's) from theirs. A bucket too few rounds landed in keeps its measured time. A
-round that takes more than `outlier` times what the table says (a compile, a pause) is left out.
+table's `skip_extra`, at most the draft's) from theirs. A bucket too few rounds landed in keeps
+its measured time. A round that takes more than `outlier` times what the table says (a compile, a
+pause) is left out.
 The rebuilt table keeps the measured order of the buckets (`_in_measured_order`): a round runs in
 the bucket its table prices cheapest among those that hold its tokens, so a median that put a
 larger bucket below a smaller one would move rounds there on the strength of one busy window.
