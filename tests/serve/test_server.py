@@ -155,8 +155,9 @@ def test_paged_kv_server_waits_for_pages_and_refuses_what_never_fits(embedded_ti
                                                                      reference):
     """`--kv-pages 5,16`: 4 slots, but the pool holds only 2 of these requests' reach at a time.
     8 concurrent requests all get the target's greedy answers (the others wait for pages, none is
-    refused or lost); a request that could not fit the whole pool is a 400 naming max_tokens."""
-    served, srv, thread, port = _start(embedded_tiny_dir, tiny_dspark_drafter_dir, kv_pages=(5, 16))
+    refused or lost); a request that could not fit the whole pool is a 400 naming max_tokens.
+    At a fixed length every round drafts and verifies, so the drafts' positions take pages too."""
+    served, srv, thread, port = _start(embedded_tiny_dir, tiny_dspark_drafter_dir, kv_pages=(5, 16), policy="fixed")
     try:
         eng = served.loop.engine
         reach = [eng.pages_to_reserve(len(served.tokenizer.encode(p)), 12) for p in PROMPTS]
@@ -180,6 +181,8 @@ def test_paged_kv_server_waits_for_pages_and_refuses_what_never_fits(embedded_ti
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
 def test_every_drafter_kind_is_lossless_over_http(kind, embedded_tiny_dir, reference, tmp_path):
+    """Served at a fixed length, so that every round drafts with the kind and verifies its drafts
+    (the default skips an untrained drafter: tests/engine/test_acceptance_skip.py)."""
     from flax import nnx
 
     from dspark_jax.config import DrafterSection
@@ -195,7 +198,7 @@ def test_every_drafter_kind_is_lossless_over_http(kind, embedded_tiny_dir, refer
     d = create_model(lambda: registry.build(t.cfg, dcfg, rngs=nnx.Rngs(5)))
     attach_target(d, t.model)
     drafter_io.save(d, tmp_path / kind)
-    served, srv, thread, port = _start(embedded_tiny_dir, tmp_path / kind)
+    served, srv, thread, port = _start(embedded_tiny_dir, tmp_path / kind, policy="fixed")
     try:
         assert served.loop.engine.mode == kind
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
