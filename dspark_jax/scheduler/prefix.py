@@ -335,13 +335,20 @@ def verdict(a_rows, active, table: CostTable, z=SETTLE_Z, mode="latency", cost="
     best = jnp.max(masked)
     plain = plain_time(n, table, cost)
     se = _token_se(a, active, n)
-    rho = best * plain / jnp.maximum(n, 1.0)
     kb = jnp.where(n_cand > 0, jnp.argmax(masked), 0)
     tau = n + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_a)])[kb]
-    t = tau / jnp.maximum(th[kb], 1e-30)
+    return _judged(n, tau, best, th[kb], plain, se, evidence=n, ok=n > 0.0, z=z)
+
+
+def _judged(n, tau, best, th, plain, se, *, evidence, ok, z) -> Verdict:
+    """The verdict on a round of `n` slots expecting `tau` tokens at throughput `th` (`best`: the
+    best throughput over admission counts, -inf without one) against plain decoding's
+    n / `plain`; a "no" settles on `evidence` of two (slots or rows) or more."""
+    rho = best * plain / jnp.maximum(n, 1.0)
+    t = tau / jnp.maximum(th, 1e-30)
     gain = tau * plain / jnp.maximum(n, 1.0) - t
-    ok = (n > 0.0) & jnp.isfinite(gain)
-    return Verdict(pays=best > n / plain, settled_no=(n >= 2.0) & (1.0 - rho > z * se),
+    ok = ok & jnp.isfinite(gain)
+    return Verdict(pays=ok & (best > n / plain), settled_no=ok & (evidence >= 2.0) & (1.0 - rho > z * se),
                    gain=jnp.where(ok, gain, 0.0), low=jnp.where(ok, gain - z * se * t, 0.0))
 
 
@@ -420,10 +427,5 @@ def fixed_verdict(s, rows, n_active, gamma, table: CostTable, z=SETTLE_Z, mode="
     se = jnp.where(rows >= 2.0, jnp.sqrt(var / jnp.maximum(rows, 1.0)) / (1.0 + mean), 0.0)
     tau = n * (1.0 + mean)
     th = theta(tau, n * (1.0 + jnp.asarray(gamma, jnp.float32)), table, mode, cost)
-    plain = plain_time(n, table, cost)
-    rho = th * plain / jnp.maximum(n, 1.0)
-    t = tau / jnp.maximum(th, 1e-30)
-    gain = tau * plain / jnp.maximum(n, 1.0) - t
-    ok = (n > 0.0) & (jnp.asarray(gamma) > 0) & jnp.isfinite(gain)
-    return Verdict(pays=ok & (th > n / plain), settled_no=ok & (rows >= 2.0) & (1.0 - rho > z * se),
-                   gain=jnp.where(ok, gain, 0.0), low=jnp.where(ok, gain - z * se * t, 0.0))
+    return _judged(n, tau, th, th, plain_time(n, table, cost), se, evidence=rows,
+                   ok=(n > 0.0) & (jnp.asarray(gamma) > 0), z=z)
