@@ -413,6 +413,11 @@ class Engine:
         settings; under a skip rule, the most of its round programs')."""
         return max(p._cache_size() for p in self.round_programs().values())
 
+    def compiled_programs(self) -> int:
+        """Executables the round programs and the prefill hold in all: what serving must not add
+        once warm (traffic after the warm-up, a timed benchmark level)."""
+        return sum(p._cache_size() for p in self.round_programs().values()) + self._prefill._cache_size()
+
     def generate(self, prompts, **kw) -> GenerateResult:
         """Generate for every prompt (lists of token ids), R at a time, refilling freed slots
         (keywords: engine/batcher.py `generate`)."""

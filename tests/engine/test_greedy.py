@@ -41,6 +41,9 @@ def reference(target, prompts):
         assert (top2[:, 1] - top2[:, 0]).min() > 1e-3, "near-tie in the greedy path: pick other prompts"
     assert len({tuple(o) for o in out}) > 1 and any(len(set(o)) > 2 for o in out)  # not degenerate
     assert eng.compiled_rounds() == 1
+    assert eng.compiled_programs() == 2  # the round and the one prefill bucket
+    eng.generate(prompts[:1], max_new_tokens=2, sampling=GREEDY)
+    assert eng.compiled_programs() == 2  # warm: nothing new
     return out
 
 

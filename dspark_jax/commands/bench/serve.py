@@ -113,11 +113,6 @@ def in_turn(running: list, repeat: int) -> list:
     return running if repeat % 2 == 0 else running[::-1]
 
 
-def _compiled(engine) -> int:
-    """Executables the engine's round programs and prefill hold (what a timed level must not add)."""
-    return sum(p._cache_size() for p in engine.round_programs().values()) + engine._prefill._cache_size()
-
-
 def warm_up(client, served, prompts, temperature) -> None:
     """One short request per prefill bucket the prompts fall in, so no compilation is timed."""
     from dspark_jax.text.chat import render_prompt
@@ -273,7 +268,7 @@ def main(argv=None) -> int:
             print(f"[bench serve] {name}: policy {served.about['policy']}; "
                   f"cost table {served.loop.engine.table_source}", flush=True)
         # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
-        compiled_before = {name: _compiled(served.loop.engine) for name, served, _, _ in running}
+        compiled_before = {name: served.loop.engine.compiled_programs() for name, served, _, _ in running}
         for c in args.concurrency:
             runs = {name: [] for name, _, _, _ in running}
             for repeat in range(args.repeats):
@@ -290,7 +285,7 @@ def main(argv=None) -> int:
                     ratios = paired_ratios(level_runs, runs["target-only"])
                     results[name][-1].update(ratio=float(np.median(ratios)), ratios=ratios)
         for name, served, _, _ in running:
-            compiled_while_timed[name] = _compiled(served.loop.engine) - compiled_before[name]
+            compiled_while_timed[name] = served.loop.engine.compiled_programs() - compiled_before[name]
             if compiled_while_timed[name]:
                 print(f"[bench serve] {name}: {compiled_while_timed[name]} program(s) compiled inside the timed "
                       "levels: its rows include compile time", flush=True)
