@@ -8,8 +8,9 @@ chi-square at significance alpha = 1e-4 (df = non-zero cells - 1). Power: for a
 deviation of total variation d, the noncentrality is >= N * (2d)^2 (Cauchy-Schwarz), so
 TV 0.02 gives lambda >= 80 and, at df 63, power >= 0.9 (computed in `test_power`).
 Deliberately broken verifiers (no residual resampling; q not filtered as sampled) must
-fail the same test. The default scheduling (production lengths, a round that skips drafting) is
-tested the same way on the second and third tokens, which mix both sources.
+fail the same test. The default scheduling (production lengths, a round that skips drafting; for
+a drafter without a confidence head, its fixed length and the "acceptance" skip rule) is tested the
+same way on the second and third tokens, which mix both sources.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ DEFAULT_T_VERIFY = (1.0, 1.05)
 
 
 def default_engine(target, drafter, verifier="exact"):
-    key = ("default", verifier)
+    key = ("default", id(drafter), verifier)
     if key not in _ENGINES:
         kw = {"verify": broken.verify_no_residual} if verifier == "no_residual" else {}
         config = EngineConfig(num_slots=N, max_len=len(PROMPT) + 3 + G + 2, buckets=DEFAULT_BUCKETS,
@@ -157,12 +158,13 @@ def reference_x2_x3(target, sp: SamplingParams) -> np.ndarray:
     return np.asarray(jnp.einsum("a,ab,abc->bc", p1, p2, p3), np.float64)
 
 
-def sample_default_cells(target, drafter, sp, verifier="exact") -> tuple[np.ndarray, np.ndarray, dict]:
-    """(x2, x3) counts [V, V], the rounds each request took, and the traces, under the default scheduling."""
+def sample_default_cells(target, drafter, sp, verifier="exact", t_draft=1.2) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(x2, x3) counts [V, V], the rounds each request took, and the traces, under the default
+    scheduling on the table above (a draft priced `t_draft` target steps)."""
     from dspark_jax.scheduler.prefix import make_table
 
     eng = default_engine(target, drafter, verifier)
-    table = make_table(DEFAULT_BUCKETS, t_verify=DEFAULT_T_VERIFY, t_draft=1.2)
+    table = make_table(DEFAULT_BUCKETS, t_verify=DEFAULT_T_VERIFY, t_draft=t_draft)
     res = eng.generate([PROMPT] * N, max_new_tokens=3, sampling=sp, seed=0, table=table, traces=True)
     toks = np.asarray([r.tokens for r in res.results])
     assert toks.shape == (N, 3)
@@ -182,6 +184,25 @@ def test_default_scheduling_with_a_skipped_round_matches_target(target, drafters
     assert np.all(share > 0.05), share
     pv = chi2_pvalue(counts, reference_x2_x3(target, sp))
     assert pv > ALPHA, f"default scheduling @ t1: p-value {pv:.2e}"
+
+
+def test_default_scheduling_of_a_drafter_without_confidence_matches_target(target, drafters):
+    """DFlash's default: its fixed length and the "acceptance" skip rule, which decides on the
+    acceptance of the rounds verified so far. A draft priced 1.8 steps: all-accepted drafts would
+    pay (3 tokens for 2.85 steps), this drafter's acceptance does not (its two drafts would have to
+    be accepted 1.85 times a round). Round 0 drafts (no acceptance known), rounds 1 and 2 skip on
+    round 0's acceptance; the cells mix both sources as above. (With the verifier that resamples
+    from p instead of the residual, the same sampling gives a p-value of about 1e-93.)"""
+    sp = SETTINGS["t1"]
+    counts, rounds, tr = sample_default_cells(target, drafters["dflash"], sp, t_draft=1.8)
+    eng = default_engine(target, drafters["dflash"])
+    assert eng.scheduling == "fixed, skip rule acceptance"
+    assert np.all(tr["length"][tr["round"] == 0] == G) and len(np.unique(tr["round"])) == 3
+    assert np.all(tr["length"][tr["round"] > 0] == 0)  # rounds 1 and 2 skipped drafting
+    share = np.bincount(rounds, minlength=4)[1:] / N
+    assert np.all(share > 0.05), share
+    pv = chi2_pvalue(counts, reference_x2_x3(target, sp))
+    assert pv > ALPHA, f"default scheduling of DFlash @ t1: p-value {pv:.2e}"
 
 
 def test_default_scheduling_with_the_broken_verifier_fails(target, drafters):
