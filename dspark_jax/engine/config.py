@@ -55,7 +55,7 @@ class EngineConfig:
     # False: it needs table=
     own_costs: bool = True
     # timed sweeps of the buckets when it measures its own table (after one untimed; the medians)
-    own_costs_repeats: int = 7
+    own_costs_repeats: int = 3
     # rules on survivals ("known", "acceptance"): rounds between probes that refresh them ...
     probe_every: int = 8
     # ... doubled while fresh survivals say no, up to this

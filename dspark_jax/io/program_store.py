@@ -163,6 +163,15 @@ def _leaf_key(sig) -> str:
     return f"{shape}:{dtype}:{int(weak)}:{'host' if sharding is None else stable_key(sharding)}"
 
 
+# how an executable refuses arguments it was not compiled for (jax.stages.Compiled.__call__)
+_REFUSALS = ("Argument types differ", "input pytree does not match", "Computation was compiled for")
+
+
+def _refused_arguments(e: Exception) -> bool:
+    """Whether `e` is an executable refusing its arguments (not an error of the program itself)."""
+    return any(r in str(e) for r in _REFUSALS)
+
+
 class StoredProgram:
     """`jitted` (a `jax.jit` function) whose executables are read from and written to the program
     store. Called like `jitted`; other attributes (`lower`, `trace`) are `jitted`'s own. Whether the
@@ -172,6 +181,7 @@ class StoredProgram:
         self.jitted, self.name, self.static_argnums = jitted, name, tuple(static_argnums)
         self._static = static  # the settings the function closes over, described by `stable_key`
         self._executables = {}  # signature -> executable
+        self._last = None  # (static arguments, executable) of the last call: tried first
         self._directory: Path | None | bool = False  # False: not decided yet
 
     def __getattr__(self, attr):
@@ -188,11 +198,21 @@ class StoredProgram:
             return self.jitted(*args)
         fixed = tuple(args[i] for i in self.static_argnums)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums) if fixed else args
+        if self._last is not None and self._last[0] == fixed:
+            # the last call's executable checks the arguments' tree, types and shardings itself, and
+            # refuses a mismatch before it runs (nothing donated): a round's arguments, hundreds
+            # of arrays, are not described in Python every call (docs/engine.md, "Program store")
+            try:
+                return self._last[1](*dynamic)
+            except (TypeError, ValueError) as e:
+                if not _refused_arguments(e):
+                    raise
         leaves, treedef = jax.tree.flatten(dynamic)
         sig = (fixed, treedef, tuple(_leaf_signature(x) for x in leaves))
         exe = self._executables.get(sig)
         if exe is None:  # compiled (lowered with every argument) or read back
             exe = self._executables[sig] = self._executable(sig, args)
+        self._last = (fixed, exe)
         return exe(*dynamic)  # an executable takes the non-static arguments only
 
     def _path(self, sig) -> Path | None:

@@ -76,6 +76,31 @@ def test_a_pinned_round_verifies_what_it_is_told_or_skips(target, dspark):
         eng.control(GREEDY, pin=9, table=table)
 
 
+def test_timed_states_forward_no_long_context(target, dspark, tables, monkeypatch):
+    """Dense caches: every timed state prefills one-token prompts and is then moved to the timing
+    length (no slot's context is forwarded for the table); with paged KV the prompt is forwarded."""
+    eng = Engine(target, dspark, EngineConfig(num_slots=2, max_len=48))
+    forwarded, lengths, real = [], [], eng.prefill_slots
+
+    def prefill_slots(st, slots, prompts, *rest):
+        forwarded.extend(len(p) for p in prompts)
+        return real(st, slots, prompts, *rest)
+
+    monkeypatch.setattr(eng, "prefill_slots", prefill_slots)
+    real_round = own_costs.measure_engine
+
+    def measure(e, **kw):
+        from dspark_jax.engine.timing import prefilled_state as ps
+
+        lengths.append(int(ps(e, e.R, **kw["state"]).cache.lengths[0]))
+        return real_round(e, **kw)
+
+    monkeypatch.setattr(own_costs, "measure_engine", measure)
+    eng.control()
+    assert forwarded and max(forwarded) <= 2, forwarded  # the drafter kind's shortest prompt at most
+    assert lengths == [own_costs._timing_prompt(eng)] and lengths[0] > 8  # rounds read about half the cache
+
+
 def test_the_table_is_measured_written_read_back_and_keyed(target, dspark, tables, measured, monkeypatch):
     cfg = EngineConfig(num_slots=2, max_len=48)
     eng = Engine(target, dspark, cfg)

@@ -167,6 +167,30 @@ def test_store_off_is_plain_jit():
     assert f._directory is None and f._executables == {}
 
 
+def test_calls_after_the_first_skip_describing_the_arguments(tmp_path, monkeypatch):
+    """A call with the last call's static arguments goes to its executable, which checks the rest
+    itself: the arguments are not described in Python again. Other static values, shapes or dtypes
+    still reach their own executables."""
+    from dspark_jax.io import program_store
+
+    described = []
+    real = program_store._leaf_signature
+    monkeypatch.setattr(program_store, "_leaf_signature", lambda x: described.append(x.shape) or real(x))
+    f = stored_jit(lambda x, n: x * n, "scaled_fast", static_argnums=(1,))
+    f._directory = tmp_path  # the store on in this process (the suite keeps it off)
+    x4 = jnp.ones(4)
+    assert float(f(x4, 2).sum()) == 8 and described == [(4,)]
+    for _ in range(3):
+        assert float(f(x4, 2).sum()) == 8
+    assert described == [(4,)]  # taken by the last executable
+    assert float(f(x4, 3).sum()) == 12  # another static value: not the last call's executable
+    assert float(f(jnp.ones(8), 3).sum()) == 24  # another shape: refused by the last one, then found
+    assert float(f(x4, 3).sum()) == 12
+    ints = f(jnp.ones(4, jnp.int32), 3)
+    assert ints.dtype == jnp.int32 and int(ints.sum()) == 12  # another dtype
+    assert f._cache_size() == 4 and len(described) == 5
+
+
 def test_eviction_removes_the_least_recently_used_first(tmp_path):
     for i, name in enumerate(["old", "mid", "new"]):
         (tmp_path / f"{name}.jaxexe").write_bytes(b"x" * 100)
