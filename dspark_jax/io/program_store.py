@@ -199,9 +199,9 @@ class StoredProgram:
         fixed = tuple(args[i] for i in self.static_argnums)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums) if fixed else args
         if self._last is not None and self._last[0] == fixed:
-            # the last call's executable checks the arguments' tree, types and shardings itself, and
-            # refuses a mismatch before it runs (nothing donated): a round's arguments, hundreds
-            # of arrays, are not described in Python every call (docs/engine.md, "Program store")
+            # the last call's executable checks the arguments' tree, types and shardings itself and
+            # refuses a mismatch before it runs (nothing donated), so a round's arguments are not
+            # described in Python every call (a millisecond a round: docs/performance.md)
             try:
                 return self._last[1](*dynamic)
             except (TypeError, ValueError) as e:
