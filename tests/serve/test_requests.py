@@ -82,6 +82,23 @@ def srv(embedded_tiny_dir):
         stop(server, thread, served)
 
 
+_LONG: list[str] = []
+EXTRA_PROMPTS = ("Write a long story about a robot.", "1, 2, 3, 4, 5,", "def main():\n    ", "The numbers are")
+
+
+def long_prompt(srv) -> str:
+    """A prompt whose greedy answer runs a whole 100-token budget. Which one depends on the embedded
+    target, which each machine trains anew with its own Python and JAX (docs/embedded_target.md)."""
+    if not _LONG:
+        for p in (*PROMPTS, *EXTRA_PROMPTS):
+            if complete(srv, p, max_tokens=100)[1]["choices"][0]["finish_reason"] == "length":
+                _LONG.append(p)
+                break
+        else:
+            raise AssertionError("no prompt's greedy answer runs 100 tokens on this embedded target: add one")
+    return _LONG[0]
+
+
 def complete(srv, prompt, port=None, **kw):
     body = {"model": srv.model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
     return post(port or srv.port, "/v1/completions", body)
@@ -186,6 +203,7 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_loop_starts_afre
     import jax
 
     served, eng = srv.served, srv.served.loop.engine
+    long = long_prompt(srv)
     poison = "Poison pill, break the engine"
     poison_ids = served.tokenizer.encode(poison)
     real_start = eng.start
@@ -208,7 +226,7 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_loop_starts_afre
     monkeypatch.setattr(eng, "start", start)
     monkeypatch.setattr(eng, "step", slow_step)
     long_th, long_out = in_thread(call, srv.port, "/v1/completions",
-                                  {"model": srv.model, "prompt": PROMPTS[4], "max_tokens": 100, "temperature": 0,
+                                  {"model": srv.model, "prompt": long, "max_tokens": 100, "temperature": 0,
                                    "stream": True})
     assert wait_until(lambda: served.loop.slots_in_use == 1, 60)
     status, body = complete(srv, poison)
@@ -431,8 +449,7 @@ def test_clients_that_leave_free_their_slots_within_a_round(srv, monkeypatch):
     max_tokens: every slot and the queue are free again within a round or so, each counted as
     499. Rounds are slowed to 20 ms so that the 100 tokens would take >= 2 s per request."""
     loop, eng = srv.served.loop, srv.served.loop.engine
-    probe = complete(srv, PROMPTS[4], max_tokens=100)[1]["choices"][0]
-    assert probe["finish_reason"] == "length"  # this prompt's greedy answer runs the whole budget
+    prompt = long_prompt(srv)  # its greedy answer runs the whole budget
     real_step = eng.step
 
     def slow_step(st, ctl):
@@ -442,7 +459,7 @@ def test_clients_that_leave_free_their_slots_within_a_round(srv, monkeypatch):
     monkeypatch.setattr(eng, "step", slow_step)
     gone0 = metric(srv.port, 'dspark_requests_total{endpoint="completions",status="499"}')
     rounds0 = loop.rounds
-    body = {"model": srv.model, "prompt": PROMPTS[4], "max_tokens": 100, "temperature": 0}
+    body = {"model": srv.model, "prompt": prompt, "max_tokens": 100, "temperature": 0}
 
     def impatient(_):
         try:
@@ -700,6 +717,7 @@ def test_slow_clients_are_cut_off_after_the_read_timeouts(srv, monkeypatch):
     from dspark_jax.serve.app import make_app
     from dspark_jax.serve.served import Limits
 
+    prompt = long_prompt(srv)
     served = dataclasses.replace(srv.served, limits=Limits(header_timeout=0.5, body_timeout=0.5))
     server, thread, port = serve_in_thread(make_app(served, owns_loop=False))
     gone = 'dspark_requests_total{endpoint="completions",status="499"}'
@@ -733,7 +751,7 @@ def test_slow_clients_are_cut_off_after_the_read_timeouts(srv, monkeypatch):
 
         monkeypatch.setattr(eng, "step", slow_step)
         t = time.perf_counter()
-        status, body = complete(srv, PROMPTS[4], port=port, max_tokens=40)
+        status, body = complete(srv, prompt, port=port, max_tokens=40)
         assert status == 200 and body["usage"]["completion_tokens"] == 40 and time.perf_counter() - t > 0.7
     finally:
         server.should_exit = True
