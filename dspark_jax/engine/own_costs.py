@@ -124,7 +124,7 @@ def _timing_prompt(engine) -> int:
 def _timing_state(engine) -> dict:
     """How the timed state is made (`timing.prefilled_state`): with dense caches a one-token prompt
     whose rows are then moved to the timing length (attention reads that many keys whatever they
-    hold: the rounds cost what they would, without forwarding every slot's context three times,
+    hold: the rounds cost what they would, without forwarding a context into every timed state,
     seconds of a start-up on a CPU); with paged KV the prompt itself, which takes its pages."""
     if engine.pages is None:
         return {"prompt": 1, "fill": _timing_prompt(engine)}

@@ -87,13 +87,13 @@ def test_timed_states_forward_no_long_context(target, dspark, tables, monkeypatc
         return real(st, slots, prompts, *rest)
 
     monkeypatch.setattr(eng, "prefill_slots", prefill_slots)
-    real_round = own_costs.measure_engine
+    real_measure = own_costs.measure_engine
 
     def measure(e, **kw):
         from dspark_jax.engine.timing import prefilled_state as ps
 
         lengths.append(int(ps(e, e.R, **kw["state"]).cache.lengths[0]))
-        return real_round(e, **kw)
+        return real_measure(e, **kw)
 
     monkeypatch.setattr(own_costs, "measure_engine", measure)
     eng.control()
