@@ -5,7 +5,10 @@ A scheduled engine (docs/scheduler.md) prices verification with measured times: 
 verification bucket, the draft, the round that skips drafting. `costs measure` takes them as a
 separate, longer step; an engine without a table takes them itself, on the programs it compiled
 anyway (`timing.measure_engine`: each timed round's length pinned, `Control.pin`), in `repeats`
-sweeps of the buckets after one untimed sweep, their medians (`costs.measure_table`). The table is written to
+sweeps of the buckets after one untimed call of each program, their medians (`costs.measure_table`);
+under a skip rule the draft is priced at what skipping it saves (the round with every slot active
+and no draft verified minus the skipped round), so no program is compiled for the table alone.
+The table is written to
 ``$DSPARK_JAX_CACHE/cost_tables/<key>.json``; the next engine with the same key reads it back
 instead of timing again, and one with any other key never reads it
 (``$DSPARK_JAX_COST_TABLES`` moves the directory). The key (`table_key`) hashes
@@ -47,7 +50,7 @@ __all__ = ["OwnTable", "TABLES_ENV", "table_key", "table_path", "tables_dir", "o
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REPEATS = 3  # timed sweeps of the buckets (after one untimed): medians of three
+DEFAULT_REPEATS = 3  # timed sweeps of the buckets (after one untimed call of each program): medians of three
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,11 @@ class OwnTable:
     path: Path
     repeats: int
     seconds: float  # spent measuring (0 when read back)
+    first_calls: float = 0.0  # of which the first call of each program (its compile, which serving needs anyway)
 
     def describe(self) -> str:
-        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {self.seconds:.1f} s)"
+        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {self.seconds - self.first_calls:.1f}"
+                f" s timing after {self.first_calls:.1f} s in the first call of each program, which compiles it)"
                 if self.source == "measured" else "read back")
         return f"own cost table {what}: {self.path}"
 
@@ -156,8 +161,8 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
             log.warning("own cost table %s is unreadable (%s): measuring again", path, e)
     t0 = time.perf_counter()
     timed, beyond = _reachable(engine.priced_buckets, engine.R * (engine.G + 1))
-    res = measure_engine(engine, repeats=repeats, warmup=1, stat="median", sampling=sampling, buckets=timed,
-                         state=_timing_state(engine))
+    res = measure_engine(engine, repeats=repeats, warmup=0, warm_programs=True, draft="skip", stat="median",
+                         sampling=sampling, buckets=timed, state=_timing_state(engine))
     seconds = time.perf_counter() - t0
     extra = {} if "t_skip" not in res else {"t_skip": res["t_skip"]}
     # buckets beyond the largest that drafts alone fill (rounds there carry prompt chunks): priced
@@ -168,8 +173,11 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
         path, [*res["buckets"], *beyond], t_verify, res["t_draft"], backend=key["backend"],
         device_kind=key["device_kind"],
         provenance=(f"measured by the engine on its own compiled programs at start-up ({key['backend']}, "
-                    f"{key['device_kind']}): t_verify(b) = the round landing in bucket b minus the draft alone, "
-                    f"median of {repeats} sweeps of the buckets after one untimed"
+                    f"{key['device_kind']}): t_verify(b) = the round landing in bucket b minus "
+                    + ("the draft alone" if res["draft_from"] == "timer" else
+                       "t_draft, what skipping the draft saves (the round with every slot active and no draft "
+                       "verified minus the round that skips drafting)" if res["draft_from"] == "skip" else "nothing")
+                    + f", median of {repeats} sweeps of the buckets after one untimed call of each program"
                     + (f"; {res['repriced']} repriced (a larger bucket measured cheaper, not in every sweep)"
                        if res["repriced"] else "")
                     + (f"; buckets {beyond} (prompt chunks only) in proportion to tokens from {last_b}"
@@ -177,6 +185,7 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
         measured_on=MEASURED_ON, t_round=res["t_round"], t_draft_paired=res["t_draft_paired"], plan=res["plan"],
         clipped=res["clipped"], repriced=res["repriced"], extrapolated=beyond,
         engine={"num_slots": engine.R, "gamma": engine.G, "mode": engine.mode, "max_len": engine.S},
-        measure={"repeats": repeats, "warmup": 1, "stat": "median", "seconds": seconds,
+        measure={"repeats": repeats, "warmup": "one call of each program", "draft": res["draft_from"],
+                 "stat": "median", "seconds": seconds, "first_calls_seconds": res["warm_seconds"],
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}, key=key, **extra)
-    return OwnTable(_as_table(load_cost_file(d)), "measured", path, repeats, seconds)
+    return OwnTable(_as_table(load_cost_file(d)), "measured", path, repeats, seconds, res["warm_seconds"])

@@ -33,7 +33,17 @@ def prefilled_state(engine, k: int, seed: int = 0, prompt: int | None = None, fi
     return st._replace(dcache=st.dcache.with_lengths(at(st.dcache.lengths))) if engine.G else st
 
 
-def engine_draft_timer(engine, sampling=None, **state):
+def _state(engine, k: int, states: dict | None, **state):
+    """`prefilled_state` with k slots, kept in `states` (when given) for the other timers: none
+    donates it (the rounds run on copies)."""
+    if states is None:
+        return prefilled_state(engine, k, **state)
+    if k not in states:
+        states[k] = prefilled_state(engine, k, **state)
+    return states[k]
+
+
+def engine_draft_timer(engine, sampling=None, states: dict | None = None, **state):
     """``draft_fn() -> seconds`` (one call): the round's draft part, i.e. the engine's own draft
     function (`Engine.draft`: the call the compiled round makes first, jitted alone) on a state with all R
     slots prefilled. It drafts G tokens for every row whatever lengths the policy later picks, so
@@ -45,7 +55,7 @@ def engine_draft_timer(engine, sampling=None, **state):
     if not engine.G:
         return lambda: 0.0
 
-    st, ctl = prefilled_state(engine, engine.R, **state), engine.control(sampling, table=engine.unpriced_table)
+    st, ctl = _state(engine, engine.R, states, **state), engine.control(sampling, table=engine.unpriced_table)
 
     def draft_fn() -> float:
         t0 = time.perf_counter()
@@ -55,7 +65,7 @@ def engine_draft_timer(engine, sampling=None, **state):
     return draft_fn
 
 
-def engine_round_timer(engine, sampling=None, buckets=None, **state):
+def engine_round_timer(engine, sampling=None, buckets=None, states: dict | None = None, **state):
     """``(round_fn, plan, used)``: ``round_fn(bucket) -> seconds`` (one call) times the engine's
     compiled round (`Engine.step`, all buckets in one program) on a state with k active slots and
     verify length g from `bucket_plan` pinned (`Control.pin`: whatever the engine's policy and
@@ -66,12 +76,12 @@ def engine_round_timer(engine, sampling=None, buckets=None, **state):
 
     # chunk-only buckets are never priced; `buckets`: a subset of the priced ones
     plan = bucket_plan(engine.priced_buckets if buckets is None else buckets, engine.R, engine.G)
-    states, ctls, used = {}, {}, {}
+    states = {} if states is None else states
+    ctls, used = {}, {}
 
     def round_fn(bucket: int) -> float:
         k, g = plan[bucket]
-        if k not in states:
-            states[k] = prefilled_state(engine, k, **state)
+        _state(engine, k, states, **state)
         if g not in ctls:
             ctls[g] = engine.control(sampling, gamma=g, pin=g, table=engine.unpriced_table)
         s = jax.block_until_ready(jax.tree.map(jnp.copy, states[k]))
@@ -88,11 +98,11 @@ def engine_round_timer(engine, sampling=None, buckets=None, **state):
     return round_fn, plan, used
 
 
-def engine_skip_timer(engine, sampling=None, **state):
+def engine_skip_timer(engine, sampling=None, states: dict | None = None, **state):
     """``skip_fn() -> seconds`` (one call): the engine's compiled round with every slot decoding
     and drafting skipped (`Control.pin` = `PIN_SKIP`: the plain round a skip rule runs), from a
     fresh copy of the state each call. Only an engine with a skip rule compiles that round."""
-    st = prefilled_state(engine, engine.R, **state)
+    st = _state(engine, engine.R, states, **state)
     ctl = engine.control(sampling, pin=PIN_SKIP, table=engine.unpriced_table)
 
     def skip_fn() -> float:
@@ -105,23 +115,34 @@ def engine_skip_timer(engine, sampling=None, **state):
 
 
 def measure_engine(engine, repeats: int = 5, warmup: int = 1, stat: str = "median", sampling=None,
-                   log=None, buckets=None, state: dict | None = None) -> dict:
+                   log=None, buckets=None, state: dict | None = None, warm_programs: bool = False,
+                   draft: str = "timed") -> dict:
     """Cost table of ``engine`` measured on its compiled round (whatever its policy: each timed
     round's length is pinned): `measure_table` over `engine_round_timer` and `engine_draft_timer`,
     plus the plan (active slots, verify length, tokens per bucket), the bucket index every timed
     round used and, for an engine with a skip rule, ``t_skip``: its round that skips drafting
     (`engine_skip_timer`, timed in the same sweeps).
     `buckets`: the priced buckets to time (default all); `state`: `prefilled_state`'s prompt / fill
-    for the timed states."""
-    if warmup < 1 or repeats < 1:
-        raise MeasureError(f"need warmup >= 1 (the first round compiles) and repeats >= 1, got {warmup}, {repeats}")
+    for the timed states; `warmup` untimed sweeps, or with `warm_programs` one untimed call of each
+    program. `draft`: "timed" (the draft program alone, `engine_draft_timer`) or "skip": what
+    skipping it saves, the round with every slot active and no draft verified minus the skipped
+    round (`measure_table`'s draft_from_skip; no draft program compiled), where the engine has a
+    skip rule and such a bucket is timed, else "timed"."""
+    if (warmup < 1 and not warm_programs) or repeats < 1:
+        raise MeasureError(f"need warmup >= 1 or warm_programs (the first round compiles) and repeats >= 1, got "
+                           f"{warmup}, {repeats}")
+    if draft not in ("timed", "skip"):
+        raise MeasureError(f"draft must be 'timed' or 'skip', got {draft!r}")
     buckets = engine.priced_buckets if buckets is None else tuple(buckets)
-    state = state or {}
-    round_fn, plan, used = engine_round_timer(engine, sampling, buckets, **state)
-    skip = engine_skip_timer(engine, sampling, **state) if engine.G and engine.spec.skip_drafting is not None \
-        else None
-    res = measure_table(round_fn, buckets, engine_draft_timer(engine, sampling, **state),
-                        repeats=repeats, warmup=warmup, stat=stat, log=log, skip_fn=skip)
+    state, states = state or {}, {}
+    round_fn, plan, used = engine_round_timer(engine, sampling, buckets, states=states, **state)
+    skip = engine_skip_timer(engine, sampling, states=states, **state) \
+        if engine.G and engine.spec.skip_drafting is not None else None
+    full = next((b for b in sorted(plan) if plan[b] == (engine.R, 0)), None) \
+        if draft == "skip" and skip is not None else None
+    draft_fn = engine_draft_timer(engine, sampling, states=states, **state) if full is None else None
+    res = measure_table(round_fn, buckets, draft_fn, repeats=repeats, warmup=warmup, stat=stat, log=log,
+                        skip_fn=skip, warm_programs=warm_programs, draft_from_skip=full)
     res["plan"] = [{"bucket": b, "active_slots": k, "verify_len": g, "tokens": k * (1 + g)}
                    for b, (k, g) in sorted(plan.items())]
     res["buckets_used"] = {b: used[b] for b in res["buckets"]}

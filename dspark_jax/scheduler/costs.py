@@ -264,7 +264,8 @@ def time_stat(ts, stat: str) -> float:
 
 def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[[], float] | None = None, *,
                   repeats: int = 5, warmup: int = 1, stat: str = "median", log=None, floor: float = FLOOR_S,
-                  skip_fn: Callable[[], float] | None = None) -> dict:
+                  skip_fn: Callable[[], float] | None = None, warm_programs: bool = False,
+                  draft_from_skip: int | None = None) -> dict:
     """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped", "repriced"} (and
     "t_skip" with ``skip_fn``) from one-sample timers ``round_fn(bucket) -> seconds`` (one whole
     round landing in that bucket), ``draft_fn() -> seconds`` (the round's draft part) and
@@ -279,6 +280,13 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
     non-positive difference (noise when drafting dominates the round) is clipped to ``floor`` with
     a warning (``clipped``).
 
+    ``warm_programs``: before the sweeps, call each program once untimed (a round, the draft, the
+    skipped round: every bucket is a branch of one round program, so its first call compiles them
+    all) instead of whole ``warmup`` sweeps (their seconds: ``warm_seconds``). ``draft_from_skip``: with ``skip_fn`` and no
+    ``draft_fn``, the bucket whose round is the skipped round plus the draft (every slot active,
+    no draft verified); ``t_draft = stat(rounds there) - t_skip``, what skipping the draft saves, so
+    no draft program is compiled and timed apart, and ``t_verify`` of that bucket is ``t_skip``.
+
     A larger bucket priced below a smaller one stands only when its round was the faster of the two
     in every sweep; otherwise the smaller bucket takes its price (``repriced``). The same program
     holding fewer tokens does not cost more, so such an inversion is noise unless each sweep repeats
@@ -287,9 +295,17 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
     good, where no round is left to correct the smaller one's (engine/live_costs.py).
     """
     bs = sorted(int(x) for x in buckets)
+    if draft_from_skip is not None and (skip_fn is None or draft_fn is not None or draft_from_skip not in bs):
+        raise MeasureError(f"draft_from_skip={draft_from_skip} needs skip_fn, no draft_fn and a bucket among {bs}")
     r = {b: [] for b in bs}
     d = {b: [] for b in bs}
     skips = []
+    t0 = time.perf_counter()
+    if warm_programs:
+        for fn in (lambda: round_fn(bs[0]), draft_fn, skip_fn):
+            if fn is not None:
+                fn()
+    warm_seconds = time.perf_counter() - t0
     for sweep in range(warmup + repeats):
         timed = sweep >= warmup
         for b in bs:
@@ -303,6 +319,17 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
             skips += [t] if timed else []
     tr = [time_stat(r[b], stat) for b in bs]
     tdp = [time_stat(d[b], stat) if d[b] else 0.0 for b in bs]
+    if draft_from_skip is not None:
+        saved = tr[bs.index(draft_from_skip)] - time_stat(skips, stat)
+        if not saved > 0:
+            msg = (f"the round at bucket {draft_from_skip} ({1e3 * tr[bs.index(draft_from_skip)]:.3f} ms) is no slower "
+                   f"than the round that skips drafting ({1e3 * time_stat(skips, stat):.3f} ms), so the draft is "
+                   f"priced at {floor:g} s; timing noise dominates: re-measure on a quieter host or with more repeats")
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            if log:
+                log("WARNING: " + msg)
+            saved = floor
+        tdp = [saved] * len(bs)
     tv, clipped = [], []
     for b, t_round, t_draft in zip(bs, tr, tdp, strict=True):
         t = t_round - t_draft
@@ -321,11 +348,12 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
             log(f"bucket {b:6d}: round {1e3 * t_round:9.3f} ms  draft {1e3 * t_draft:9.3f} ms  verify {1e3 * t:9.3f} ms"
                 + ("  (repriced: a larger bucket measured cheaper, not in every sweep)" if b in repriced else ""))
     d_all = [x for b in bs for x in d[b]]
-    td = time_stat(d_all, stat) if d_all else 0.0
+    td = tdp[0] if draft_from_skip is not None else time_stat(d_all, stat) if d_all else 0.0
     if log:
         log(f"draft per round: {1e3 * td:.3f} ms")
     out = {"buckets": bs, "t_verify": tv, "t_draft": td, "t_round": tr, "t_draft_paired": tdp, "clipped": clipped,
-           "repriced": repriced}
+           "repriced": repriced, "draft_from": "timer" if draft_fn is not None else
+           "skip" if draft_from_skip is not None else "none", "warm_seconds": warm_seconds}
     if skip_fn is not None:
         out["t_skip"] = time_stat(skips, stat)
         if log:

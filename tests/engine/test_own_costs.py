@@ -12,6 +12,7 @@ from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.engine import Engine, EngineConfig, EngineError, own_costs
 from dspark_jax.engine.state import PIN_SKIP
 from dspark_jax.engine.timing import prefilled_state
+from dspark_jax.scheduler.costs import FLOOR_S
 from dspark_jax.scheduler.prefix import make_table
 from dspark_jax.testing.tiny import tiny_drafter
 
@@ -133,6 +134,25 @@ def test_the_table_is_measured_written_read_back_and_keyed(target, dspark, table
     third.control()
     assert third.own_table.source == "measured" and len(measured) == 3
     assert json.loads(own.path.read_text())["key"] == own_costs.table_key(third, SamplingParams())
+
+
+def test_the_draft_is_priced_at_what_skipping_it_saves(target, dspark, tables, monkeypatch):
+    """Under a skip rule no draft program is compiled for the table: t_draft is the round with every
+    slot active and no draft verified minus the skipped round, so that bucket's t_verify is the
+    skipped round's time; each program is called once untimed, then the timed sweeps."""
+    eng = Engine(target, dspark, EngineConfig(num_slots=2, max_len=48))
+    monkeypatch.setattr(eng, "draft", lambda *a: pytest.fail("the table timed the draft program apart"))
+    eng.control()
+    saved = json.loads(eng.own_table.path.read_text())
+    full = next(p["bucket"] for p in saved["plan"] if (p["active_slots"], p["verify_len"]) == (eng.R, 0))
+    i = saved["buckets"].index(full)
+    assert saved["measure"]["draft"] == "skip" and "what skipping the draft saves" in saved["provenance"]
+    # the first calls (the compiles) are told apart from the timing they precede
+    assert 0 < saved["measure"]["first_calls_seconds"] < saved["measure"]["seconds"]
+    assert "s timing after" in eng.own_table.describe()
+    assert saved["t_draft"] == pytest.approx(max(saved["t_round"][i] - saved["t_skip"], FLOOR_S))
+    # (unless a larger bucket's round measured cheaper in every sweep and repriced it)
+    assert saved["t_verify"][i] == pytest.approx(saved["t_round"][i] - saved["t_draft"]) or full in saved["repriced"]
 
 
 def test_the_key_names_backend_dtype_and_package(target, dspark, monkeypatch):

@@ -5,6 +5,7 @@ import pytest
 
 from dspark_jax.engine.timing import measure_engine
 from dspark_jax.scheduler.costs import (
+    FLOOR_S,
     MEASURED_ON,
     PREDICTED_ON,
     CostTableError,
@@ -108,6 +109,30 @@ def test_measure_table_sweeps_the_buckets_and_pairs_draft_and_round():
     assert "t_skip" not in measure_table(lambda b: 3e-3, [4], lambda: 1e-3, repeats=1)
     n = []
     assert time_call(lambda: n.append(1), repeats=3, warmup=2) >= 0 and len(n) == 5
+
+
+def test_measure_table_can_warm_each_program_once_and_price_the_draft_by_the_skipped_round():
+    calls = []
+
+    def round_fn(b):
+        calls.append(b)
+        return 2e-3 + 1e-4 * b + (1.0 if len(calls) == 1 else 0.0)  # the first call compiles
+
+    def skip_fn():
+        calls.append("skip")
+        return 2.1e-3 + (1.0 if calls.count("skip") == 1 else 0.0)
+
+    res = measure_table(round_fn, [16, 4, 8], repeats=3, warmup=0, warm_programs=True, skip_fn=skip_fn,
+                        draft_from_skip=4)
+    assert calls == [4, "skip"] + [4, 8, 16, "skip"] * 3  # one untimed call of each program, no warm-up sweep
+    assert res["draft_from"] == "skip" and res["t_skip"] == pytest.approx(2.1e-3)
+    assert res["t_draft"] == pytest.approx(0.3e-3)  # the round at 4 (every slot, no draft verified) - the skip
+    np.testing.assert_allclose(res["t_verify"], [2.1e-3, 2.5e-3, 3.3e-3])  # t_verify(4) is the skipped round
+    with pytest.raises(MeasureError, match="draft_from_skip"):
+        measure_table(round_fn, [4], lambda: 1e-3, skip_fn=skip_fn, draft_from_skip=4)
+    with pytest.warns(RuntimeWarning, match="no slower than the round that skips drafting"):
+        res = measure_table(lambda b: 2e-3, [4, 8], repeats=1, skip_fn=lambda: 3e-3, draft_from_skip=4)
+    assert res["t_draft"] == FLOOR_S
 
 
 def test_a_larger_bucket_measured_cheaper_stands_only_when_every_sweep_says_so():
