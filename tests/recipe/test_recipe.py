@@ -15,7 +15,7 @@ SHRINK = ["train.resume=true", "data.num_prompts=24", "data.num_heldout_prompts=
           "drafter.num_layers=1", "drafter.gamma=4", "drafter.markov_rank=16", "drafter.target_layer_ids=[1,3,5]",
           "train.measure_prompts=2", "train.measure_max_new_tokens=8"]
 TINY = Recipe(name="tiny", model=None, kinds={"dspark": (None, ()), "dflash": (None, ("drafter.kind=dflash",))},
-              eval_sets=("math", "code"), speed_set="math", eval_temperatures=(0.0,))
+              eval_sets=("math", "code"), speed_set="math", eval_temperatures=(0.0,), speed_temperatures=(0.0,))
 
 
 @pytest.fixture()
