@@ -66,8 +66,9 @@ class OwnTable:
     first_calls: float = 0.0  # of which the first call of each program (its compile, which serving needs anyway)
 
     def describe(self) -> str:
-        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {self.seconds - self.first_calls:.1f}"
-                f" s timing after {self.first_calls:.1f} s in the first call of each program, which compiles it)"
+        timing = self.seconds - self.first_calls
+        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {timing:.1f} s timing after "
+                f"{self.first_calls:.1f} s in the first call of each program, which compiles it)"
                 if self.source == "measured" else "read back")
         return f"own cost table {what}: {self.path}"
 

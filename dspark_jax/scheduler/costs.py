@@ -266,9 +266,10 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
                   repeats: int = 5, warmup: int = 1, stat: str = "median", log=None, floor: float = FLOOR_S,
                   skip_fn: Callable[[], float] | None = None, warm_programs: bool = False,
                   draft_from_skip: int | None = None) -> dict:
-    """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped", "repriced"} (and
-    "t_skip" with ``skip_fn``) from one-sample timers ``round_fn(bucket) -> seconds`` (one whole
-    round landing in that bucket), ``draft_fn() -> seconds`` (the round's draft part) and
+    """-> {"buckets", "t_verify", "t_draft", "t_round", "t_draft_paired", "clipped", "repriced", "draft_from"
+    ("timer", "skip" or "none"), "warm_seconds"} (and "t_skip" with ``skip_fn``) from one-sample
+    timers ``round_fn(bucket) -> seconds`` (one whole round landing in that bucket),
+    ``draft_fn() -> seconds`` (the round's draft part) and
     ``skip_fn() -> seconds`` (the round that skips drafting).
 
     The buckets are timed in sweeps: each sweep calls every bucket once, a draft then a round, and
@@ -282,8 +283,8 @@ def measure_table(round_fn: Callable[[int], float], buckets, draft_fn: Callable[
 
     ``warm_programs``: before the sweeps, call each program once untimed (a round, the draft, the
     skipped round: every bucket is a branch of one round program, so its first call compiles them
-    all) instead of whole ``warmup`` sweeps (their seconds: ``warm_seconds``). ``draft_from_skip``: with ``skip_fn`` and no
-    ``draft_fn``, the bucket whose round is the skipped round plus the draft (every slot active,
+    all) instead of whole ``warmup`` sweeps (their seconds: ``warm_seconds``). ``draft_from_skip``:
+    with ``skip_fn`` and no ``draft_fn``, the bucket whose round is the skipped round plus the draft (every slot active,
     no draft verified); ``t_draft = stat(rounds there) - t_skip``, what skipping the draft saves, so
     no draft program is compiled and timed apart, and ``t_verify`` of that bucket is ``t_skip``.
 
