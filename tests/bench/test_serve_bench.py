@@ -41,7 +41,16 @@ def test_serve_bench_sweeps_levels_and_plots(embedded_tiny_dir, tiny_dspark_draf
         mine = [r["throughput"] / t["throughput"] for r, t in zip(lv["repeats"], base["repeats"], strict=True)]
         assert lv["ratios"] == pytest.approx(mine) and lv["ratio"] == pytest.approx(sum(mine) / 2)
     assert (tmp_path / "pareto.png").stat().st_size > 1000
-    assert "dspark / target-only throughput: c=1:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dspark / target-only throughput: c=1:" in out
+    # each server's start: build to ready, and its own cost table's timing apart from the first calls
+    starts = {name: c["start"] for name, c in whole["meta"]["configs"].items()}
+    assert starts["target-only"]["cost_table"] is None and starts["target-only"]["seconds"] > 0
+    own = starts["dspark"]["cost_table"]
+    assert own["source"] in ("measured", "read back") and own["repeats"] == 3
+    if own["source"] == "measured":
+        assert 0 < own["timing_seconds"] < starts["dspark"]["seconds"] and own["first_calls_seconds"] > 0
+        assert "timing its own cost table (3 sweeps, after" in out
     # the servers' own warm-up compiled every program serving reached (the skip rule's settled
     # round included): nothing compiled inside a timed level
     assert whole["meta"]["compiled_while_timed"] == {"target-only": 0, "dspark": 0}

@@ -229,6 +229,32 @@ def _print_level(name: str, lv: dict, which: str) -> None:
           flush=True)
 
 
+READY_TIMEOUT_S = 3600  # a server's start (compiles, its own cost table, the warm-up)
+
+
+def start_record(seconds: float, own) -> dict:
+    """A server's start: seconds from `build` to ready, and its own cost table (engine/own_costs.py:
+    measured now or read back; the seconds of timing apart from the first calls, which compile the
+    programs serving needs anyway), so the table's share of a start reads off one run."""
+    rec = {"seconds": round(seconds, 2), "cost_table": None}
+    if own is not None:
+        rec["cost_table"] = {"source": own.source, "repeats": own.repeats,
+                             "timing_seconds": round(own.seconds - own.first_calls, 2),
+                             "first_calls_seconds": round(own.first_calls, 2)}
+    return rec
+
+
+def describe_start(rec: dict) -> str:
+    t = rec["cost_table"]
+    if t is None:
+        return f"ready in {rec['seconds']:.1f} s"
+    if t["source"] != "measured":
+        return f"ready in {rec['seconds']:.1f} s (own cost table {t['source']})"
+    share = t["timing_seconds"] / rec["seconds"]
+    return (f"ready in {rec['seconds']:.1f} s, of which {t['timing_seconds']:.1f} s ({share:.0%}) timing its own cost "
+            f"table ({t['repeats']} sweeps, after {t['first_calls_seconds']:.1f} s in the first calls, which compile)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import openai
@@ -245,7 +271,7 @@ def main(argv=None) -> int:
     compiled_while_timed: dict = {}  # per configuration: executables compiled inside the timed levels
     slots = args.slots or max(args.concurrency)
     # every configuration's server is up at once: the levels alternate between them
-    running, clients, about = [], {}, {}
+    running, clients, about, starts = [], {}, {}, {}
     try:
         for name, drafter, policy in configs:
             scheduled = policy in SCHEDULED_POLICIES or policy == "auto"
@@ -256,17 +282,21 @@ def main(argv=None) -> int:
                 skip_drafting="auto" if policy == "auto" else args.skip_drafting if scheduled else False)
             # the server's own warm-up (as `serve` runs it): every round program a skip rule may
             # choose is compiled before the levels are timed, not when serving first reaches it
+            t0 = time.perf_counter()
             app, served = build(args.target, drafter, slots=slots, max_len=args.max_len,
                                 max_queue=max(4 * slots, max(args.concurrency)), warmup=True,
                                 kv_pages=args.kv_pages, prefill_chunk=prefill_chunk(args.prefill_chunk), **kw)
             server, thread, port = serve_in_thread(app)
             running.append((name, served, server, thread))
+            if not served.loop.ready.wait(READY_TIMEOUT_S) or served.loop.error is not None:
+                raise RuntimeError(f"the {name} server did not get ready: {served.loop.error!r}")
+            starts[name] = start_record(time.perf_counter() - t0, served.loop.engine.own_table)
             about[name] = served.about["policy"]
             clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
             warm_up(clients[name], served, prompts, args.temperature)
             results[name] = []
             print(f"[bench serve] {name}: policy {served.about['policy']}; "
-                  f"cost table {served.loop.engine.table_source}", flush=True)
+                  f"cost table {served.loop.engine.table_source}; {describe_start(starts[name])}", flush=True)
         # one level at a time, each configuration in turn: drifts of a noisy machine hit all of them
         compiled_before = {name: served.loop.engine.compiled_programs() for name, served, _, _ in running}
         for c in args.concurrency:
@@ -306,7 +336,8 @@ def main(argv=None) -> int:
             "prompts": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "temperature": args.temperature, "slots": slots,
             "configs": {name: {"drafter": d, "policy": pol, "scheduling": about.get(name),
-                               "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES)}
+                               "calibrated": bool(args.calibrated and pol in SCHEDULED_POLICIES),
+                               "start": starts.get(name)}
                         for name, d, pol in configs},
             "kv_pages": args.kv_pages, "prefill_chunk": args.prefill_chunk or None, "peak_pages": peak_pages or None,
             "compiled_while_timed": compiled_while_timed}
