@@ -15,7 +15,7 @@ continuation a lossless engine must have); 4^3 = 64 joint cells over the three r
   with the numpy schedulers and exact rejection-sampling algebra on the model's own q, z
   and p tables, equals the target's law (to 1e-6: float32 tables) for early-stop, static-shape and production;
   the retroactive (argmax over all prefix throughputs) variant's law is 0.024 away in total variation.
-* Monte Carlo: N = 2e5 instances of the compiled engine round (vmapped keys), Pearson
+* Monte Carlo: N = 1e5 instances of the compiled engine round (vmapped keys), Pearson
   chi-square against the target's law at alpha = 1e-4 (df = 63). Power: the noncentrality
   of the retroactive variant, N * sum((p_retro - p)^2 / p) from the enumeration, is asserted
   to give power >= 0.99 at that alpha; the compiled retroactive round must be rejected.
@@ -44,7 +44,7 @@ from tests import broken
 from tests.scheduler import prefix_reference as numpy_ref
 
 V, G, R = 2, 2, 3
-N, CHUNK = 200_000, 50_000
+N, CHUNK = 100_000, 50_000  # the retroactive variant's noncentrality at this N: about 363 (power ~1)
 ALPHA = 1e-4
 PROMPTS = [[0, 1, 1], [1, 0], [1, 1, 0, 1]]
 T1 = SamplingParams(1.0, 0, 1.0)
