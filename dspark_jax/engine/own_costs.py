@@ -65,10 +65,14 @@ class OwnTable:
     seconds: float  # spent measuring (0 when read back)
     first_calls: float = 0.0  # of which the first call of each program (its compile, which serving needs anyway)
 
+    @property
+    def timing_seconds(self) -> float:
+        """The seconds spent timing, beyond the first calls (what the table adds to a start)."""
+        return self.seconds - self.first_calls
+
     def describe(self) -> str:
-        timing = self.seconds - self.first_calls
-        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {timing:.1f} s timing after "
-                f"{self.first_calls:.1f} s in the first call of each program, which compiles it)"
+        what = (f"measured now ({self.repeats} timed sweeps of the buckets, median; {self.timing_seconds:.1f} s "
+                f"timing after {self.first_calls:.1f} s in the first call of each program, which compiles it)"
                 if self.source == "measured" else "read back")
         return f"own cost table {what}: {self.path}"
 
@@ -177,7 +181,7 @@ def own_table(engine, *, repeats: int = DEFAULT_REPEATS, sampling: SamplingParam
                     f"{key['device_kind']}): t_verify(b) = the round landing in bucket b minus "
                     + ("the draft alone" if res["draft_from"] == "timer" else
                        "t_draft, what skipping the draft saves (the round with every slot active and no draft "
-                       "verified minus the round that skips drafting)" if res["draft_from"] == "skip" else "nothing")
+                       "verified minus the round that skips drafting)")
                     + f", median of {repeats} sweeps of the buckets after one untimed call of each program"
                     + (f"; {res['repriced']} repriced (a larger bucket measured cheaper, not in every sweep)"
                        if res["repriced"] else "")

@@ -239,7 +239,7 @@ def start_record(seconds: float, own) -> dict:
     rec = {"seconds": round(seconds, 2), "cost_table": None}
     if own is not None:
         rec["cost_table"] = {"source": own.source, "repeats": own.repeats,
-                             "timing_seconds": round(own.seconds - own.first_calls, 2),
+                             "timing_seconds": round(own.timing_seconds, 2),
                              "first_calls_seconds": round(own.first_calls, 2)}
     return rec
 
