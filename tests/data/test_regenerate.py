@@ -22,12 +22,11 @@ DISTINCT4_FLOOR = 0.6
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(embedded_tiny_dir):
     """The tiny embedded target, built once per cache (see docs/embedded_target.md)."""
-    from dspark_jax.embedded.target import embedded_target_dir
     from dspark_jax.io.hf import load_target
 
-    return load_target(embedded_target_dir(preset="tiny", progress=False))
+    return load_target(embedded_tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ FULL_MATH_MARGIN, FULL_MEAN_MARGIN = 1.0, 0.2
 
 
 @pytest.fixture(scope="module")
-def tiny_dir():
+def tiny_dir(embedded_tiny_dir):
     """The tiny embedded target, built once per cache (see docs/embedded_target.md)."""
-    return E.embedded_target_dir(preset="tiny", progress=False)
+    return embedded_tiny_dir
 
 
 def test_loads_like_a_checkpoint_and_records_provenance(tiny_dir):
