@@ -98,15 +98,22 @@ def _drafts(kind, shape, layers, dparams, out, tokens, anchors):
     return kind.forced_drafts(dparams, shape, _view(out, layers, shape), tokens, anchors)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7))
-def _rates(kind, shape, layers, dparams, out, tokens, anchors, sampling):
+@functools.partial(jax.jit, static_argnums=(1,))
+def _target_probs(logits, sampling):
+    """[B, L, V]: the target's sampling distribution at every position, once per prompt for every
+    drafter and slot (each (anchor, slot) pair reads one of these rows; top-k / top-p sort the
+    vocabulary, so normalising per pair cost about gamma times the work)."""
+    return probs_from_params(logits, sampling)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8))
+def _rates(kind, shape, layers, dparams, out, p_all, tokens, anchors, sampling):
     """[B, A, G]: 1 - TV between the drafter's and the target's sampling distributions per slot."""
     out = _view(out, layers, shape)
     q = probs_from_params(kind.forced_logits(dparams, shape, out, tokens, anchors), sampling)
     rows = anchors[..., None] + jnp.arange(shape.G)  # slot j of anchor p is checked on the target's row p + j
-    p_logits = jnp.take_along_axis(out.logits, rows.reshape(rows.shape[0], -1)[..., None], axis=1)
-    p = probs_from_params(p_logits.reshape(q.shape), sampling)
-    return soft_label(q, p)
+    p = jnp.take_along_axis(p_all, rows.reshape(rows.shape[0], -1)[..., None], axis=1)
+    return soft_label(q, p.reshape(q.shape))
 
 
 def _round_up(n: int) -> int:
@@ -192,8 +199,9 @@ def expected_acceptance(target, drafters: dict, prompts, continuations, sampling
     for r, seq, tok, anc, anchors in _sequences(prompts, continuations, parts):
         m = len(anchors)
         out = _target_pass(graph, tparams, layers, True, tok)
+        p_all = _target_probs(out.logits, sampling)
         for name, (kind, shape, dparams) in parts.items():
-            c = np.asarray(_rates(kind, shape, layers, dparams, out, tok, anc, sampling)[0, :m], np.float64)
+            c = np.asarray(_rates(kind, shape, layers, dparams, out, p_all, tok, anc, sampling)[0, :m], np.float64)
             inside = anchors[:, None] + 1 + np.arange(shape.G)[None] < len(seq)
             whole = inside.all(axis=1)
             acc = np.cumprod(c, axis=1).sum(axis=1)

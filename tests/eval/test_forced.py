@@ -117,6 +117,41 @@ def test_expected_first_slot_acceptance_is_the_engines_rate_at_t1(target):
     assert abs(share - broken) > 4 * se
 
 
+def test_every_slots_rate_is_one_minus_tv_against_the_targets_row(target, prompts, continuations):
+    """Slot j of the block anchored at position a: 1 - TV(q_aj, p_(a+j)), the target's sampling
+    distribution (temperature, top-k, top-p) at row a + j, against a float64 reference that
+    normalises each row on its own (tests/_reference.py); the target's rows one position early or
+    late give other rates here, so a slot read off the wrong row fails."""
+    from dspark_jax.decoding.sampling import SamplingParams, probs_from_params
+    from dspark_jax.eval.forced import _parts, _sequences, expected_acceptance
+    from tests._reference import ref_sampling_probs
+
+    sp = SamplingParams(0.8, 6, 0.9)
+    d = tiny_drafter("dspark", target, gamma=G)
+    requests = expected_acceptance(target, {"d": d}, prompts, continuations, sp)["d"]["requests"]
+    parts = _parts(target, {"d": d}, None, None)[0]
+    kind, shape, dparams = parts["d"]
+    checked, off_by_one = 0, []
+    for (_, seq, tok, anc, anchors), req in zip(_sequences(prompts, continuations, parts), requests):
+        out = target(tok, feature_layers=shape.feature_layers, return_logits=True)
+        q = np.asarray(probs_from_params(kind.forced_logits(dparams, shape, out, tok, anc), sp), np.float64)[0]
+        logits = np.asarray(out.logits, np.float64)[0]
+
+        def rate(a, j, row):
+            p = ref_sampling_probs(logits[row], sp.temperature, sp.top_k, sp.top_p)
+            return float(np.clip(1.0 - 0.5 * np.abs(q[a, j] - p).sum(), 0.0, 1.0))
+
+        for a, pos in enumerate(anchors):
+            for j in range(shape.G):
+                if pos + 1 + j >= len(seq):
+                    assert np.isnan(req["rates"][a, j])
+                    continue
+                assert req["rates"][a, j] == pytest.approx(rate(a, j, pos + j), abs=2e-5), (a, j)
+                off_by_one += [abs(req["rates"][a, j] - rate(a, j, pos + j + k)) for k in (-1, 1)]
+                checked += 1
+    assert checked >= 100 and max(off_by_one) > 0.05
+
+
 def test_one_target_pass_serves_drafters_of_different_feature_layers(prompts):
     """Several drafters at once (the target's features gathered for the union of their layers) give
     each the traces it gets alone."""
