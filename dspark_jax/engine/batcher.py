@@ -106,6 +106,7 @@ class Batcher:
         self.slots: list[Job | None] = [None] * engine.R
         self.state = engine.init_state()
         self.calls = 0
+        self.join_seconds = 0.0  # the joins' wall time so far (their prefills), apart from the rounds'
 
     def reset(self) -> list[Job]:
         """A fresh decode state with every slot free -> the jobs that were running (not ended)."""
@@ -157,13 +158,19 @@ class Batcher:
         return self.engine.reserve(slot, len(job.prompt), job.max_new)
 
     def join(self, taken: list[tuple[int, Job]]) -> None:
-        """Start the admitted jobs in their slots (raises when the engine refuses them)."""
+        """Start the admitted jobs in their slots (raises when the engine refuses them). Waits for
+        the join's work (the prefill): dispatched asynchronously, it would run inside the next
+        round's wall time, and that round's seconds, which the live cost table observes and the
+        metrics report, would carry it (docs/serving.md, the SmolLM2 section)."""
+        t0 = time.perf_counter()
         jobs = [j for _, j in taken]
         self.state, self.control = self.engine.start(
             self.state, self.control, [s for s, _ in taken], [j.prompt for j in jobs],
             np.stack([j.key() for j in jobs]), [j.max_new for j in jobs], [j.sampling for j in jobs],
             [j.stop_ids for j in jobs])
+        jax.block_until_ready(self.state)
         now = time.perf_counter()
+        self.join_seconds += now - t0
         for s, job in taken:
             self.slots[s] = job
             job.started = now

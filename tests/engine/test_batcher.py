@@ -110,3 +110,33 @@ def test_the_head_of_the_queue_waits_for_pages_and_too_large_is_refused(target, 
     huge = Job(prompt=prompts[0], max_new=30, sampling=SAMPLED)
     taken, refused = b.admit(collections.deque([huge]))
     assert not taken and refused and refused[0][0] is huge and "whole pool" in str(refused[0][1])
+
+
+def test_a_join_waits_for_its_work_so_a_round_times_only_itself(engine, prompts, monkeypatch):
+    """The join's prefill is dispatched asynchronously; the batcher waits for it, so the next
+    round's seconds (what the live cost table observes) do not carry it. The engine's join here
+    hands back its state behind a slow program (a chain of 512 x 512 products, values unchanged):
+    without the wait a leaf of the state is still being computed when `join` returns."""
+
+    def chain(y):
+        return jax.lax.fori_loop(0, 200, lambda _, a: jnp.tanh(a @ a) * 0.5, y)
+
+    slow = jax.jit(lambda x, y: x + (jnp.sum(chain(y)) * 0).astype(x.dtype))
+    y = jnp.full((512, 512), 1e-3, jnp.float32)
+    slow(jnp.zeros(3), y).block_until_ready()  # compiled before the join
+    real_start = engine.start
+
+    def start(state, control, *args):
+        state, control = real_start(state, control, *args)
+        leaves, tree = jax.tree.flatten(state)
+        return jax.tree.unflatten(tree, [slow(leaves[0], y), *leaves[1:]]), control
+
+    monkeypatch.setattr(engine, "start", start)
+    b = Batcher(engine, engine.control(SAMPLED))
+    taken, _ = b.admit(collections.deque(_jobs(prompts)[:engine.R]))
+    b.join(taken)
+    arrays = [x for x in jax.tree.leaves(b.state) if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert all(x.is_ready() for x in arrays), "the join returned before its work ended"
+    assert b.join_seconds > 0 and b.calls == 0
+    b.run([])  # the joined jobs run to their ends on the state the join made
+    assert all(j is None for j in b.slots)
