@@ -102,7 +102,7 @@ def _drafts(kind, shape, layers, dparams, out, tokens, anchors):
 def _target_probs(logits, sampling):
     """[B, L, V]: the target's sampling distribution at every position, once per prompt for every
     drafter and slot (each (anchor, slot) pair reads one of these rows; top-k / top-p sort the
-    vocabulary, so normalising per pair cost about gamma times the work)."""
+    vocabulary, so normalising per pair would take about gamma times the work)."""
     return probs_from_params(logits, sampling)
 
 
